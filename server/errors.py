@@ -1,0 +1,55 @@
+"""Typed errors of the core.
+
+The core raises these and nothing else for expected failures; the HTTP layer maps each
+type to a status code in exactly one place (`server/http/errors.py`).
+"""
+
+from __future__ import annotations
+
+
+class BatchlineError(Exception):
+    """Base of every error a client may see; the message is shown to the client as is."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidInput(BatchlineError):
+    """The request is malformed or does not match the model's declared inputs."""
+
+
+class ModelNotFound(BatchlineError):
+    """No model (or no such version of it) is in the repository."""
+
+
+class Unavailable(BatchlineError):
+    """The model exists but cannot serve now: not loaded, not ready, or shutting down."""
+
+
+class QueueFull(BatchlineError):
+    """Admission refused: the model's queue is at its bound."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(BatchlineError):
+    """The request's deadline passed before it could run."""
+
+
+class Cancelled(BatchlineError):
+    """The client went away; the request was dropped before compute."""
+
+
+class EngineError(BatchlineError):
+    """The engine failed while running a batch; only that batch's requests see it."""
+
+
+class ConfigError(BatchlineError):
+    """A model configuration is invalid; the message names file, field and reason."""
+
+
+class Unsupported(BatchlineError):
+    """The request asks for a feature this server does not implement."""
