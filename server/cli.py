@@ -1,0 +1,88 @@
+"""`batchline` command line: serve a model repository."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from server import __version__
+from server.config import ServerSettings
+
+
+def _serve(args: argparse.Namespace) -> int:
+    overrides = {
+        k: v
+        for k, v in {
+            "model_repository": args.model_repository,
+            "host": args.host,
+            "http_port": args.http_port,
+            "log_level": args.log_level,
+            "models": args.model or None,
+        }.items()
+        if v is not None
+    }
+    settings = ServerSettings(**overrides)
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if not settings.model_repository.is_dir():
+        logging.error("model repository %s is not a folder", settings.model_repository)
+        return 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub at run time
+    import uvicorn
+
+    from server.dataplane import DataPlane
+    from server.http.app import create_app
+    from server.repository import ModelRepository
+
+    plane = DataPlane(ModelRepository(settings.model_repository.resolve()))
+    app = create_app(plane, settings.models, settings.max_body_bytes)
+    logging.getLogger(__name__).info(
+        "batchline %s serving %s on http://%s:%d",
+        __version__, settings.model_repository, settings.host, settings.http_port,
+    )
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.http_port,
+        log_level=settings.log_level,
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+        timeout_graceful_shutdown=30,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="batchline", description="KServe v2 inference server.")
+    parser.add_argument("--version", action="version", version=f"batchline {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model repository over HTTP",
+        description="Serve a model repository over KServe v2 HTTP. Every flag can also be set "
+        "by an environment variable BATCHLINE_<NAME> (e.g. BATCHLINE_HTTP_PORT); flags win.",
+    )
+    serve.add_argument("--model-repository", help="folder of models (default: models)")
+    serve.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--http-port", type=int, help="HTTP port (default: 8000)")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default: info")
+    serve.add_argument(
+        "--model", action="append", metavar="NAME", help="load only this model at start (repeatable)"
+    )
+    serve.set_defaults(handler=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""Server settings (flags and environment) and the model-configuration schema.
+
+A model is described by `models/<name>/config.yaml`; the schema keeps Triton's names and meanings
+(max_batch_size, dynamic_batching, instance_group, version_policy) so a Triton user feels at home.
+Every config is validated here, and a bad one is reported with its file, field and reason.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from server.errors import ConfigError
+from server.protocol.datatypes import DATATYPES
+
+CONFIG_FILENAME = "config.yaml"
+
+EngineName = Literal["onnxruntime", "torch"]
+Precision = Literal["fp32", "fp16", "bf16", "int8"]
+DeviceKind = Literal["CPU", "GPU"]
+
+
+class ServerSettings(BaseSettings):
+    """Process-wide settings; every field is also read from `BATCHLINE_<FIELD>`."""
+
+    model_config = SettingsConfigDict(env_prefix="BATCHLINE_", extra="ignore")
+
+    model_repository: Path = Path("models")
+    host: str = "127.0.0.1"
+    http_port: int = Field(default=8000, ge=0, le=65535)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    models: list[str] | None = Field(
+        default=None, description="Load only these models at start (default: every model)."
+    )
+    max_body_bytes: int = Field(default=64 << 20, gt=0, description="Largest request body accepted.")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TensorConfig(_Strict):
+    """One input or output. `dims` excludes the batch dimension; -1 marks a variable dim."""
+
+    name: str = Field(min_length=1)
+    datatype: str
+    dims: list[int]
+    engine_name: str | None = Field(
+        default=None, description="The tensor's name inside the engine, when it differs."
+    )
+
+    @field_validator("datatype")
+    @classmethod
+    def _known_datatype(cls, value: str) -> str:
+        if value not in DATATYPES:
+            raise ValueError(f"unknown datatype {value!r}; expected one of {', '.join(DATATYPES)}")
+        return value
+
+    @field_validator("dims")
+    @classmethod
+    def _valid_dims(cls, value: list[int]) -> list[int]:
+        if any(d == 0 or d < -1 for d in value):
+            raise ValueError(f"dims must be positive or -1 (variable), got {value}")
+        return value
+
+    @property
+    def source_name(self) -> str:
+        """The name the engine knows this tensor by."""
+        return self.engine_name or self.name
+
+
+class DynamicBatching(_Strict):
+    """Triton's dynamic_batching block."""
+
+    max_queue_delay_microseconds: int = Field(default=0, ge=0)
+    preferred_batch_size: list[Annotated[int, Field(gt=0)]] = Field(default_factory=list)
+    preserve_ordering: bool = False
+
+
+class InstanceGroup(_Strict):
+    """N copies of the model on a device kind; each copy runs its own batches."""
+
+    count: int = Field(default=1, ge=1, le=64)
+    kind: DeviceKind = "CPU"
+    gpus: list[Annotated[int, Field(ge=0)]] | None = None
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _accept_triton_kind(cls, value: object) -> object:
+        if isinstance(value, str) and value.upper().startswith("KIND_"):
+            return value.upper().removeprefix("KIND_")
+        return value.upper() if isinstance(value, str) else value
+
+
+class LatestVersions(_Strict):
+    num_versions: int = Field(default=1, ge=1)
+
+
+class SpecificVersions(_Strict):
+    versions: list[Annotated[int, Field(ge=1)]] = Field(min_length=1)
+
+
+class VersionPolicy(_Strict):
+    """Which version folders are served: the latest N (default 1), all, or a specific list."""
+
+    latest: LatestVersions | None = None
+    all: dict[str, object] | None = None
+    specific: SpecificVersions | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> VersionPolicy:
+        chosen = [k for k in ("latest", "all", "specific") if getattr(self, k) is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"choose one of latest, all, specific; got {', '.join(chosen)}")
+        return self
+
+    def select(self, available: list[int]) -> list[int]:
+        """The versions to serve out of those present on disk, ascending."""
+        ordered = sorted(available)
+        if self.all is not None:
+            return ordered
+        if self.specific is not None:
+            return [v for v in ordered if v in self.specific.versions]
+        count = self.latest.num_versions if self.latest is not None else 1
+        return ordered[-count:]
+
+
+class Tokenize(_Strict):
+    """Pre-processing for text models: UTF-8 strings in, token tensors out (batched).
+
+    The tokenizer runs on the worker thread over the whole batch, padded to its longest entry.
+    """
+
+    input: str = Field(description="The BYTES input holding the text, one string per item.")
+    tokenizer: str = Field(default="tokenizer.json", description="File in the version folder.")
+    max_length: int = Field(default=512, gt=0)
+    input_ids: str = "input_ids"
+    attention_mask: str | None = "attention_mask"
+    token_type_ids: str | None = "token_type_ids"
+
+
+class Preprocess(_Strict):
+    tokenize: Tokenize | None = None
+
+
+class Warmup(_Strict):
+    """Synthetic batches run before the model reports ready."""
+
+    enabled: bool = True
+    batch_sizes: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1])
+    text: str = "Batchline warms up this model before it serves."
+
+
+class OnnxRuntimeOptions(_Strict):
+    execution_providers: list[str] = Field(default_factory=lambda: ["CPUExecutionProvider"])
+    intra_op_num_threads: int = Field(default=0, ge=0)
+    inter_op_num_threads: int = Field(default=0, ge=0)
+    graph_optimization_level: Literal["disable", "basic", "extended", "all"] = "all"
+
+
+class TorchOptions(_Strict):
+    num_threads: int = Field(default=0, ge=0)
+
+
+class ModelConfig(_Strict):
+    """The schema of `models/<name>/config.yaml`."""
+
+    name: str = Field(min_length=1)
+    engine: EngineName
+    precision: Precision = "fp32"
+    model_filename: str | None = Field(
+        default=None, description="Artifact in each version folder (default per engine)."
+    )
+    max_batch_size: int = Field(default=0, ge=0)
+    inputs: list[TensorConfig] = Field(min_length=1)
+    outputs: list[TensorConfig] = Field(min_length=1)
+    dynamic_batching: DynamicBatching | None = None
+    instance_group: list[InstanceGroup] = Field(default_factory=lambda: [InstanceGroup()])
+    version_policy: VersionPolicy = Field(default_factory=VersionPolicy)
+    warmup: Warmup = Field(default_factory=Warmup)
+    preprocess: Preprocess | None = None
+    onnxruntime: OnnxRuntimeOptions = Field(default_factory=OnnxRuntimeOptions)
+    torch: TorchOptions = Field(default_factory=TorchOptions)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelConfig:
+        for kind, tensors in (("inputs", self.inputs), ("outputs", self.outputs)):
+            names = [t.name for t in tensors]
+            duplicates = sorted({n for n in names if names.count(n) > 1})
+            if duplicates:
+                raise ValueError(f"{kind}: duplicate tensor names {duplicates}")
+        if self.preprocess and self.preprocess.tokenize:
+            tokenize = self.preprocess.tokenize
+            source = next((t for t in self.inputs if t.name == tokenize.input), None)
+            if source is None or source.datatype != "BYTES":
+                raise ValueError(f"preprocess.tokenize.input {tokenize.input!r} must be a BYTES input")
+        if self.max_batch_size == 0 and self.dynamic_batching is not None:
+            raise ValueError("dynamic_batching needs max_batch_size > 0")
+        for size in self.dynamic_batching.preferred_batch_size if self.dynamic_batching else []:
+            if size > self.max_batch_size:
+                raise ValueError(f"preferred_batch_size {size} exceeds max_batch_size {self.max_batch_size}")
+        if self.max_batch_size and any(b > self.max_batch_size for b in self.warmup.batch_sizes):
+            raise ValueError(f"warmup.batch_sizes exceed max_batch_size {self.max_batch_size}")
+        return self
+
+    @property
+    def batched(self) -> bool:
+        return self.max_batch_size > 0
+
+    def input(self, name: str) -> TensorConfig | None:
+        return next((t for t in self.inputs if t.name == name), None)
+
+    def output(self, name: str) -> TensorConfig | None:
+        return next((t for t in self.outputs if t.name == name), None)
+
+    def api_shape(self, tensor: TensorConfig) -> list[int]:
+        """The shape clients see: the batch dim (-1) first when the model batches."""
+        return ([-1] if self.batched else []) + list(tensor.dims)
+
+
+def element_count(shape: list[int]) -> int:
+    return math.prod(shape)
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    """Read and validate one config file; errors name the file, the field and the reason."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    raw.setdefault("name", path.parent.name)
+    try:
+        config = ModelConfig.model_validate(raw)
+    except ValidationError as exc:
+        reasons = "; ".join(
+            f"field '{'.'.join(str(p) for p in err['loc']) or '(top level)'}': {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"{path}: {reasons}") from exc
+    if config.name != path.parent.name:
+        raise ConfigError(
+            f"{path}: field 'name': {config.name!r} differs from its folder {path.parent.name!r}"
+        )
+    return config

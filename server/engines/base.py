@@ -1,0 +1,54 @@
+"""The one small interface every engine implements.
+
+An engine knows its artifact and its device, nothing else: no HTTP, no queues, no metrics.
+Tensors cross this boundary as numpy arrays keyed by the engine's own tensor names.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from server.config import ModelConfig
+from server.devices import Device
+
+
+@dataclass(frozen=True)
+class EngineDescription:
+    """What the engine really runs on, as verified after loading (logged and shown in stats)."""
+
+    engine: str
+    device: str
+    precision: str
+    providers: list[str] = field(default_factory=list)
+    artifact: str = ""
+
+
+class Engine(ABC):
+    """Loads an artifact at construction; a failed load raises `EngineError` with the reason."""
+
+    @abstractmethod
+    def __init__(self, config: ModelConfig, version_dir: Path, device: Device) -> None: ...
+
+    @abstractmethod
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one batch; called from the instance's own thread, so it may block and should
+        release the GIL while computing."""
+
+    @abstractmethod
+    def describe(self) -> EngineDescription: ...
+
+    def close(self) -> None:
+        """Free the engine's resources; the default relies on garbage collection."""
+
+
+def artifact_path(config: ModelConfig, version_dir: Path, default_filename: str) -> Path:
+    from server.errors import EngineError
+
+    path = version_dir / (config.model_filename or default_filename)
+    if not path.is_file():
+        raise EngineError(f"model artifact {path} is missing (was the model built?)")
+    return path

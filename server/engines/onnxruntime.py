@@ -1,0 +1,104 @@
+"""ONNX Runtime engine: CPU, CUDA or TensorRT execution providers, verified after loading.
+
+`onnxruntime-gpu` lists CUDA as *available* on machines without a GPU and then silently runs on
+the CPU, so the providers that took are read back from the session and checked against the ask.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from server.config import ModelConfig
+from server.engines.base import Engine, EngineDescription, artifact_path
+from server.errors import EngineError
+from server.devices import Device
+
+_OPTIMIZATION_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+_GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+
+
+def requested_providers(config: ModelConfig, device: Device) -> list[str | tuple[str, dict]]:
+    """The provider list for a session on `device`, GPU providers pinned to its index."""
+    names = list(config.onnxruntime.execution_providers)
+    if device.kind == "GPU":
+        if not any(n in _GPU_PROVIDERS for n in names):
+            names = ["CUDAExecutionProvider", *names]
+    else:
+        names = [n for n in names if n not in _GPU_PROVIDERS] or ["CPUExecutionProvider"]
+    if "CPUExecutionProvider" not in names:
+        names.append("CPUExecutionProvider")
+    return [
+        (n, {"device_id": device.index}) if n in _GPU_PROVIDERS else n for n in names
+    ]
+
+
+def check_providers(requested: list[str | tuple[str, dict]], taken: list[str]) -> None:
+    """Refuse a session that fell back to the CPU when an accelerator was asked for."""
+    first = requested[0] if isinstance(requested[0], str) else requested[0][0]
+    if first not in taken:
+        raise EngineError(
+            f"ONNX Runtime was asked for {first} but the session runs on {', '.join(taken)}"
+            " (is a GPU present and onnxruntime-gpu installed?)"
+        )
+
+
+class OnnxRuntimeEngine(Engine):
+    def __init__(self, config: ModelConfig, version_dir: Path, device: Device) -> None:
+        self._path = artifact_path(config, version_dir, "model.onnx")
+        self._precision = config.precision
+        self._device = device
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = config.onnxruntime.intra_op_num_threads
+        options.inter_op_num_threads = config.onnxruntime.inter_op_num_threads
+        options.graph_optimization_level = _OPTIMIZATION_LEVELS[config.onnxruntime.graph_optimization_level]
+        providers = requested_providers(config, device)
+        try:
+            self._session = ort.InferenceSession(str(self._path), options, providers=providers)
+        except Exception as exc:  # ORT raises its own untyped errors (Fail, InvalidGraph, ...)
+            raise EngineError(f"ONNX Runtime cannot load {self._path}: {exc}") from exc
+        self._providers = list(self._session.get_providers())
+        check_providers(providers, self._providers)
+        self._input_names = {i.name for i in self._session.get_inputs()}
+        self._output_names = [o.name for o in self._session.get_outputs()]
+        self._check_tensors(config)
+
+    def _check_tensors(self, config: ModelConfig) -> None:
+        expected = {t.source_name for t in config.inputs}
+        if config.preprocess and config.preprocess.tokenize:
+            tok = config.preprocess.tokenize
+            expected.discard(config.input(tok.input).source_name)
+            expected |= {n for n in (tok.input_ids, tok.attention_mask, tok.token_type_ids) if n}
+        if expected != self._input_names:
+            raise EngineError(
+                f"{self._path.name} takes inputs {sorted(self._input_names)},"
+                f" but the config feeds {sorted(expected)}"
+            )
+        missing = [t.source_name for t in config.outputs if t.source_name not in self._output_names]
+        if missing:
+            raise EngineError(
+                f"{self._path.name} has no outputs {missing}; it has {self._output_names}"
+            )
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        try:
+            results = self._session.run(self._output_names, inputs)
+        except Exception as exc:
+            raise EngineError(f"ONNX Runtime failed: {exc}") from exc
+        return dict(zip(self._output_names, results))
+
+    def describe(self) -> EngineDescription:
+        return EngineDescription(
+            engine="onnxruntime",
+            device=str(self._device),
+            precision=self._precision,
+            providers=self._providers,
+            artifact=str(self._path),
+        )

@@ -1,0 +1,73 @@
+"""PyTorch engine: programs saved with `torch.export`, run eagerly under inference mode.
+
+Only `torch.export` archives are loaded, never pickles, so a model file cannot run code on load.
+Inputs map to the program's positional arguments in config order, outputs likewise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from server.config import ModelConfig
+from server.engines.base import Engine, EngineDescription, artifact_path
+from server.errors import EngineError
+from server.devices import Device
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class TorchEngine(Engine):
+    def __init__(self, config: ModelConfig, version_dir: Path, device: Device) -> None:
+        if config.precision not in _DTYPES:
+            raise EngineError(f"the torch engine serves fp32, fp16 or bf16, not {config.precision}")
+        if device.kind == "GPU" and not torch.cuda.is_available():
+            raise EngineError("the torch engine was placed on a GPU, but torch sees no CUDA device")
+        self._path = artifact_path(config, version_dir, "model.pt2")
+        self._device = torch.device(str(device))
+        self._dtype = _DTYPES[config.precision]
+        self._precision = config.precision
+        if config.torch.num_threads:
+            torch.set_num_threads(config.torch.num_threads)
+        try:
+            program = torch.export.load(str(self._path))
+        except Exception as exc:  # torch raises many types for a bad archive
+            raise EngineError(f"torch cannot load {self._path}: {exc}") from exc
+        self._module = program.module().to(self._device)
+        if self._dtype != torch.float32:
+            self._module = self._module.to(self._dtype)
+        self._input_names = [t.source_name for t in config.inputs]
+        self._output_names = [t.source_name for t in config.outputs]
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        if not array.flags.writeable:  # torch wants writable memory; request buffers are not
+            array = array.copy()
+        tensor = torch.from_numpy(array).to(self._device)
+        return tensor.to(self._dtype) if tensor.is_floating_point() else tensor
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        try:
+            with torch.inference_mode():
+                result = self._module(*(self._tensor(inputs[n]) for n in self._input_names))
+        except Exception as exc:
+            raise EngineError(f"torch failed: {exc}") from exc
+        results = result if isinstance(result, (tuple, list)) else (result,)
+        if len(results) != len(self._output_names):
+            raise EngineError(
+                f"the program returned {len(results)} outputs, the config declares {len(self._output_names)}"
+            )
+        return {
+            name: (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t).cpu().numpy()
+            for name, t in zip(self._output_names, results)
+        }
+
+    def describe(self) -> EngineDescription:
+        return EngineDescription(
+            engine="torch",
+            device=str(self._device),
+            precision=self._precision,
+            providers=[f"torch {torch.__version__}"],
+            artifact=str(self._path),
+        )

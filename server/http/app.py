@@ -1,0 +1,222 @@
+"""KServe v2 routes over HTTP. Thin: read bytes and headers, call the data plane, answer.
+
+The infer route reads the raw body (no pydantic on the hot path); the control-plane routes
+are ordinary FastAPI routes, documented at /docs.
+"""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response
+
+from server import __version__
+from server.dataplane import DataPlane
+from server.errors import InvalidInput
+from server.http.errors import error_response, install_error_handlers
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+_EMPTY_JSON = b"{}"
+
+_INFER_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["inputs"],
+                    "properties": {
+                        "id": {"type": "string"},
+                        "parameters": {"type": "object"},
+                        "inputs": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["name", "shape", "datatype"],
+                                "properties": {
+                                    "name": {"type": "string"},
+                                    "shape": {"type": "array", "items": {"type": "integer"}},
+                                    "datatype": {"type": "string"},
+                                    "parameters": {"type": "object"},
+                                    "data": {},
+                                },
+                            },
+                        },
+                        "outputs": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "properties": {"name": {"type": "string"}, "parameters": {"type": "object"}},
+                            },
+                        },
+                    },
+                },
+                "example": {
+                    "inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": ["hello"]}]
+                },
+            },
+            "application/octet-stream": {
+                "schema": {"type": "string", "format": "binary"},
+                "description": "Triton binary tensor extension: JSON header of "
+                "Inference-Header-Content-Length bytes, then the tensors' bytes.",
+            },
+        },
+    }
+}
+
+
+def _json(document: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(document), status_code=status, media_type="application/json")
+
+
+def _status_only(ok: bool, what: str) -> Response:
+    if ok:
+        return Response(_EMPTY_JSON, media_type="application/json")
+    return error_response(503, f"{what} is not ready")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _TooLarge(limit)
+    body = await request.body()
+    encoding = request.headers.get("content-encoding", "identity").lower()
+    try:
+        if encoding == "gzip":
+            body = gzip.decompress(body)
+        elif encoding == "deflate":
+            body = zlib.decompress(body)
+        elif encoding != "identity":
+            raise InvalidInput(f"unsupported Content-Encoding {encoding!r}; use gzip or deflate")
+    except (OSError, zlib.error, EOFError) as exc:
+        raise InvalidInput(f"the body is not valid {encoding}: {exc}") from exc
+    if len(body) > limit:
+        raise _TooLarge(limit)
+    return body
+
+
+class _TooLarge(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the request body exceeds the limit of {limit} bytes")
+
+
+def _header_length(request: Request) -> int | None:
+    raw = request.headers.get(HEADER_LENGTH)
+    if raw is None:
+        return None
+    if not raw.strip().isdigit():
+        raise InvalidInput(f"{HEADER_LENGTH} must be a non-negative integer, got {raw!r}")
+    return int(raw)
+
+
+def create_app(plane: DataPlane, models: list[str] | None = None, max_body_bytes: int = 64 << 20) -> FastAPI:
+    """The ASGI app; models load in the background once it starts."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        plane.start(models)
+        yield
+        await plane.stop()
+
+    app = FastAPI(
+        title="Batchline",
+        version=__version__,
+        summary="KServe v2 inference server with dynamic batching",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+
+    async def on_too_large(_: Request, exc: Exception) -> Response:
+        return error_response(413, str(exc))
+
+    app.add_exception_handler(_TooLarge, on_too_large)
+    v2 = APIRouter(prefix="/v2", tags=["KServe v2"])
+
+    @v2.get("", summary="Server metadata")
+    async def server_metadata() -> Response:
+        return _json(plane.server_metadata())
+
+    @v2.get("/health/live", summary="Liveness")
+    async def live() -> Response:
+        return _status_only(True, "server")
+
+    @v2.get("/health/ready", summary="Readiness: every model asked for is loaded and ready")
+    async def ready() -> Response:
+        return _status_only(plane.server_ready(), "server")
+
+    @v2.get("/models/stats", summary="Statistics of every ready model", tags=["statistics"])
+    async def all_stats() -> Response:
+        return _json(plane.statistics(None, None))
+
+    @v2.get("/models/{model}", summary="Model metadata")
+    @v2.get("/models/{model}/versions/{version}", summary="Model version metadata")
+    async def model_metadata(model: str, version: str | None = None) -> Response:
+        return _json(plane.model_metadata(model, version))
+
+    @v2.get("/models/{model}/ready", summary="Model readiness")
+    @v2.get("/models/{model}/versions/{version}/ready", summary="Model version readiness")
+    async def model_ready(model: str, version: str | None = None) -> Response:
+        return _status_only(plane.model_ready(model, version), f"model '{model}'")
+
+    @v2.get("/models/{model}/config", summary="Model configuration (Triton's JSON)")
+    @v2.get("/models/{model}/versions/{version}/config", summary="Model version configuration")
+    async def model_config(model: str, version: str | None = None) -> Response:
+        return _json(plane.model_config(model, version))
+
+    @v2.get("/models/{model}/stats", summary="Model statistics", tags=["statistics"])
+    @v2.get("/models/{model}/versions/{version}/stats", summary="Model version statistics", tags=["statistics"])
+    async def model_stats(model: str, version: str | None = None) -> Response:
+        return _json(plane.statistics(model, version))
+
+    @v2.post("/models/{model}/infer", summary="Inference", openapi_extra=_INFER_BODY)
+    @v2.post("/models/{model}/versions/{version}/infer", summary="Inference on a version", openapi_extra=_INFER_BODY)
+    async def infer(request: Request, model: str, version: str | None = None) -> Response:
+        body = await _read_body(request, max_body_bytes)
+        content, header_length = await plane.infer(model, version, body, _header_length(request))
+        if header_length is None:
+            return Response(content, media_type="application/json")
+        return Response(
+            content,
+            media_type="application/octet-stream",
+            headers={HEADER_LENGTH: str(header_length)},
+        )
+
+    @v2.post("/repository/index", summary="Models in the repository and their state", tags=["repository"])
+    async def repository_index(request: Request) -> Response:
+        options = await _json_object(request)
+        return _json(plane.repository_index(bool(options.get("ready", False))))
+
+    @v2.post("/repository/models/{model}/load", summary="Load or reload a model", tags=["repository"])
+    async def load(request: Request, model: str) -> Response:
+        options = await _json_object(request)
+        await plane.load(model, options.get("parameters") or {})
+        return _json({})
+
+    @v2.post("/repository/models/{model}/unload", summary="Unload a model", tags=["repository"])
+    async def unload(model: str) -> Response:
+        await plane.unload(model)
+        return _json({})
+
+    app.include_router(v2)
+    return app
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    body = await request.body()
+    if not body.strip():
+        return {}
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(document, dict):
+        raise InvalidInput("the request body must be a JSON object")
+    return document
+

@@ -1,0 +1,50 @@
+"""A model config rendered as Triton's model-configuration JSON (GET /v2/models/{m}/config),
+for the fields that exist in both, so Triton tooling reads it unchanged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from server.config import ModelConfig, TensorConfig
+
+_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch"}
+
+
+def triton_data_type(datatype: str) -> str:
+    return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
+
+
+def _tensor(tensor: TensorConfig) -> dict[str, Any]:
+    return {"name": tensor.name, "data_type": triton_data_type(tensor.datatype), "dims": tensor.dims}
+
+
+def triton_model_config(config: ModelConfig) -> dict[str, Any]:
+    policy = config.version_policy
+    if policy.all is not None:
+        version_policy: dict[str, Any] = {"all": {}}
+    elif policy.specific is not None:
+        version_policy = {"specific": {"versions": policy.specific.versions}}
+    else:
+        version_policy = {"latest": {"num_versions": policy.latest.num_versions if policy.latest else 1}}
+    document: dict[str, Any] = {
+        "name": config.name,
+        "platform": _PLATFORMS[config.engine],
+        "backend": config.engine,
+        "max_batch_size": config.max_batch_size,
+        "input": [_tensor(t) for t in config.inputs],
+        "output": [_tensor(t) for t in config.outputs],
+        "instance_group": [
+            {
+                "name": f"{config.name}_{i}",
+                "kind": f"KIND_{g.kind}",
+                "count": g.count,
+                "gpus": g.gpus or [],
+            }
+            for i, g in enumerate(config.instance_group)
+        ],
+        "version_policy": version_policy,
+        "parameters": {"precision": {"string_value": config.precision}},
+    }
+    if config.dynamic_batching is not None:
+        document["dynamic_batching"] = config.dynamic_batching.model_dump()
+    return document

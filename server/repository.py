@@ -1,0 +1,155 @@
+"""The model repository: discovers models on disk, loads and unloads them, answers readiness.
+
+`<root>/<name>/config.yaml` plus numeric version folders; the config's version_policy picks
+which versions serve. Loading one model never blocks or breaks another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from server.config import CONFIG_FILENAME, ModelConfig, load_model_config
+from server.errors import ConfigError, InvalidInput, ModelNotFound, Unavailable
+from server.model import ModelState, ModelVersion
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class IndexEntry:
+    name: str
+    version: str
+    state: str
+    reason: str
+
+    def as_dict(self) -> dict[str, str]:
+        entry = {"name": self.name, "state": self.state, "reason": self.reason}
+        if self.version:
+            entry["version"] = self.version
+        return entry
+
+
+class ModelRepository:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._versions: dict[str, dict[int, ModelVersion]] = {}
+        self._failures: dict[str, str] = {}  # model name -> why it could not be loaded at all
+        self._unloaded: set[str] = set()  # explicitly unloaded, shown as such in the index
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def names_on_disk(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if (p / CONFIG_FILENAME).is_file())
+
+    def _model_dir(self, name: str) -> Path:
+        path = self.root / name
+        if "/" in name or name in ("", ".", "..") or not (path / CONFIG_FILENAME).is_file():
+            raise ModelNotFound(f"model '{name}' is not in the repository")
+        return path
+
+    async def load_all(self, names: list[str] | None = None) -> None:
+        """Load the named models (default: all on disk) concurrently; failures are recorded."""
+        chosen = names if names is not None else self.names_on_disk()
+        results = await asyncio.gather(*(self.load(n) for n in chosen), return_exceptions=True)
+        for name, result in zip(chosen, results):
+            if isinstance(result, Exception):
+                logger.error("model %s was not loaded: %s", name, result)
+
+    async def load(self, name: str) -> None:
+        """(Re)load a model: new versions are loaded before the old ones are unloaded."""
+        path = self._model_dir(name)
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            try:
+                config = load_model_config(path / CONFIG_FILENAME)
+                selected = config.version_policy.select(_versions_on_disk(path))
+                if not selected:
+                    raise ConfigError(f"{path}: no version folder (e.g. {path}/1) to serve")
+            except ConfigError as exc:
+                self._failures[name] = exc.message
+                logger.error("model %s: %s", name, exc.message)
+                raise InvalidInput(f"failed to load '{name}': {exc.message}") from exc
+            self._failures.pop(name, None)
+            self._unloaded.discard(name)
+            fresh = {v: ModelVersion(config, v, path / str(v)) for v in selected}
+            await asyncio.gather(*(m.load() for m in fresh.values()))
+            old = self._versions.get(name, {})
+            self._versions[name] = fresh
+            await asyncio.gather(*(m.unload() for m in old.values()))
+            failed = [m for m in fresh.values() if not m.ready]
+            if failed and len(failed) == len(fresh):
+                raise Unavailable(f"failed to load '{name}': {failed[0].reason}")
+
+    async def unload(self, name: str) -> None:
+        self._model_dir(name)
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            versions = self._versions.pop(name, {})
+            self._failures.pop(name, None)
+            await asyncio.gather(*(m.unload() for m in versions.values()))
+            self._unloaded.add(name)
+
+    async def unload_all(self) -> None:
+        await asyncio.gather(*(self.unload(n) for n in list(self._versions)))
+
+    def get(self, name: str, version: str | None = None) -> ModelVersion:
+        """The version to serve: the one named, or the highest ready one."""
+        versions = self._versions.get(name)
+        if versions is None:
+            self._model_dir(name)  # ModelNotFound when not on disk at all
+            raise Unavailable(f"model '{name}' is not loaded")
+        if version:
+            if not version.isdigit() or int(version) not in versions:
+                raise ModelNotFound(f"model '{name}' has no version '{version}'")
+            chosen = versions[int(version)]
+            if not chosen.ready:
+                raise Unavailable(f"model '{name}' version {version} is not ready: {chosen.reason}")
+            return chosen
+        ready = [m for v, m in sorted(versions.items()) if m.ready]
+        if not ready:
+            reasons = "; ".join(m.reason for m in versions.values() if m.reason)
+            raise Unavailable(f"model '{name}' is not ready" + (f": {reasons}" if reasons else ""))
+        return ready[-1]
+
+    def versions(self, name: str) -> list[ModelVersion]:
+        return [m for _, m in sorted(self._versions.get(name, {}).items())]
+
+    def config(self, name: str) -> ModelConfig:
+        """The served config, or the one on disk when the model is not loaded."""
+        loaded = self.versions(name)
+        if loaded:
+            return loaded[-1].config
+        return load_model_config(self._model_dir(name) / CONFIG_FILENAME)
+
+    def loaded(self) -> list[ModelVersion]:
+        return [m for name in sorted(self._versions) for m in self.versions(name)]
+
+    def all_ready(self) -> bool:
+        """Strict readiness, as Triton: every model asked for is loaded and ready."""
+        if self._failures:
+            return False
+        return all(any(m.ready for m in vs.values()) for vs in self._versions.values())
+
+    def index(self) -> list[IndexEntry]:
+        entries = []
+        for name in self.names_on_disk():
+            if name in self._failures:
+                entries.append(IndexEntry(name, "", "UNAVAILABLE", self._failures[name]))
+            elif name in self._versions:
+                entries.extend(
+                    IndexEntry(name, str(m.version), m.state.value, m.reason)
+                    for m in self.versions(name)
+                )
+            else:
+                unloaded = name in self._unloaded
+                entries.append(IndexEntry(name, "", "UNAVAILABLE" if unloaded else "", "unloaded" if unloaded else ""))
+        return entries
+
+
+def _versions_on_disk(path: Path) -> list[int]:
+    return sorted(int(p.name) for p in path.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) > 0)
+
+
+__all__ = ["IndexEntry", "ModelRepository", "ModelState"]

@@ -1,0 +1,1 @@
+"""Admission and dynamic batching: which requests run together, and when."""

@@ -1,0 +1,1 @@
+"""Model instances and the pool that runs batches on them."""
