@@ -1,0 +1,102 @@
+"""Integration fixtures: the real server, started as a process on loopback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "models"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(repository: Path, *extra: str, wait_ready: bool = True) -> Iterator[str]:
+    """Start `batchline serve` on a free loopback port; yield its base URL; stop it."""
+    port = free_port()
+    log = open(repository.parent / f"server-{port}.log", "w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "serve", "--model-repository", str(repository),
+         "--host", "127.0.0.1", "--http-port", str(port), *extra],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(url, process, log, "/v2/health/ready" if wait_ready else "/v2/health/live")
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def _wait(url: str, process: subprocess.Popen, log, path: str, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log.read()}")
+        try:
+            if httpx.get(url + path, timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    log.seek(0)
+    raise RuntimeError(f"server not up on {url}{path} after {timeout_s}s:\n{log.read()}")
+
+
+def _require_built_models() -> None:
+    missing = [p for p in (MODELS / "minilm/1/model.onnx", MODELS / "digits/1/model.pt2") if not p.is_file()]
+    if missing:
+        pytest.fail(f"models are not built ({missing}); run `make models` (make test does it)")
+
+
+@pytest.fixture(scope="session")
+def server_url() -> Iterator[str]:
+    """The default repository, served as `make serve` would."""
+    _require_built_models()
+    with running_server(MODELS) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def host(server_url: str) -> str:
+    """host:port, as tritonclient wants it."""
+    return server_url.removeprefix("http://")
+
+
+@pytest.fixture(scope="module")
+def scratch_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A repository of its own: a copy of digits, a model whose artifact is missing, and a
+    model whose config is invalid, to test loading, unloading and failures."""
+    _require_built_models()
+    root = tmp_path_factory.mktemp("repo") / "models"
+    shutil.copytree(MODELS / "digits", root / "digits", ignore=shutil.ignore_patterns("build.py"))
+    broken = root / "broken"
+    (broken / "1").mkdir(parents=True)
+    (broken / "config.yaml").write_text((MODELS / "digits/config.yaml").read_text().replace("name: digits", "name: broken"))
+    bad = root / "badconfig"
+    (bad / "1").mkdir(parents=True)
+    (bad / "config.yaml").write_text("name: badconfig\nengine: onnxruntime\nmax_batch_size: many\n"
+                                     "inputs: [{name: x, datatype: FP32, dims: [1]}]\n"
+                                     "outputs: [{name: y, datatype: FP32, dims: [1]}]\n")
+    return root
