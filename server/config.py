@@ -87,7 +87,7 @@ class InstanceGroup(_Strict):
 
     count: int = Field(default=1, ge=1, le=64)
     kind: DeviceKind = "CPU"
-    gpus: list[Annotated[int, Field(ge=0)]] | None = None
+    gpus: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
 
     @field_validator("kind", mode="before")
     @classmethod
@@ -230,9 +230,11 @@ def element_count(shape: list[int]) -> int:
 def load_model_config(path: Path) -> ModelConfig:
     """Read and validate one config file; errors name the file, the field and the reason."""
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text: {exc}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):

@@ -120,12 +120,15 @@ def json_tensor(data: object, datatype: str, shape: list[int], name: str) -> np.
             array = np.asarray(data)
         except ValueError as exc:  # ragged nesting
             raise InvalidInput(f"input '{name}': data is not a regular array: {exc}") from exc
-        array = _cast(array.reshape(-1), dtype, datatype, name)
+        array = _cast(array.reshape(-1), dtype, datatype, name, data)
     if array.size != expected:
         raise InvalidInput(
             f"input '{name}': shape {shape} needs {expected} elements, data has {array.size}"
         )
-    return array.reshape(shape)
+    try:
+        return array.reshape(shape)
+    except ValueError as exc:  # e.g. [0, 2**63]: zero elements, but no such array
+        raise InvalidInput(f"input '{name}': shape {shape} is not a valid array shape") from exc
 
 
 def _flatten(data: list[Any]) -> list[Any]:
@@ -137,23 +140,33 @@ def _flatten(data: list[Any]) -> list[Any]:
     return flat
 
 
-def _cast(array: np.ndarray, dtype: np.dtype, datatype: str, name: str) -> np.ndarray:
+def _cast(array: np.ndarray, dtype: np.dtype, datatype: str, name: str, data: list[Any]) -> np.ndarray:
     kind = array.dtype.kind
     if array.size == 0:
         return array.astype(dtype)
-    if kind not in "biuf":
-        raise InvalidInput(f"input '{name}': {datatype} data must be numbers")
     if datatype == "BOOL":
         if kind != "b":
             raise InvalidInput(f"input '{name}': BOOL data must be true or false")
         return array
     if dtype.kind in "iu":
-        if kind == "f":
-            raise InvalidInput(f"input '{name}': {datatype} data must be integers")
+        if kind not in "iu":  # floats, or ints past int64 that numpy widened to float/object
+            return _exact_integers(_flatten(data), dtype, datatype, name)
         info = np.iinfo(dtype)
         if array.min() < info.min or array.max() > info.max:
             raise InvalidInput(f"input '{name}': a value is out of range for {datatype}")
+    elif kind not in "iuf":
+        raise InvalidInput(f"input '{name}': {datatype} data must be numbers")
     return array.astype(dtype)
+
+
+def _exact_integers(flat: list[Any], dtype: np.dtype, datatype: str, name: str) -> np.ndarray:
+    """The slow, exact path: every value a Python int within the type's range."""
+    if not all(type(x) is int for x in flat):
+        raise InvalidInput(f"input '{name}': {datatype} data must be integers")
+    info = np.iinfo(dtype)
+    if min(flat) < info.min or max(flat) > info.max:
+        raise InvalidInput(f"input '{name}': a value is out of range for {datatype}")
+    return np.array(flat, dtype=dtype)
 
 
 def _requested_outputs(value: object) -> list[RequestedOutput] | None:

@@ -1,0 +1,569 @@
+"""KServe v2 request decoding and response encoding, checked against real tritonclient bodies
+and tritonclient's own response parser."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import orjson
+import pytest
+import tritonclient.http as triton_http
+from tritonclient.http._utils import _get_inference_request
+
+from server.errors import InvalidInput, Unsupported
+from server.protocol.v2 import (
+    DecodedRequest,
+    RequestedOutput,
+    decode_request,
+    encode_error,
+    encode_response,
+    json_tensor,
+)
+
+INTEGERS = ["UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"]
+FLOATS = ["FP16", "FP32", "FP64", "BF16"]
+
+INTEGERS_JSON = INTEGERS
+NUMPY = {
+    "UINT8": np.uint8,
+    "UINT16": np.uint16,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
+    "BF16": ml_dtypes.bfloat16,
+    "BOOL": np.bool_,
+}
+
+
+def json_body(inputs: list[dict[str, Any]], **extra: Any) -> bytes:
+    return orjson.dumps({"inputs": inputs, **extra})
+
+
+def one_input(datatype: str, shape: list[int], data: Any, name: str = "x") -> bytes:
+    return json_body([{"name": name, "datatype": datatype, "shape": shape, "data": data}])
+
+
+def client_body(
+    inputs: list[triton_http.InferInput],
+    outputs: list[triton_http.InferRequestedOutput] | None = None,
+    request_id: str = "",
+    parameters: dict[str, Any] | None = None,
+) -> tuple[bytes, int | None]:
+    """The exact body and Inference-Header-Content-Length tritonclient would send."""
+    return _get_inference_request(
+        inputs=inputs,
+        request_id=request_id,
+        outputs=outputs,
+        sequence_id=0,
+        sequence_start=False,
+        sequence_end=False,
+        priority=0,
+        timeout=None,
+        custom_parameters=parameters,
+    )
+
+
+def client_input(name: str, array: np.ndarray, datatype: str, binary: bool) -> triton_http.InferInput:
+    tensor = triton_http.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array, binary_data=binary)
+    return tensor
+
+
+def sample(datatype: str, shape: list[int]) -> np.ndarray:
+    count = int(np.prod(shape))
+    if datatype == "BOOL":
+        return (np.arange(count) % 3 == 0).reshape(shape)
+    if datatype == "BYTES":
+        pool = [b"", b"a", "h\u00e9llo".encode(), b"\x00mid\x00", b"x" * 40]
+        array = np.empty(count, dtype=object)
+        array[:] = [pool[i % len(pool)] for i in range(count)]
+        return array.reshape(shape)
+    dtype = np.dtype(NUMPY[datatype])
+    if datatype in INTEGERS:
+        info = np.iinfo(dtype)
+        values = [info.min, info.max, 0, 1, info.max // 3, info.min // 5 if info.min else 7]
+        return np.array([values[i % len(values)] for i in range(count)], dtype=dtype).reshape(shape)
+    values = [0.0, -1.5, 2.25, 0.125, -0.0, 3.0]
+    return np.array([values[i % len(values)] for i in range(count)], dtype=dtype).reshape(shape)
+
+
+def assert_same(actual: np.ndarray, expected: np.ndarray) -> None:
+    assert actual.shape == expected.shape
+    assert actual.dtype == expected.dtype
+    if expected.dtype == object:
+        assert actual.tolist() == expected.tolist()
+    else:
+        np.testing.assert_array_equal(actual.view(np.uint8), expected.view(np.uint8))
+
+
+# --- JSON inputs -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("datatype", INTEGERS_JSON)
+def test_json_integers_flat_and_nested(datatype: str) -> None:
+    expected = sample(datatype, [2, 3])
+    for data in (expected.reshape(-1).tolist(), expected.tolist()):
+        decoded = decode_request(one_input(datatype, [2, 3], data))
+        dt, array = decoded.inputs["x"]
+        assert dt == datatype
+        assert_same(array, expected)
+
+
+@pytest.mark.parametrize("datatype", FLOATS)
+def test_json_floats_flat_and_nested(datatype: str) -> None:
+    expected = sample(datatype, [3, 2])
+    values = expected.astype(np.float64)
+    for data in (values.reshape(-1).tolist(), values.tolist()):
+        _, array = decode_request(one_input(datatype, [3, 2], data)).inputs["x"]
+        assert_same(array, expected)
+
+
+@pytest.mark.parametrize("datatype", FLOATS)
+def test_json_floats_from_integers(datatype: str) -> None:
+    _, array = decode_request(one_input(datatype, [3], [1, -2, 3])).inputs["x"]
+    assert array.dtype == np.dtype(NUMPY[datatype])
+    assert array.astype(np.float64).tolist() == [1.0, -2.0, 3.0]
+
+
+def test_json_bf16_rounds_to_nearest() -> None:
+    _, array = decode_request(one_input("BF16", [2], [1.00390625, 3.14159])).inputs["x"]
+    assert array.dtype == ml_dtypes.bfloat16
+    assert array.tolist() == np.array([1.00390625, 3.14159], dtype=ml_dtypes.bfloat16).tolist()
+
+
+def test_json_fp16_values() -> None:
+    _, array = decode_request(one_input("FP16", [2, 2], [[0.5, -65504.0], [0.1, 1e-5]])).inputs["x"]
+    assert_same(array, np.array([[0.5, -65504.0], [0.1, 1e-5]], dtype=np.float16))
+
+
+def test_json_bool_flat_and_nested() -> None:
+    expected = np.array([[True, False], [False, True]])
+    for data in ([True, False, False, True], [[True, False], [False, True]]):
+        _, array = decode_request(one_input("BOOL", [2, 2], data)).inputs["x"]
+        assert_same(array, expected)
+
+
+def test_json_bytes_become_bytes_objects() -> None:
+    data = [["h\u00e9llo", ""], ["\u4e16\u754c", "a b"]]
+    _, array = decode_request(one_input("BYTES", [2, 2], data)).inputs["x"]
+    assert array.dtype == object and array.shape == (2, 2)
+    assert array.tolist() == [["h\u00e9llo".encode(), b""], ["\u4e16\u754c".encode(), b"a b"]]
+    assert all(type(x) is bytes for x in array.reshape(-1))
+
+
+def test_json_scalar_data_and_empty_tensor() -> None:
+    _, array = decode_request(one_input("INT32", [1], 7)).inputs["x"]
+    assert_same(array, np.array([7], dtype=np.int32))
+    _, empty = decode_request(one_input("FP32", [0, 3], [])).inputs["x"]
+    assert empty.shape == (0, 3) and empty.dtype == np.float32
+    _, scalar = decode_request(one_input("FP64", [], [2.5])).inputs["x"]
+    assert scalar.shape == () and scalar.dtype == np.float64 and float(scalar) == 2.5
+
+
+def test_json_tensor_directly() -> None:
+    assert_same(json_tensor([[1, 2], [3, 4]], "INT16", [4], "t"), np.array([1, 2, 3, 4], dtype=np.int16))
+
+
+def test_json_integer_extremes() -> None:
+    _, array = decode_request(one_input("INT64", [2], [-(2**63), 2**63 - 1])).inputs["x"]
+    assert array.tolist() == [-(2**63), 2**63 - 1]
+    _, array = decode_request(one_input("UINT64", [2], [2**63, 2**64 - 1])).inputs["x"]
+    assert array.dtype == np.uint64 and array.tolist() == [2**63, 2**64 - 1]
+    with pytest.raises(InvalidInput):
+        decode_request(one_input("INT64", [1], [2**63]))
+
+
+def test_json_uint64_large_mixed_with_small() -> None:
+    _, array = decode_request(one_input("UINT64", [3], [0, 2**64 - 1, 2**63 + 1])).inputs["x"]
+    assert array.dtype == np.uint64 and array.tolist() == [0, 2**64 - 1, 2**63 + 1]
+
+
+# --- binary inputs from tritonclient -----------------------------------------------------
+
+
+@pytest.mark.parametrize("datatype", [*INTEGERS, *FLOATS, "BOOL", "BYTES"])
+def test_binary_client_body_decodes(datatype: str) -> None:
+    expected = sample(datatype, [2, 3])
+    body, header_length = client_body([client_input("x", expected, datatype, binary=True)])
+    assert header_length is not None and header_length < len(body)
+    decoded = decode_request(body, header_length)
+    dt, array = decoded.inputs["x"]
+    assert dt == datatype
+    assert_same(array, expected)
+
+
+@pytest.mark.parametrize("datatype", [*INTEGERS_JSON, "FP16", "FP32", "FP64", "BOOL", "BYTES"])
+def test_json_client_body_matches_binary(datatype: str) -> None:
+    expected = sample(datatype, [3, 2])
+    if datatype == "BYTES":  # JSON carries UTF-8 strings only
+        expected = np.array([[b"a", b""], ["h\u00e9".encode(), b"xyz"], [b"1", b"2"]], dtype=object)
+    json_req, json_len = client_body([client_input("x", expected, datatype, binary=False)])
+    binary_req, binary_len = client_body([client_input("x", expected, datatype, binary=True)])
+    assert json_len is None and binary_len is not None
+    _, from_json = decode_request(json_req, json_len).inputs["x"]
+    _, from_binary = decode_request(binary_req, binary_len).inputs["x"]
+    assert_same(from_json, expected)
+    assert_same(from_binary, expected)
+
+
+def test_mixed_json_and_binary_client_inputs() -> None:
+    a = sample("FP32", [2, 2])
+    b = np.array([b"one", b"two"], dtype=object)
+    c = sample("INT64", [3])
+    d = np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16)
+    e = sample("BOOL", [4])
+    inputs = [
+        client_input("a", a, "FP32", binary=True),
+        client_input("b", b, "BYTES", binary=False),
+        client_input("c", c, "INT64", binary=True),
+        client_input("d", d, "BF16", binary=True),
+        client_input("e", e, "BOOL", binary=False),
+    ]
+    body, header_length = client_body(inputs)
+    decoded = decode_request(body, header_length)
+    assert list(decoded.inputs) == ["a", "b", "c", "d", "e"]
+    for name, expected in zip("abcde", (a, b, c, d, e)):
+        assert_same(decoded.inputs[name][1], expected)
+    assert [decoded.inputs[n][0] for n in "abcde"] == ["FP32", "BYTES", "INT64", "BF16", "BOOL"]
+
+
+def test_header_length_with_json_only_body() -> None:
+    body = one_input("INT8", [2], [1, -1])
+    _, array = decode_request(body, len(body)).inputs["x"]
+    assert_same(array, np.array([1, -1], dtype=np.int8))
+
+
+def test_binary_without_header_length_is_rejected() -> None:
+    body, header_length = client_body([client_input("x", sample("FP32", [2]), "FP32", binary=True)])
+    with pytest.raises(InvalidInput):
+        decode_request(body)
+
+
+def test_binary_leftover_bytes_rejected() -> None:
+    body, header_length = client_body([client_input("x", sample("FP32", [2]), "FP32", binary=True)])
+    with pytest.raises(InvalidInput, match="after the last"):
+        decode_request(body + b"\x00", header_length)
+
+
+# --- id, parameters, requested outputs ---------------------------------------------------
+
+
+def test_id_and_parameters_pass_through() -> None:
+    body, header_length = client_body(
+        [client_input("x", sample("FP32", [1]), "FP32", binary=False)],
+        outputs=[triton_http.InferRequestedOutput("y", binary_data=False)],
+        request_id="req-42",
+        parameters={"custom": "v", "n": 3},
+    )
+    decoded = decode_request(body, header_length)
+    assert decoded.id == "req-42"
+    assert decoded.parameters == {"custom": "v", "n": 3}
+    assert decoded.binary_output is False
+
+
+def test_no_id_no_parameters() -> None:
+    decoded = decode_request(one_input("FP32", [1], [1.0]))
+    assert decoded.id is None
+    assert decoded.parameters == {}
+    assert decoded.outputs is None
+    assert decoded.binary_output is False
+
+
+def test_non_string_id_rejected() -> None:
+    with pytest.raises(InvalidInput, match="'id' must be a string"):
+        decode_request(json_body([{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}], id=5))
+
+
+def test_client_without_outputs_asks_binary_for_all() -> None:
+    body, header_length = client_body([client_input("x", sample("FP32", [1]), "FP32", binary=False)])
+    decoded = decode_request(body, header_length)
+    assert decoded.outputs is None
+    assert decoded.binary_output is True
+
+
+def test_requested_outputs_binary_flags_from_client() -> None:
+    outputs = [
+        triton_http.InferRequestedOutput("p", binary_data=True),
+        triton_http.InferRequestedOutput("q", binary_data=False),
+    ]
+    body, header_length = client_body(
+        [client_input("x", sample("FP32", [1]), "FP32", binary=True)], outputs=outputs
+    )
+    decoded = decode_request(body, header_length)
+    assert decoded.outputs == [RequestedOutput("p", True), RequestedOutput("q", False)]
+
+
+def test_requested_outputs_default_and_binary_data_output() -> None:
+    inputs = [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}]
+    body = json_body(
+        inputs,
+        outputs=[{"name": "p"}, {"name": "q", "parameters": {"binary_data": False}}],
+        parameters={"binary_data_output": True},
+    )
+    decoded = decode_request(body)
+    assert decoded.outputs == [RequestedOutput("p", None), RequestedOutput("q", False)]
+    assert decoded.binary_output is True
+
+
+# --- rejected requests -------------------------------------------------------------------
+
+
+def _input(**fields: Any) -> dict[str, Any]:
+    return {"name": "x", "datatype": "FP32", "shape": [2], "data": [1.0, 2.0], **fields}
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'"inputs"', "must be a JSON object"),
+        (b"{}", "'inputs' must be a non-empty list"),
+        (b'{"inputs": []}', "'inputs' must be a non-empty list"),
+        (b'{"inputs": {"name": "x"}}', "'inputs' must be a non-empty list"),
+        (json_body([_input(), _input()]), "given more than once"),
+        (json_body([{"name": "x", "datatype": "FP32", "shape": [2]}]), "neither 'data' nor"),
+        (
+            json_body([_input(parameters={"binary_data_size": 8})]),
+            "both 'data' and 'binary_data_size'",
+        ),
+        (json_body([_input(shape=[3])]), r"shape \[3\] needs 3 elements, data has 2"),
+        (json_body([_input(shape=[2, 2])]), "needs 4 elements"),
+        (json_body([_input(data=[[1.0, 2.0], [3.0]])]), "not a regular array"),
+        (json_body([_input(datatype="INT32", data=[1.5, 2.0])]), "INT32 data must be integers"),
+        (json_body([_input(datatype="UINT8", data=[1, 256])]), "out of range for UINT8"),
+        (json_body([_input(datatype="UINT8", data=[-1, 2])]), "out of range for UINT8"),
+        (json_body([_input(datatype="INT8", data=[-129, 0])]), "out of range for INT8"),
+        (json_body([_input(data=["1.0", "2.0"])]), "FP32 data must be numbers"),
+        (json_body([_input(data=[None, 1.0])]), "FP32 data must be numbers"),
+        (json_body([_input(datatype="BOOL", data=[0, 1])]), "BOOL data must be true or false"),
+        (json_body([_input(datatype="BYTES", data=["a", 1])]), "BYTES data must be strings"),
+        (json_body([_input(datatype="BYTES", data=[["a"], [None]])]), "BYTES data must be strings"),
+        (json_body([_input(datatype="FLOAT")]), "unknown datatype"),
+        (json_body([_input(shape=[-1])]), "'shape' must be a list of non-negative integers"),
+        (json_body([_input(shape=[2.0])]), "'shape' must be a list of non-negative integers"),
+        (json_body([_input(shape="2")]), "'shape' must be a list of non-negative integers"),
+        (json_body([{"datatype": "FP32", "shape": [1], "data": [1]}]), "has no 'name'"),
+        (json_body([{"name": "x", "shape": [1], "data": [1]}]), "has no 'datatype'"),
+        (json_body(["x"]), "each input must be an object"),
+        (json_body([_input(parameters=[1])]), "'parameters' of the input 'x' must be an object"),
+        (json_body([_input()], parameters="yes"), "'parameters' of the request must be an object"),
+        (json_body([_input()], outputs={"name": "y"}), "'outputs' must be a list"),
+        (json_body([_input()], outputs=[{"binary_data": True}]), "must be an object with a 'name'"),
+    ],
+)
+def test_invalid_requests(body: bytes, match: str) -> None:
+    with pytest.raises(InvalidInput, match=match):
+        decode_request(body)
+
+
+def test_binary_data_size_beyond_body() -> None:
+    body = json_body([{"name": "x", "datatype": "FP32", "shape": [2], "parameters": {"binary_data_size": 8}}])
+    with pytest.raises(InvalidInput, match="binary_data_size 8"):
+        decode_request(body + b"\x00" * 4, len(body))
+
+
+def test_header_length_beyond_body() -> None:
+    body = one_input("FP32", [1], [1.0])
+    with pytest.raises(InvalidInput, match="Inference-Header-Content-Length"):
+        decode_request(body, len(body) + 1)
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        {
+            "inputs": [
+                {
+                    "name": "x",
+                    "datatype": "FP32",
+                    "shape": [1],
+                    "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 4},
+                }
+            ]
+        },
+        {
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}],
+            "outputs": [{"name": "y", "parameters": {"shared_memory_region": "r"}}],
+        },
+        {
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}],
+            "outputs": [{"name": "y", "parameters": {"classification": 3}}],
+        },
+    ],
+    ids=["input-shm", "output-shm", "classification"],
+)
+def test_unsupported_extensions(document: dict[str, Any]) -> None:
+    with pytest.raises(Unsupported):
+        decode_request(orjson.dumps(document))
+
+
+def test_client_shared_memory_input_unsupported() -> None:
+    tensor = triton_http.InferInput("x", [4], "FP32")
+    tensor.set_shared_memory("region0", 16)
+    body, header_length = client_body([tensor])
+    with pytest.raises(Unsupported):
+        decode_request(body, header_length)
+
+
+def test_client_classification_unsupported() -> None:
+    body, header_length = client_body(
+        [client_input("x", sample("FP32", [1]), "FP32", binary=False)],
+        outputs=[triton_http.InferRequestedOutput("y", class_count=3)],
+    )
+    with pytest.raises(Unsupported, match="classification"):
+        decode_request(body, header_length)
+
+
+@pytest.mark.parametrize("datatype", ["INT32", "FP32"])
+def test_json_booleans_rejected_for_numeric_types(datatype: str) -> None:
+    with pytest.raises(InvalidInput):
+        decode_request(one_input(datatype, [2], [True, False]))
+
+
+@pytest.mark.parametrize("datatype", ["FP32", "BYTES"])
+def test_json_absurd_zero_size_shape_is_invalid_input(datatype: str) -> None:
+    with pytest.raises(InvalidInput):
+        decode_request(one_input(datatype, [0, 2**63], []))
+
+
+# --- responses ---------------------------------------------------------------------------
+
+
+def parse(body: bytes, header_length: int | None) -> triton_http.InferResult:
+    return triton_http.InferResult.from_response_body(body, header_length=header_length)
+
+
+RESPONSE_TYPES = ["FP32", "INT64", "BOOL", "FP16", "BF16", "UINT8", "INT8", "FP64", "UINT64"]
+
+
+@pytest.mark.parametrize("datatype", RESPONSE_TYPES)
+def test_json_output_round_trips_through_tritonclient(datatype: str) -> None:
+    array = sample(datatype, [2, 3])
+    body, header_length = encode_response("m", 3, None, [("out", datatype, array, False)])
+    assert header_length is None
+    document = orjson.loads(body)
+    assert document["model_name"] == "m" and document["model_version"] == "3"
+    assert "id" not in document
+    assert document["outputs"][0]["shape"] == [2, 3]
+    assert "parameters" not in document["outputs"][0]
+    result = parse(body, header_length)
+    got = result.as_numpy("out")
+    assert got.shape == (2, 3)
+    np.testing.assert_array_equal(got.astype(np.float64), array.astype(np.float64))
+
+
+def test_json_fp16_bf16_are_plain_floats() -> None:
+    fp16 = np.array([0.1, 65504.0], dtype=np.float16)
+    bf16 = np.array([1.5, -3.0], dtype=ml_dtypes.bfloat16)
+    body, _ = encode_response("m", 1, None, [("h", "FP16", fp16, False), ("b", "BF16", bf16, False)])
+    outputs = orjson.loads(body)["outputs"]
+    assert all(isinstance(v, float) for o in outputs for v in o["data"])
+    assert np.float16(outputs[0]["data"][0]) == fp16[0]
+    assert outputs[0]["data"][1] == 65504.0
+    assert outputs[1]["data"] == [1.5, -3.0]
+    result = parse(body, None)
+    assert_same(result.as_numpy("h"), fp16)
+    assert_same(result.as_numpy("b"), bf16)
+
+
+def test_json_bytes_output_round_trips() -> None:
+    array = np.array([[b"a", "h\u00e9".encode()], [b"", b"zz"]], dtype=object)
+    body, header_length = encode_response("m", 1, None, [("s", "BYTES", array, False)])
+    assert orjson.loads(body)["outputs"][0]["data"] == ["a", "h\u00e9", "", "zz"]
+    got = parse(body, header_length).as_numpy("s")
+    assert got.shape == (2, 2)
+    assert [x.encode() if isinstance(x, str) else x for x in got.reshape(-1)] == array.reshape(-1).tolist()
+
+
+def test_json_bytes_output_not_utf8_rejected() -> None:
+    array = np.array([b"ok", b"\xff\xfe"], dtype=object)
+    with pytest.raises(InvalidInput, match="not UTF-8; ask for it with binary_data"):
+        encode_response("m", 1, None, [("s", "BYTES", array, False)])
+
+
+@pytest.mark.parametrize("datatype", [*RESPONSE_TYPES, "BYTES", "INT32", "UINT16"])
+def test_binary_output_round_trips_through_tritonclient(datatype: str) -> None:
+    array = sample(datatype, [3, 2])
+    body, header_length = encode_response("m", 1, "r", [("out", datatype, array, True)])
+    assert header_length is not None
+    header = orjson.loads(body[:header_length])
+    assert header["outputs"][0]["parameters"]["binary_data_size"] == len(body) - header_length
+    assert "data" not in header["outputs"][0]
+    got = parse(body, header_length).as_numpy("out")
+    if datatype == "BYTES":
+        assert got.shape == array.shape and got.tolist() == array.tolist()
+    else:
+        assert_same(got, array)
+
+
+def test_binary_non_utf8_bytes_output_allowed() -> None:
+    array = np.array([b"\xff\xfe", b"ok"], dtype=object)
+    body, header_length = encode_response("m", 1, None, [("s", "BYTES", array, True)])
+    assert parse(body, header_length).as_numpy("s").tolist() == [b"\xff\xfe", b"ok"]
+
+
+def test_mixed_binary_and_json_outputs() -> None:
+    a = sample("FP32", [2, 2])
+    b = sample("INT64", [3])
+    c = np.array([b"x", b"yz"], dtype=object)
+    d = sample("BOOL", [5])
+    e = np.array([1.5, 2.5], dtype=ml_dtypes.bfloat16)
+    outputs = [
+        ("a", "FP32", a, True),
+        ("b", "INT64", b, False),
+        ("c", "BYTES", c, True),
+        ("d", "BOOL", d, False),
+        ("e", "BF16", e, True),
+    ]
+    body, header_length = encode_response("model", 7, "id-9", outputs)
+    assert header_length is not None
+    header = orjson.loads(body[:header_length])
+    assert header["id"] == "id-9"
+    assert header["model_version"] == "7"
+    assert [o["name"] for o in header["outputs"]] == ["a", "b", "c", "d", "e"]
+    assert [("data" in o) for o in header["outputs"]] == [False, True, False, True, False]
+    result = parse(body, header_length)
+    assert result.get_response()["id"] == "id-9"
+    assert_same(result.as_numpy("a"), a)
+    assert_same(result.as_numpy("b"), b)
+    assert result.as_numpy("c").tolist() == c.tolist()
+    assert_same(result.as_numpy("d"), d)
+    assert_same(result.as_numpy("e"), e)
+
+
+def test_empty_binary_output() -> None:
+    array = np.zeros((0, 4), dtype=np.float32)
+    body, header_length = encode_response("m", 1, None, [("z", "FP32", array, True)])
+    assert header_length == len(body)
+    got = parse(body, header_length).as_numpy("z")
+    assert got.shape == (0, 4)
+
+
+def test_id_echoed_in_json_response() -> None:
+    body, _ = encode_response("m", 2, "abc", [("y", "FP32", np.ones(1, np.float32), False)])
+    assert orjson.loads(body)["id"] == "abc"
+    assert parse(body, None).get_response()["id"] == "abc"
+
+
+def test_binary_output_dtype_mismatch_rejected() -> None:
+    with pytest.raises(InvalidInput):
+        encode_response("m", 1, None, [("y", "FP32", np.ones(2, np.float64), True)])
+
+
+def test_encode_error() -> None:
+    assert orjson.loads(encode_error('bad "x"')) == {"error": 'bad "x"'}
+
+
+def test_decoded_request_defaults() -> None:
+    request = DecodedRequest(id=None, parameters={}, inputs={}, outputs=None)
+    assert request.binary_output is False
