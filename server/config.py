@@ -53,6 +53,10 @@ class TensorConfig(_Strict):
     engine_name: str | None = Field(
         default=None, description="The tensor's name inside the engine, when it differs."
     )
+    pad_value: float | None = Field(
+        default=None,
+        description="Inputs only: requests whose variable dims differ batch together, padded with this.",
+    )
 
     @field_validator("datatype")
     @classmethod
@@ -74,12 +78,43 @@ class TensorConfig(_Strict):
         return self.engine_name or self.name
 
 
+class QueuePolicy(_Strict):
+    """Triton's default_queue_policy: how long a request may wait and how many may wait."""
+
+    max_queue_size: int = Field(default=0, ge=0, description="Queued requests allowed; 0 is unbounded.")
+    default_timeout_microseconds: int = Field(default=0, ge=0, description="0: no deadline.")
+    allow_timeout_override: bool = True
+    timeout_action: Literal["REJECT"] = "REJECT"
+
+
 class DynamicBatching(_Strict):
-    """Triton's dynamic_batching block."""
+    """Triton's dynamic_batching block, plus a token budget for text models."""
 
     max_queue_delay_microseconds: int = Field(default=0, ge=0)
     preferred_batch_size: list[Annotated[int, Field(gt=0)]] = Field(default_factory=list)
     preserve_ordering: bool = False
+    priority_levels: int = Field(default=0, ge=0, description="0 or 1: one level. Level 1 is the highest.")
+    default_priority_level: int = Field(default=0, ge=0)
+    default_queue_policy: QueuePolicy = Field(default_factory=QueuePolicy)
+    max_batch_tokens: int | None = Field(
+        default=None, gt=0, description="Cap on padded tokens per batch (items x longest sequence)."
+    )
+
+    @model_validator(mode="after")
+    def _priority_in_range(self) -> DynamicBatching:
+        levels = max(self.priority_levels, 1)
+        if self.default_priority_level > levels:
+            raise ValueError(f"default_priority_level {self.default_priority_level} is not within 1..{levels}")
+        return self
+
+    @property
+    def levels(self) -> int:
+        return max(self.priority_levels, 1)
+
+    @property
+    def default_level(self) -> int:
+        """Triton's default is the lowest priority when levels exist but no default is set."""
+        return self.default_priority_level or self.levels
 
 
 class InstanceGroup(_Strict):
@@ -131,9 +166,10 @@ class VersionPolicy(_Strict):
 
 
 class Tokenize(_Strict):
-    """Pre-processing for text models: UTF-8 strings in, token tensors out (batched).
+    """Pre-processing for text models: UTF-8 strings in, token tensors out.
 
-    The tokenizer runs on the worker thread over the whole batch, padded to its longest entry.
+    Each request is tokenized at admission (so the batcher knows its cost in tokens); a batch
+    pads every request to its longest sequence, rounded up to `pad_to_multiple_of`.
     """
 
     input: str = Field(description="The BYTES input holding the text, one string per item.")
@@ -142,6 +178,8 @@ class Tokenize(_Strict):
     input_ids: str = "input_ids"
     attention_mask: str | None = "attention_mask"
     token_type_ids: str | None = "token_type_ids"
+    pad_id: int = 0
+    pad_to_multiple_of: int = Field(default=1, gt=0)
 
 
 class Preprocess(_Strict):
@@ -149,11 +187,20 @@ class Preprocess(_Strict):
 
 
 class Warmup(_Strict):
-    """Synthetic batches run before the model reports ready."""
+    """Synthetic batches run on every instance before the model reports ready.
+
+    With `profile`, every batch size of the ladder (the engine's `batch_buckets`, else powers of
+    two up to max_batch_size) is timed; unless `batch_cap` fixes it, the batcher's cap becomes
+    the smallest size within `tolerance` of the best throughput, where more batch stops paying.
+    """
 
     enabled: bool = True
     batch_sizes: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1])
     text: str = "Batchline warms up this model before it serves."
+    profile: bool = False
+    profile_repeats: int = Field(default=3, ge=1)
+    tolerance: float = Field(default=0.05, ge=0, lt=1)
+    batch_cap: int | None = Field(default=None, gt=0, description="Fix the cap instead of measuring it.")
 
 
 class OnnxRuntimeOptions(_Strict):
@@ -177,6 +224,10 @@ class ModelConfig(_Strict):
         default=None, description="Artifact in each version folder (default per engine)."
     )
     max_batch_size: int = Field(default=0, ge=0)
+    batch_buckets: list[Annotated[int, Field(gt=0)]] | None = Field(
+        default=None,
+        description="Batch sizes a compiled engine was built for; batches are padded up to one.",
+    )
     inputs: list[TensorConfig] = Field(min_length=1)
     outputs: list[TensorConfig] = Field(min_length=1)
     dynamic_batching: DynamicBatching | None = None
@@ -206,7 +257,47 @@ class ModelConfig(_Strict):
                 raise ValueError(f"preferred_batch_size {size} exceeds max_batch_size {self.max_batch_size}")
         if self.max_batch_size and any(b > self.max_batch_size for b in self.warmup.batch_sizes):
             raise ValueError(f"warmup.batch_sizes exceed max_batch_size {self.max_batch_size}")
+        if self.batch_buckets is not None:
+            if not self.batched:
+                raise ValueError("batch_buckets needs max_batch_size > 0")
+            if sorted(set(self.batch_buckets)) != self.batch_buckets:
+                raise ValueError(f"batch_buckets must be strictly increasing, got {self.batch_buckets}")
+            if self.batch_buckets[-1] < self.max_batch_size:
+                raise ValueError(
+                    f"the largest batch bucket {self.batch_buckets[-1]} is below max_batch_size {self.max_batch_size}"
+                )
+        if self.dynamic_batching and self.dynamic_batching.max_batch_tokens and not self.tokenize:
+            raise ValueError("dynamic_batching.max_batch_tokens needs preprocess.tokenize")
+        for tensor in self.outputs:
+            if tensor.pad_value is not None:
+                raise ValueError(f"output {tensor.name!r}: pad_value applies to inputs only")
+        padded = [t.name for t in self.inputs if t.pad_value is not None]
+        for name in padded:
+            if -1 not in self.input(name).dims:
+                raise ValueError(f"input {name!r}: pad_value needs a variable (-1) dim to pad")
+        if (padded or self.tokenize) and any(-1 in t.dims for t in self.outputs):
+            raise ValueError("padded batching needs outputs of fixed dims (padding would leak into them)")
+        if self.tokenize and self.input(self.tokenize.input).dims != [1]:
+            raise ValueError(f"the text input {self.tokenize.input!r} must have dims [1] (one string per item)")
         return self
+
+    @property
+    def tokenize(self) -> Tokenize | None:
+        return self.preprocess.tokenize if self.preprocess else None
+
+    @property
+    def levels(self) -> int:
+        return self.dynamic_batching.levels if self.dynamic_batching else 1
+
+    def batch_ladder(self) -> list[int]:
+        """The batch sizes worth timing: the engine's buckets, else powers of two up to the max."""
+        if self.batch_buckets:
+            return [b for b in self.batch_buckets if b <= self.max_batch_size]
+        ladder, size = [], 1
+        while size < self.max_batch_size:
+            ladder.append(size)
+            size *= 2
+        return [*ladder, self.max_batch_size] if self.batched else [1]
 
     @property
     def batched(self) -> bool:

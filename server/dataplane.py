@@ -94,7 +94,7 @@ class DataPlane:
         decoded = decode_request(body, header_length)
         model = self.repository.get(name, version)
         selection = selected_outputs(model.config, decoded)
-        outputs = await model.infer(decoded.inputs)
+        outputs = await model.infer(decoded.inputs, decoded.parameters)
         return encode_response(
             name,
             model.version,

@@ -1,7 +1,8 @@
 """One served model version: its instances, its batcher, its statistics and its lifecycle.
 
-Loading builds one engine per placement, warms every instance up, and only then reports
-ready; a failure leaves the version unavailable with the reason, and other models unaffected.
+Loading builds one engine per placement, warms every instance up (profiling the batch ladder
+when asked), and only then reports ready; a failure leaves the version unavailable with the
+reason, and other models unaffected.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +20,16 @@ import numpy as np
 from server.config import ModelConfig, TensorConfig
 from server.devices import placements
 from server.engines import create_engine
-from server.errors import BatchlineError, EngineError, Unavailable
+from server.errors import BatchlineError, EngineError, InvalidInput, Unavailable
+from server.preprocess import TextTokenizer
 from server.protocol.datatypes import numpy_dtype
-from server.scheduler.admission import validate_inputs
-from server.scheduler.batcher import Batcher
+from server.scheduler.admission import Admission
+from server.scheduler.batcher import Batcher, QueueSettings
+from server.scheduler.policy import BatchPolicy
 from server.scheduler.request import InferenceRequest
 from server.stats import ModelStatistics
 from server.workers.instance import ModelInstance
-from server.workers.pipeline import ModelPipeline
+from server.workers.pipeline import ModelPipeline, paddable_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +50,7 @@ class ModelVersion:
         self.reason = ""
         self.stats = ModelStatistics()
         self.instances: list[ModelInstance] = []
+        self._admission: Admission | None = None
         self._batcher: Batcher | None = None
 
     @property
@@ -56,9 +62,9 @@ class ModelVersion:
         return f"{self.config.name}/{self.version}"
 
     async def load(self) -> None:
-        """Build and warm up every instance off the event loop; never raises."""
+        """Build, warm up and profile every instance off the event loop; never raises."""
         try:
-            self.instances = await asyncio.to_thread(self._build_instances)
+            await asyncio.to_thread(self._build)
         except BatchlineError as exc:
             self._fail(exc.message)
             return
@@ -66,13 +72,14 @@ class ModelVersion:
             logger.exception("loading %s failed", self.label)
             self._fail(f"{type(exc).__name__}: {exc}")
             return
-        self._batcher = Batcher(self.config, self.instances, self.stats)
+        self._batcher = Batcher(self._policy(), self._queue_settings(), list(self.instances), self.stats)
         self.state = ModelState.READY
         for instance in self.instances:
             d = instance.pipeline.engine.describe()
             logger.info(
-                "model %s ready: instance %s engine=%s device=%s providers=%s precision=%s",
+                "model %s ready: instance %s engine=%s device=%s providers=%s precision=%s batch_cap=%d",
                 self.label, instance.label, d.engine, d.device, ",".join(d.providers), d.precision,
+                self.stats.batch_cap,
             )
 
     def _fail(self, reason: str) -> None:
@@ -81,30 +88,59 @@ class ModelVersion:
         self._close_instances()
         logger.error("model %s is not ready: %s", self.label, reason)
 
-    def _build_instances(self) -> list[ModelInstance]:
-        instances = []
+    def _build(self) -> None:
+        tokenize = self.config.tokenize
+        tokenizer = TextTokenizer(tokenize, self.path) if tokenize else None
+        self._admission = Admission(self.config, tokenizer)
+        pads = paddable_inputs(self.config, tokenizer.outputs if tokenizer else {})
         try:
             for index, device in enumerate(placements(self.config.instance_group)):
                 engine = create_engine(self.config, self.path, device)
-                pipeline = ModelPipeline(self.config, engine, self.path)
-                instance = ModelInstance(pipeline, device, f"{self.config.name}-{self.version}-{index}")
-                instances.append(instance)
-                self._warm_up(instance)
+                label = f"{self.config.name}-{self.version}-{index}"
+                self.instances.append(ModelInstance(ModelPipeline(self.config, engine, pads), device, label))
+                self._warm_up(self.instances[-1].pipeline)
+            self.stats.batch_cap = self._batch_cap(self.instances[0].pipeline)
         except BaseException:
-            for instance in instances:
-                instance.close()
+            self._close_instances()
             raise
-        return instances
 
-    def _warm_up(self, instance: ModelInstance) -> None:
+    def _warm_up(self, pipeline: ModelPipeline) -> None:
         if not self.config.warmup.enabled:
             return
         for batch_size in self.config.warmup.batch_sizes:
-            inputs = {t.name: self._sample(t, batch_size) for t in self.config.inputs}
             try:
-                instance.run_sync([inputs], self.config.batched)
+                pipeline.run_batch([self._sample_feed(batch_size)])
             except BatchlineError as exc:
                 raise EngineError(f"warm-up at batch size {batch_size} failed: {exc.message}") from exc
+
+    def _batch_cap(self, pipeline: ModelPipeline) -> int:
+        """Time the batch ladder; the cap is where more batch stops buying throughput."""
+        warmup = self.config.warmup
+        if not self.config.batched:
+            return 1
+        if warmup.batch_cap is not None:
+            return min(warmup.batch_cap, self.config.max_batch_size)
+        if not (warmup.enabled and warmup.profile):
+            return self.config.max_batch_size
+        profile = []
+        for size in self.config.batch_ladder():
+            feed = self._sample_feed(size)
+            pipeline.run_batch([feed])  # each shape once untimed: first runs allocate
+            times = []
+            for _ in range(warmup.profile_repeats):
+                start = time.perf_counter()
+                pipeline.run_batch([feed])
+                times.append(time.perf_counter() - start)
+            seconds = statistics.median(times)
+            profile.append({"batch_size": size, "seconds": seconds, "items_per_second": size / seconds})
+        self.stats.batch_profile = profile
+        best = max(p["items_per_second"] for p in profile)
+        return next(int(p["batch_size"]) for p in profile if p["items_per_second"] >= (1 - warmup.tolerance) * best)
+
+    def _sample_feed(self, batch_size: int) -> dict[str, np.ndarray]:
+        inputs = {t.name: self._sample(t, batch_size) for t in self.config.inputs}
+        assert self._admission is not None
+        return self._admission.admit_now(inputs, batch_size).feed
 
     def _sample(self, tensor: TensorConfig, batch_size: int) -> np.ndarray:
         shape = [batch_size] if self.config.batched else []
@@ -113,12 +149,49 @@ class ModelVersion:
             return np.full(shape, self.config.warmup.text, dtype=object)
         return np.zeros(shape, dtype=numpy_dtype(tensor.datatype))
 
-    async def infer(self, inputs: dict[str, tuple[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        """Validate, queue and await one request's outputs (API names)."""
-        if self._batcher is None or not self.ready:
+    def _policy(self) -> BatchPolicy:
+        batching = self.config.dynamic_batching
+        cap = max(self.stats.batch_cap, 1)
+        if batching is None:
+            return BatchPolicy(max_batch_size=cap)
+        return BatchPolicy(
+            max_batch_size=cap,
+            preferred=tuple(sorted(p for p in batching.preferred_batch_size if p <= cap)),
+            max_delay_ns=batching.max_queue_delay_microseconds * 1000,
+            max_batch_tokens=batching.max_batch_tokens,
+        )
+
+    def _queue_settings(self) -> QueueSettings:
+        batching = self.config.dynamic_batching
+        if batching is None:
+            return QueueSettings(merge=False)
+        return QueueSettings(
+            levels=batching.levels,
+            max_queue_size=batching.default_queue_policy.max_queue_size,
+            merge=True,
+            preserve_ordering=batching.preserve_ordering,
+        )
+
+    async def infer(
+        self, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Admit, queue and await one request's outputs (API names)."""
+        if self._batcher is None or self._admission is None or not self.ready:
             raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready")
-        arrays, batch_size = validate_inputs(self.config, inputs)
-        request = InferenceRequest(arrays, batch_size, asyncio.get_running_loop().create_future())
+        try:
+            admitted = await self._admission.admit(inputs, parameters or {})
+        except InvalidInput:
+            self.stats.count_failure("invalid")
+            raise
+        request = InferenceRequest(
+            admitted.feed,
+            admitted.batch_size,
+            asyncio.get_running_loop().create_future(),
+            shape_key=admitted.shape_key,
+            longest=admitted.longest,
+            priority=admitted.priority,
+            deadline_ns=admitted.deadline_ns,
+        )
         self._batcher.submit(request)
         return await request.future
 
@@ -148,8 +221,3 @@ class ModelVersion:
 
     def _tensor_metadata(self, tensor: TensorConfig) -> dict[str, Any]:
         return {"name": tensor.name, "datatype": tensor.datatype, "shape": self.config.api_shape(tensor)}
-
-    def describe_instances(self) -> list[dict[str, Any]]:
-        return [
-            {"name": i.label, **vars(i.pipeline.engine.describe())} for i in self.instances
-        ]

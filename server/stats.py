@@ -6,7 +6,7 @@ Owned by the model's batcher and updated only on the event loop thread, so no lo
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 
@@ -42,6 +42,13 @@ class ModelStatistics:
     compute_infer: Duration = field(default_factory=Duration)
     compute_output: Duration = field(default_factory=Duration)
     batches: dict[int, BatchStats] = field(default_factory=lambda: defaultdict(BatchStats))
+    dispatch_reasons: Counter[str] = field(default_factory=Counter)
+    failures: Counter[str] = field(default_factory=Counter)  # invalid, queue_full, deadline, cancelled, engine
+    batch_profile: list[dict[str, float]] = field(default_factory=list)
+    batch_cap: int = 0
+
+    def count_failure(self, reason: str) -> None:
+        self.failures[reason] += 1
 
     def record_batch(
         self, batch_size: int, requests: int, input_ns: int, infer_ns: int, output_ns: int
@@ -85,4 +92,9 @@ class ModelStatistics:
                 for size, s in sorted(self.batches.items())
             ],
             "memory_usage": [],
+            # Batchline's additions; Triton clients ignore unknown fields.
+            "dispatch_reasons": {str(k): v for k, v in self.dispatch_reasons.items()},
+            "failures": dict(self.failures),
+            "batch_cap": self.batch_cap,
+            "batch_profile": self.batch_profile,
         }

@@ -46,5 +46,5 @@ def triton_model_config(config: ModelConfig) -> dict[str, Any]:
         "parameters": {"precision": {"string_value": config.precision}},
     }
     if config.dynamic_batching is not None:
-        document["dynamic_batching"] = config.dynamic_batching.model_dump()
+        document["dynamic_batching"] = config.dynamic_batching.model_dump(exclude_none=True)
     return document

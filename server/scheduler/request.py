@@ -3,30 +3,47 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from dataclasses import dataclass, field
+from typing import Hashable
 
 import numpy as np
 
 
+class RequestState(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+
+
 @dataclass(eq=False)
 class InferenceRequest:
-    """Validated inputs (API names, batch dim first when the model batches) and the future
-    through which exactly one result or error comes back."""
+    """Engine-ready tensors (batch dim first when the model batches) and the future through
+    which exactly one result or error comes back.
 
-    inputs: dict[str, np.ndarray]
+    `shape_key` says which requests may share a batch; `longest` is the sequence length a
+    text request pads to (0 for other models), for the token budget.
+    """
+
+    feed: dict[str, np.ndarray]
     batch_size: int
     future: asyncio.Future[dict[str, np.ndarray]]
+    shape_key: Hashable = ()
+    longest: int = 0
+    priority: int = 1
+    deadline_ns: int | None = None
     arrival_ns: int = field(default_factory=time.perf_counter_ns)
-
-    def shape_key(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        """Requests batch together only when every non-batch dim agrees."""
-        return tuple((name, array.shape[1:]) for name, array in self.inputs.items())
+    state: RequestState = RequestState.QUEUED
+    sequence: int = 0
+    expiry: asyncio.TimerHandle | None = None
 
     def resolve(self, outputs: dict[str, np.ndarray]) -> None:
+        self.state = RequestState.DONE
         if not self.future.done():
             self.future.set_result(outputs)
 
     def fail(self, error: BaseException) -> None:
+        self.state = RequestState.DONE
         if not self.future.done():
             self.future.set_exception(error)

@@ -1,85 +1,101 @@
-"""What one instance runs for a batch: pre-processing, the engine, and the mapping of names.
+"""What an instance runs for a batch: merge the requests, run the engine, split the results.
 
-Clients speak the config's tensor names; the engine may call its tensors otherwise
-(`engine_name`), and text models take strings that are tokenized here, over the whole batch,
-on the instance's thread rather than the event loop.
+Requests arrive as engine-ready feeds. Merging concatenates them along the batch dim; tensors
+declared paddable (token tensors, inputs with a pad_value) are padded to the batch's longest,
+and compiled engines get the batch padded up to one of the sizes they were built for. Outputs
+are renamed to the names clients know, cast to the declared datatype, and cut back per request.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
 
-from server.config import ModelConfig, Tokenize
+from server.config import ModelConfig
 from server.engines.base import Engine
-from server.errors import EngineError
 from server.protocol.datatypes import numpy_dtype
+from server.scheduler.batcher import BatchResult
 
 
-class TextTokenizer:
-    """Batched tokenization with truncation, padded to the longest text of the batch."""
-
-    def __init__(self, spec: Tokenize, version_dir: Path) -> None:
-        path = version_dir / spec.tokenizer
-        if not path.is_file():
-            raise EngineError(f"tokenizer file {path} is missing")
-        self._tokenizer = Tokenizer.from_file(str(path))
-        self._tokenizer.enable_truncation(max_length=spec.max_length)
-        self._tokenizer.enable_padding()
-        self._spec = spec
-
-    def __call__(self, texts: list[str]) -> dict[str, np.ndarray]:
-        encodings = self._tokenizer.encode_batch(texts)
-        tensors = {self._spec.input_ids: np.array([e.ids for e in encodings], dtype=np.int64)}
-        if self._spec.attention_mask:
-            tensors[self._spec.attention_mask] = np.array(
-                [e.attention_mask for e in encodings], dtype=np.int64
-            )
-        if self._spec.token_type_ids:
-            tensors[self._spec.token_type_ids] = np.array([e.type_ids for e in encodings], dtype=np.int64)
-        return tensors
-
-
-@dataclass
-class StageTimes:
-    """Nanoseconds spent per stage of one batch, as Triton's statistics name them."""
-
-    compute_input_ns: int = 0
-    compute_infer_ns: int = 0
-    compute_output_ns: int = 0
+def paddable_inputs(config: ModelConfig, token_pads: dict[str, int]) -> dict[str, float]:
+    """Engine tensor name -> pad value, for every tensor a batch may pad."""
+    pads: dict[str, float] = {name: value for name, value in token_pads.items()}
+    for tensor in config.inputs:
+        if tensor.pad_value is not None:
+            pads[tensor.source_name] = tensor.pad_value
+    return pads
 
 
 class ModelPipeline:
-    def __init__(self, config: ModelConfig, engine: Engine, version_dir: Path) -> None:
+    def __init__(self, config: ModelConfig, engine: Engine, pads: dict[str, float]) -> None:
         self.engine = engine
-        self._inputs = [(t.name, t.source_name) for t in config.inputs]
+        self._batched = config.batched
+        self._pads = pads
+        self._multiple = config.tokenize.pad_to_multiple_of if config.tokenize else 1
+        self._buckets = config.batch_buckets or []
         self._outputs = [(t.name, t.source_name, numpy_dtype(t.datatype)) for t in config.outputs]
-        tokenize = config.preprocess.tokenize if config.preprocess else None
-        self._text_input = tokenize.input if tokenize else None
-        self._tokenizer = TextTokenizer(tokenize, version_dir) if tokenize else None
 
-    def run(self, inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], StageTimes]:
-        """Run one batch given by API tensor names; return outputs by API names."""
-        times = StageTimes()
+    def run_batch(self, feeds: list[dict[str, np.ndarray]]) -> BatchResult:
         start = time.perf_counter_ns()
-        feed: dict[str, np.ndarray] = {}
-        for name, source in self._inputs:
-            if name == self._text_input:
-                feed.update(self._tokenizer([str(t) for t in inputs[name].reshape(-1)]))
-            else:
-                feed[source] = inputs[name]
+        sizes = [len(next(iter(f.values()))) for f in feeds] if self._batched else [1]
+        merged = self._merge(feeds) if self._batched else feeds[0]
         infer_start = time.perf_counter_ns()
-        times.compute_input_ns = infer_start - start
-        results = self.engine.run(feed)
+        results = self.engine.run(merged)
         output_start = time.perf_counter_ns()
-        times.compute_infer_ns = output_start - infer_start
         outputs = {}
         for name, source, dtype in self._outputs:
             array = results[source]
             outputs[name] = array if array.dtype == dtype else array.astype(dtype)
-        times.compute_output_ns = time.perf_counter_ns() - output_start
-        return outputs, times
+        per_request = split(outputs, sizes) if self._batched else [outputs]
+        end = time.perf_counter_ns()
+        return BatchResult(per_request, infer_start - start, output_start - infer_start, end - output_start)
+
+    def _merge(self, feeds: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        total = sum(len(next(iter(f.values()))) for f in feeds)
+        rows = self._bucket(total)
+        merged = {}
+        for name in feeds[0]:
+            parts = [f[name] for f in feeds]
+            if name in self._pads:
+                merged[name] = self._padded(parts, self._pads[name], rows)
+            else:
+                array = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                merged[name] = _fill_rows(array, rows)
+        return merged
+
+    def _bucket(self, items: int) -> int:
+        return next((b for b in self._buckets if b >= items), items)
+
+    def _padded(self, parts: list[np.ndarray], value: float, rows: int) -> np.ndarray:
+        """Pad every variable dim to the longest of the batch (sequence dim rounded up)."""
+        shape = [max(p.shape[d] for p in parts) for d in range(1, parts[0].ndim)]
+        if shape and self._multiple > 1:
+            shape[0] = math.ceil(shape[0] / self._multiple) * self._multiple
+        if len(parts) == 1 and list(parts[0].shape[1:]) == shape:
+            return _fill_rows(parts[0], rows)
+        out = np.full((rows, *shape), value, dtype=parts[0].dtype)
+        offset = 0
+        for part in parts:
+            out[(slice(offset, offset + len(part)), *(slice(0, n) for n in part.shape[1:]))] = part
+            offset += len(part)
+        if offset < rows:  # bucket rows: copies of a real row, so the engine sees valid data
+            out[offset:] = out[offset - 1]
+        return out
+
+
+def _fill_rows(array: np.ndarray, rows: int) -> np.ndarray:
+    if len(array) >= rows:
+        return array
+    return np.concatenate([array, np.repeat(array[-1:], rows - len(array), axis=0)])
+
+
+def split(outputs: dict[str, np.ndarray], sizes: list[int]) -> list[dict[str, np.ndarray]]:
+    """Cut the batch's outputs back into one dict per request (views, no copies); rows past
+    the requests' total (bucket padding) are dropped."""
+    if len(sizes) == 1:
+        return [{name: array[: sizes[0]] for name, array in outputs.items()}]
+    bounds = np.cumsum(sizes)
+    pieces = {name: np.split(array[: bounds[-1]], bounds[:-1]) for name, array in outputs.items()}
+    return [{name: pieces[name][i] for name in outputs} for i in range(len(sizes))]

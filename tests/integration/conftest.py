@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +30,9 @@ def free_port() -> int:
 def running_server(repository: Path, *extra: str, wait_ready: bool = True) -> Iterator[str]:
     """Start `batchline serve` on a free loopback port; yield its base URL; stop it."""
     port = free_port()
-    log = open(repository.parent / f"server-{port}.log", "w+")
+    logs = Path(tempfile.gettempdir()) / "batchline-test-logs"
+    logs.mkdir(exist_ok=True)
+    log = open(logs / f"server-{port}.log", "w+")
     process = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "serve", "--model-repository", str(repository),
          "--host", "127.0.0.1", "--http-port", str(port), *extra],

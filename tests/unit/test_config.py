@@ -363,6 +363,14 @@ def test_triton_model_config_rendering(tmp_path: Path) -> None:
         "max_queue_delay_microseconds": 100,
         "preferred_batch_size": [4],
         "preserve_ordering": False,
+        "priority_levels": 0,
+        "default_priority_level": 0,
+        "default_queue_policy": {
+            "max_queue_size": 0,
+            "default_timeout_microseconds": 0,
+            "allow_timeout_override": True,
+            "timeout_action": "REJECT",
+        },
     }
     assert rendered["parameters"] == {"precision": {"string_value": "fp16"}}
 

@@ -1,0 +1,57 @@
+"""When a formed batch should go: the dynamic batcher's decision, as a pure function.
+
+Kept apart from the batcher so that every rule is tested deterministically with a given clock.
+
+The rules, in order:
+1. full: the batch reached the cap, or the next waiting request cannot join (size or token budget);
+2. preferred: the batch reached a preferred size (or the largest one);
+3. idle: no batch of this model is running, so waiting would only add latency: at low load a
+   request never pays a batching tax;
+4. delay: the oldest request of the batch has waited max_queue_delay;
+otherwise wait until (4) comes due, or a new arrival or a finished batch changes the picture.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class DispatchReason(enum.StrEnum):
+    FULL = "full"
+    PREFERRED = "preferred"
+    IDLE = "idle"
+    DELAY = "delay"
+
+
+@dataclass(frozen=True)
+class Decision:
+    reason: DispatchReason | None  # None: wait
+    wake_at_ns: int | None = None  # when waiting: when to decide again at the latest
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    max_batch_size: int
+    preferred: tuple[int, ...] = ()
+    max_delay_ns: int = 0
+    max_batch_tokens: int | None = None
+
+    def fits(self, items: int, longest: int) -> bool:
+        """Whether a batch of `items` padded to `longest` tokens stays within both caps."""
+        if items > self.max_batch_size:
+            return False
+        return self.max_batch_tokens is None or items * longest <= self.max_batch_tokens
+
+    def decide(self, items: int, blocked: bool, oldest_arrival_ns: int, now_ns: int, busy: bool) -> Decision:
+        """`blocked`: a request is waiting that could not join this batch for lack of room."""
+        if items >= self.max_batch_size or blocked:
+            return Decision(DispatchReason.FULL)
+        if self.preferred and (items in self.preferred or items >= self.preferred[-1]):
+            return Decision(DispatchReason.PREFERRED)
+        if not busy:
+            return Decision(DispatchReason.IDLE)
+        due = oldest_arrival_ns + self.max_delay_ns
+        if now_ns >= due:
+            return Decision(DispatchReason.DELAY if self.max_delay_ns else DispatchReason.IDLE)
+        return Decision(None, wake_at_ns=due)
