@@ -213,6 +213,7 @@ class Batcher:
                 self._stats.success.add(done - request.arrival_ns)
                 self._release(request, lambda r=request, o=outputs: r.resolve(o))
         finally:
+            self._running.discard(asyncio.current_task())  # this batch no longer counts as busy
             self._idle.append(instance)
             self._dispatch()
 

@@ -1,0 +1,163 @@
+"""The engine alone, no server: items/s and latency per batch size ("the engine ceiling").
+
+The server can never beat its engine, so this is the bar the HTTP numbers are read against.
+The models are loaded the way the server's engines load them (server/engines/, pipeline.py),
+without importing the server, which is being rewritten:
+  minilm: ONNX Runtime session on CPUExecutionProvider, graph optimisation "all", plus the
+          `tokenizers` Tokenizer of tokenizer.json, truncation 256, padding to the batch's
+          longest text; the tokenization is timed with the run, as the server does it per batch.
+  digits: torch.export.load(...).module(), eager under inference_mode, torch.set_num_threads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loadtest.payloads import SENTENCES, digits_images
+
+MAX_RUNS_PER_BATCH = 100_000
+WARMUP_RUNS = 3
+
+
+@dataclass
+class BatchResult:
+    batch_size: int
+    runs: int
+    elapsed_s: float
+    latencies_s: list[float]
+    tokenize_s: list[float]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        ms = np.array(self.latencies_s) * 1000
+        out: dict[str, Any] = {
+            "batch_size": self.batch_size,
+            "runs": self.runs,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "items_s": round(self.batch_size * self.runs / self.elapsed_s, 1),
+            "latency_ms": {
+                "p50": round(float(np.percentile(ms, 50)), 3),
+                "p99": round(float(np.percentile(ms, 99)), 3),
+                "min": round(float(ms.min()), 3),
+            },
+        }
+        if self.tokenize_s:
+            out["tokenize_ms_p50"] = round(float(np.median(self.tokenize_s)) * 1000, 3)
+        return out | self.extra
+
+
+Runner = Callable[[int], float | None]  # runs batch number i; returns seconds spent tokenizing
+# A runner may carry `extra`: figures about its inputs (e.g. padding) to put into the report.
+Loader = Callable[[int], Runner]  # batch size -> runner; the model is loaded once per sweep
+
+
+def tokenizer_max_length(model_dir: Path, default: int = 256) -> int:
+    """preprocess.tokenize.max_length of the model's config.yaml, as the server reads it."""
+    import yaml
+
+    config = yaml.safe_load((model_dir / "config.yaml").read_text()) or {}
+    return int(((config.get("preprocess") or {}).get("tokenize") or {}).get("max_length", default))
+
+
+def minilm_loader(model_dir: Path, threads: int) -> Loader:
+    import onnxruntime as ort
+    from tokenizers import Tokenizer
+
+    version_dir = model_dir / "1"
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    session = ort.InferenceSession(str(version_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    tokenizer = Tokenizer.from_file(str(version_dir / "tokenizer.json"))
+    tokenizer.enable_truncation(max_length=tokenizer_max_length(model_dir))
+    tokenizer.enable_padding()
+    feeds = {i.name for i in session.get_inputs()}
+
+    def prepare(batch_size: int) -> Runner:
+        batches = [[SENTENCES[(b * batch_size + i) % len(SENTENCES)] for i in range(batch_size)]
+                   for b in range(len(SENTENCES))]
+
+        def run(index: int) -> float:
+            start = time.perf_counter()
+            encodings = tokenizer.encode_batch(batches[index % len(batches)])
+            feed = {"input_ids": np.array([e.ids for e in encodings], dtype=np.int64)}
+            if "attention_mask" in feeds:
+                feed["attention_mask"] = np.array([e.attention_mask for e in encodings], dtype=np.int64)
+            if "token_type_ids" in feeds:
+                feed["token_type_ids"] = np.array([e.type_ids for e in encodings], dtype=np.int64)
+            tokenized = time.perf_counter()
+            session.run(None, feed)  # every output, as the server's engine runs them
+            return tokenized - start
+
+        # Padding to the longest text of a batch costs compute: report how much of it is padding.
+        real = padded = 0
+        for batch in batches:
+            encodings = tokenizer.encode_batch(batch)
+            real += sum(sum(e.attention_mask) for e in encodings)
+            padded += len(encodings) * len(encodings[0].ids)
+        run.extra = {"padding_share": round(1 - real / padded, 3), "tokens_per_batch": round(padded / len(batches), 1)}  # type: ignore[attr-defined]
+        return run
+
+    return prepare
+
+
+def digits_loader(model_dir: Path, threads: int) -> Loader:
+    import torch
+
+    torch.set_num_threads(threads)
+    module = torch.export.load(str(model_dir / "1" / "model.pt2")).module()
+    images = digits_images(model_dir.parent)
+
+    def prepare(batch_size: int) -> Runner:
+        batches = [np.ascontiguousarray(images[(np.arange(batch_size) + b * batch_size) % len(images)])
+                   for b in range(8)]
+
+        def run(index: int) -> None:
+            with torch.inference_mode():
+                module(torch.from_numpy(batches[index % len(batches)])).numpy()
+
+        return run
+
+    return prepare
+
+
+LOADERS: dict[str, Callable[[Path, int], Loader]] = {"minilm": minilm_loader, "digits": digits_loader}
+
+
+def measure(run: Runner, batch_size: int, duration_s: float, max_runs: int = MAX_RUNS_PER_BATCH) -> BatchResult:
+    """Warm up, then run back to back until `duration_s` or `max_runs`, whichever comes first
+    (at least 5 runs, so a p99 exists even for slow batches)."""
+    for i in range(WARMUP_RUNS):
+        run(i)
+    latencies: list[float] = []
+    tokenize: list[float] = []
+    start = time.perf_counter()
+    while len(latencies) < max_runs:
+        before = time.perf_counter()
+        spent = run(len(latencies))
+        latencies.append(time.perf_counter() - before)
+        if spent is not None:
+            tokenize.append(spent)
+        if before + latencies[-1] - start >= duration_s and len(latencies) >= 5:
+            break
+    return BatchResult(batch_size, len(latencies), time.perf_counter() - start, latencies, tokenize)
+
+
+def sweep(model: str, repository: Path, batch_sizes: list[int], duration_s: float, threads: int) -> list[BatchResult]:
+    if model not in LOADERS:
+        raise ValueError(f"unknown model {model!r}; known: {', '.join(LOADERS)}")
+    prepare = LOADERS[model](repository / model, threads)
+    results = []
+    for size in batch_sizes:
+        run = prepare(size)
+        result = measure(run, size, duration_s)
+        result.extra.update(getattr(run, "extra", {}))
+        results.append(result)
+    return results

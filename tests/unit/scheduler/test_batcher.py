@@ -1,0 +1,316 @@
+"""The batcher with fake instances whose batches finish when the test says so."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from server.errors import DeadlineExceeded, EngineError, QueueFull
+from server.scheduler.batcher import Batcher, BatchResult, QueueSettings
+from server.scheduler.policy import BatchPolicy
+from server.scheduler.request import InferenceRequest
+from server.stats import ModelStatistics
+
+
+LIVE: list[FakeInstance] = []
+
+
+@pytest.fixture(autouse=True)
+async def release_everything():
+    """Let every batch a test left blocked finish before its event loop closes."""
+    yield
+    for fake in LIVE:
+        for gate in fake._gates:
+            gate.set()
+    LIVE.clear()
+    await settle()
+
+
+class FakeInstance:
+    """Doubles `x`; each batch blocks until released, so tests control the interleaving."""
+
+    def __init__(self, label: str = "fake") -> None:
+        LIVE.append(self)
+        self.label = label
+        self.batches: list[list[dict[str, np.ndarray]]] = []
+        self._gates: list[asyncio.Event] = []
+        self.fail_next = False
+
+    async def run(self, feeds: list[dict[str, np.ndarray]]) -> BatchResult:
+        gate = asyncio.Event()
+        self.batches.append(feeds)
+        self._gates.append(gate)
+        await gate.wait()
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("boom")
+        return BatchResult([{"y": f["x"] * 2} for f in feeds])
+
+    def release(self, index: int = -1) -> None:
+        self._gates[index].set()
+
+    def sizes(self) -> list[list[int]]:
+        return [[len(f["x"]) for f in batch] for batch in self.batches]
+
+
+def request(values: list[float], *, key="a", longest=0, priority=1, deadline_ns=None) -> InferenceRequest:
+    x = np.array(values, dtype=np.float32).reshape(-1, 1)
+    return InferenceRequest(
+        {"x": x}, len(values), asyncio.get_running_loop().create_future(),
+        shape_key=key, longest=longest, priority=priority, deadline_ns=deadline_ns,
+    )
+
+
+def batcher(instances, *, max_batch=8, preferred=(), delay_ms=0, budget=None, **settings) -> tuple[Batcher, ModelStatistics]:
+    stats = ModelStatistics()
+    policy = BatchPolicy(max_batch, tuple(preferred), delay_ms * 1_000_000, budget)
+    return Batcher(policy, QueueSettings(**settings), instances, stats), stats
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_an_idle_instance_takes_a_request_at_once() -> None:
+    fake = FakeInstance()
+    b, stats = batcher([fake], delay_ms=50)
+    r = request([1.0])
+    b.submit(r)
+    await settle()
+    assert fake.sizes() == [[1]]
+    fake.release()
+    assert (await r.future)["y"].tolist() == [[2.0]]
+    assert stats.dispatch_reasons == {"idle": 1}
+
+
+async def test_the_next_batch_forms_while_one_runs_and_results_split_exactly() -> None:
+    fake = FakeInstance()
+    b, stats = batcher([fake], delay_ms=50)
+    first = request([1.0])
+    b.submit(first)
+    await settle()
+    waiting = [request([2.0]), request([3.0, 4.0]), request([5.0])]
+    for r in waiting:
+        b.submit(r)
+    await settle()
+    assert fake.sizes() == [[1]] and b.queue_depth == 3
+    fake.release(0)
+    await settle()
+    assert fake.sizes() == [[1], [1, 2, 1]]  # one batch of all three, no delay wasted
+    fake.release(1)
+    results = [(await r.future)["y"].ravel().tolist() for r in waiting]
+    assert results == [[4.0], [6.0, 8.0], [10.0]]
+    assert stats.execution_count == 2 and stats.inference_count == 5
+
+
+async def test_a_batch_never_exceeds_the_cap() -> None:
+    fake = FakeInstance()
+    b, stats = batcher([fake], max_batch=4)
+    b.submit(request([0.0]))
+    await settle()
+    for _ in range(3):
+        b.submit(request([1.0, 1.0]))
+    await settle()
+    fake.release(0)
+    await settle()
+    assert fake.sizes()[1] == [2, 2]
+    assert stats.dispatch_reasons["full"] == 1
+    fake.release(1)
+    await settle()
+    assert fake.sizes()[2] == [2]
+
+
+async def test_preferred_size_dispatches_without_waiting() -> None:
+    busy, free = FakeInstance("busy"), FakeInstance("free")
+    b, stats = batcher([free, busy], preferred=(2,), delay_ms=10_000)
+    b.submit(request([0.0]))  # goes to one instance: now something runs
+    await settle()
+    b.submit(request([1.0]))
+    await settle()
+    assert len(busy.batches) + len(free.batches) == 1  # waiting for the window or a preferred size
+    b.submit(request([2.0]))
+    await settle()
+    assert sorted(len(i.batches) for i in (busy, free)) == [1, 1]
+    assert stats.dispatch_reasons["preferred"] == 1
+
+
+async def test_the_delay_window_applies_only_behind_a_busy_instance() -> None:
+    first, second = FakeInstance("a"), FakeInstance("b")
+    b, stats = batcher([first, second], delay_ms=40)
+    b.submit(request([0.0]))
+    await settle()
+    b.submit(request([1.0]))
+    await settle()
+    assert b.queue_depth == 1  # one instance is busy: the window is spent
+    await asyncio.sleep(0.15)
+    assert b.queue_depth == 0
+    assert stats.dispatch_reasons == {"idle": 1, "delay": 1}
+
+
+async def test_higher_priority_goes_first() -> None:
+    fake = FakeInstance()
+    b, _ = batcher([fake], max_batch=1, levels=2)
+    b.submit(request([0.0]))
+    await settle()
+    low, high = request([1.0], priority=2), request([2.0], priority=1)
+    b.submit(low)
+    b.submit(high)
+    fake.release(0)
+    await settle()
+    assert fake.batches[1][0]["x"].item() == 2.0
+    fake.release(1)
+    await settle()
+    assert fake.batches[2][0]["x"].item() == 1.0
+
+
+async def test_priorities_share_a_batch_high_first() -> None:
+    fake = FakeInstance()
+    b, _ = batcher([fake], max_batch=8, levels=3)
+    b.submit(request([0.0]))
+    await settle()
+    for value, level in ((3.0, 3), (1.0, 1), (2.0, 2)):
+        b.submit(request([value], priority=level))
+    fake.release(0)
+    await settle()
+    assert [f["x"].item() for f in fake.batches[1]] == [1.0, 2.0, 3.0]
+
+
+async def test_a_request_whose_deadline_passes_while_queued_never_runs() -> None:
+    fake = FakeInstance()
+    b, stats = batcher([fake])
+    b.submit(request([0.0]))
+    await settle()
+    doomed = request([1.0], deadline_ns=time.perf_counter_ns() + 20_000_000)
+    kept = request([2.0])
+    b.submit(doomed)
+    b.submit(kept)
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(doomed.future, 1.0)
+    assert b.queue_depth == 1
+    fake.release(0)
+    await settle()
+    assert [f["x"].item() for f in fake.batches[1]] == [2.0]
+    assert stats.failures["deadline"] == 1
+
+
+async def test_a_full_queue_refuses_at_once() -> None:
+    fake = FakeInstance()
+    b, stats = batcher([fake], max_queue_size=2)
+    b.submit(request([0.0]))
+    await settle()
+    b.submit(request([1.0]))
+    b.submit(request([2.0]))
+    with pytest.raises(QueueFull):
+        b.submit(request([3.0]))
+    assert stats.failures["queue_full"] == 1
+    fake.release(0)
+    await settle()
+    b.submit(request([4.0]))  # room again once the queue moved
+
+
+async def test_a_cancelled_request_is_dropped_before_compute() -> None:
+    fake = FakeInstance()
+    b, stats = batcher([fake])
+    b.submit(request([0.0]))
+    await settle()
+    gone, stays = request([1.0]), request([2.0])
+    b.submit(gone)
+    b.submit(stays)
+    gone.future.cancel()
+    await settle()
+    assert b.queue_depth == 1 and stats.failures["cancelled"] == 1
+    fake.release(0)
+    await settle()
+    assert [f["x"].item() for f in fake.batches[1]] == [2.0]
+
+
+async def test_only_compatible_shapes_share_a_batch() -> None:
+    fake = FakeInstance()
+    b, _ = batcher([fake])
+    b.submit(request([0.0]))
+    await settle()
+    for key in ("a", "b", "a", "b"):
+        b.submit(request([1.0], key=key))
+    fake.release(0)
+    await settle()
+    assert fake.sizes()[1] == [1, 1]
+    fake.release(1)
+    await settle()
+    assert fake.sizes()[2] == [1, 1]
+
+
+async def test_the_token_budget_caps_a_text_batch() -> None:
+    fake = FakeInstance()
+    b, stats = batcher([fake], budget=100)
+    b.submit(request([0.0], longest=10))
+    await settle()
+    for longest in (30, 20, 30, 30):
+        b.submit(request([1.0], longest=longest))
+    fake.release(0)
+    await settle()
+    assert fake.sizes()[1] == [1, 1, 1]  # 3 x 30 tokens fit; a 4th would make 120
+    assert stats.dispatch_reasons["full"] == 1
+
+
+async def test_a_failing_batch_fails_only_its_requests() -> None:
+    fake = FakeInstance()
+    b, stats = batcher([fake], max_batch=1)
+    bad, good = request([1.0]), request([2.0])
+    b.submit(bad)
+    await settle()
+    b.submit(good)
+    fake.fail_next = True
+    fake.release(0)
+    with pytest.raises(EngineError, match="boom"):
+        await bad.future
+    await settle()
+    fake.release(1)
+    assert (await good.future)["y"].item() == 4.0
+    assert stats.failures["engine"] == 1
+
+
+async def test_without_merging_every_request_runs_alone() -> None:
+    fake = FakeInstance()
+    b, _ = batcher([fake], merge=False)
+    b.submit(request([0.0]))
+    await settle()
+    b.submit(request([1.0]))
+    b.submit(request([2.0]))
+    fake.release(0)
+    await settle()
+    assert fake.sizes()[1] == [1]
+
+
+async def test_preserve_ordering_holds_later_results() -> None:
+    slow, fast = FakeInstance("slow"), FakeInstance("fast")
+    b, _ = batcher([fast, slow], max_batch=1, preserve_ordering=True)
+    first, second = request([1.0]), request([2.0])
+    b.submit(first)
+    b.submit(second)
+    await settle()
+    second_instance = fast if fast.batches and fast.batches[0][0]["x"].item() == 2.0 else slow
+    first_instance = slow if second_instance is fast else fast
+    second_instance.release(0)
+    await settle()
+    assert not second.future.done()  # finished, but held until the first is answered
+    first_instance.release(0)
+    await settle()
+    assert first.future.done() and second.future.done()
+
+
+async def test_drain_runs_what_is_queued() -> None:
+    fake = FakeInstance()
+    b, _ = batcher([fake], max_batch=1)
+    requests = [request([float(i)]) for i in range(3)]
+    for r in requests:
+        b.submit(r)
+    draining = asyncio.create_task(b.drain())
+    for i in range(3):
+        await settle()
+        fake.release(i)
+    await asyncio.wait_for(draining, 1.0)
+    assert all(r.future.done() and not r.future.exception() for r in requests)

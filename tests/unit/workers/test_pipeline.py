@@ -1,0 +1,105 @@
+"""Batch assembly: merging, padding to the batch's longest, bucket ladders, splitting back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from server.config import ModelConfig
+from server.devices import Device
+from server.engines.base import Engine, EngineDescription
+from server.preprocess import TextTokenizer
+from server.workers.pipeline import ModelPipeline, paddable_inputs
+
+MODELS = Path(__file__).resolve().parents[3] / "models"
+
+
+class RowSums(Engine):
+    """Sums each row over its non-batch dims; records the shapes it was given."""
+
+    def __init__(self, config=None, version_dir=None, device=None) -> None:
+        self.seen: list[dict[str, tuple[int, ...]]] = []
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.seen.append({k: v.shape for k, v in inputs.items()})
+        total = sum(v.reshape(len(v), -1).sum(1).astype(np.float64) for v in inputs.values())
+        return {"engine_sum": total.reshape(-1, 1)}
+
+    def describe(self) -> EngineDescription:
+        return EngineDescription("fake", "cpu", "fp32")
+
+
+def config(**overrides) -> ModelConfig:
+    document = {
+        "name": "toy",
+        "engine": "onnxruntime",
+        "max_batch_size": 8,
+        "inputs": [{"name": "x", "datatype": "FP32", "dims": [-1], "pad_value": 0}],
+        "outputs": [{"name": "sum", "datatype": "FP32", "dims": [1], "engine_name": "engine_sum"}],
+        "dynamic_batching": {},
+        **overrides,
+    }
+    return ModelConfig.model_validate(document)
+
+
+def test_requests_of_different_lengths_pad_to_the_longest() -> None:
+    cfg = config()
+    engine = RowSums()
+    pipeline = ModelPipeline(cfg, engine, paddable_inputs(cfg, {}))
+    feeds = [{"x": np.ones((2, 3), np.float32)}, {"x": np.full((1, 5), 2, np.float32)}]
+    result = pipeline.run_batch(feeds)
+    assert engine.seen == [{"x": (3, 5)}]
+    assert [o["sum"].ravel().tolist() for o in result.outputs] == [[3.0, 3.0], [10.0]]
+    assert all(o["sum"].dtype == np.float32 for o in result.outputs)
+    assert result.compute_infer_ns > 0
+
+
+def test_batches_pad_up_to_the_engines_bucket_and_cut_back() -> None:
+    cfg = config(batch_buckets=[1, 4, 8], inputs=[{"name": "x", "datatype": "FP32", "dims": [2]}])
+    engine = RowSums()
+    pipeline = ModelPipeline(cfg, engine, paddable_inputs(cfg, {}))
+    feeds = [{"x": np.array([[1, 2]], np.float32)}, {"x": np.array([[3, 4], [5, 6]], np.float32)}]
+    result = pipeline.run_batch(feeds)
+    assert engine.seen == [{"x": (4, 2)}]  # 3 items padded to the bucket of 4
+    assert [o["sum"].ravel().tolist() for o in result.outputs] == [[3.0], [7.0, 11.0]]
+
+
+def test_a_single_request_pads_to_its_bucket_too() -> None:
+    cfg = config(batch_buckets=[4, 8], inputs=[{"name": "x", "datatype": "FP32", "dims": [1]}])
+    engine = RowSums()
+    result = ModelPipeline(cfg, engine, {}).run_batch([{"x": np.ones((3, 1), np.float32)}])
+    assert engine.seen == [{"x": (4, 1)}]
+    assert result.outputs[0]["sum"].shape == (3, 1)
+
+
+def test_unbatched_models_run_the_request_as_given() -> None:
+    cfg = config(max_batch_size=0, dynamic_batching=None, inputs=[{"name": "x", "datatype": "FP32", "dims": [2, 2]}])
+    engine = RowSums()
+    result = ModelPipeline(cfg, engine, {}).run_batch([{"x": np.ones((2, 2), np.float32)}])
+    assert engine.seen == [{"x": (2, 2)}]
+    assert result.outputs[0]["sum"].shape == (2, 1)
+
+
+@pytest.mark.skipif(not (MODELS / "minilm/1/tokenizer.json").is_file(), reason="minilm not built")
+def test_token_tensors_pad_to_a_multiple() -> None:
+    cfg = ModelConfig.model_validate(
+        {
+            "name": "text",
+            "engine": "onnxruntime",
+            "max_batch_size": 8,
+            "inputs": [{"name": "text", "datatype": "BYTES", "dims": [1]}],
+            "outputs": [{"name": "sum", "datatype": "FP32", "dims": [1], "engine_name": "engine_sum"}],
+            "preprocess": {"tokenize": {"input": "text", "max_length": 16, "pad_to_multiple_of": 8}},
+            "dynamic_batching": {},
+        }
+    )
+    tokenizer = TextTokenizer(cfg.tokenize, MODELS / "minilm/1")
+    short, long = tokenizer.encode(["hi"]), tokenizer.encode(["a much longer sentence than the other one"])
+    assert short["input_ids"].shape == (1, 3)  # [CLS] hi [SEP]
+    assert long["input_ids"].shape[1] == 10
+    engine = RowSums()
+    ModelPipeline(cfg, engine, paddable_inputs(cfg, tokenizer.outputs)).run_batch([short, long])
+    assert engine.seen[0]["input_ids"] == (2, 16)
+    assert tokenizer.encode(["word " * 100])["input_ids"].shape == (1, 16)  # truncated at max_length
