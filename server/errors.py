@@ -51,5 +51,9 @@ class ConfigError(BatchlineError):
     """A model configuration is invalid; the message names file, field and reason."""
 
 
+class PayloadTooLarge(BatchlineError):
+    """The request body is larger than the server accepts."""
+
+
 class Unsupported(BatchlineError):
     """The request asks for a feature this server does not implement."""

@@ -1,27 +1,26 @@
 """KServe v2 routes over HTTP. Thin: read bytes and headers, call the data plane, answer.
 
-The infer route reads the raw body (no pydantic on the hot path); the control-plane routes
-are ordinary FastAPI routes, documented at /docs.
+The control plane is ordinary FastAPI routes, documented at /docs; the infer route is a bare
+ASGI endpoint in front of them (`infer.py`), described in the same OpenAPI document.
 """
 
 from __future__ import annotations
 
-import gzip
-import zlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 
 from server import __version__
 from server.dataplane import DataPlane
 from server.errors import InvalidInput
 from server.http.errors import error_response, install_error_handlers
+from server.http.infer import FastInferApp, InferEndpoint
 
-HEADER_LENGTH = "Inference-Header-Content-Length"
 _EMPTY_JSON = b"{}"
 
 _INFER_BODY = {
@@ -82,41 +81,7 @@ def _status_only(ok: bool, what: str) -> Response:
     return error_response(503, f"{what} is not ready")
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _TooLarge(limit)
-    body = await request.body()
-    encoding = request.headers.get("content-encoding", "identity").lower()
-    try:
-        if encoding == "gzip":
-            body = gzip.decompress(body)
-        elif encoding == "deflate":
-            body = zlib.decompress(body)
-        elif encoding != "identity":
-            raise InvalidInput(f"unsupported Content-Encoding {encoding!r}; use gzip or deflate")
-    except (OSError, zlib.error, EOFError) as exc:
-        raise InvalidInput(f"the body is not valid {encoding}: {exc}") from exc
-    if len(body) > limit:
-        raise _TooLarge(limit)
-    return body
-
-
-class _TooLarge(Exception):
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"the request body exceeds the limit of {limit} bytes")
-
-
-def _header_length(request: Request) -> int | None:
-    raw = request.headers.get(HEADER_LENGTH)
-    if raw is None:
-        return None
-    if not raw.strip().isdigit():
-        raise InvalidInput(f"{HEADER_LENGTH} must be a non-negative integer, got {raw!r}")
-    return int(raw)
-
-
-def create_app(plane: DataPlane, models: list[str] | None = None, max_body_bytes: int = 64 << 20) -> FastAPI:
+def create_app(plane: DataPlane, models: list[str] | None = None, max_body_bytes: int = 64 << 20) -> FastInferApp:
     """The ASGI app; models load in the background once it starts."""
 
     @asynccontextmanager
@@ -132,11 +97,6 @@ def create_app(plane: DataPlane, models: list[str] | None = None, max_body_bytes
         lifespan=lifespan,
     )
     install_error_handlers(app)
-
-    async def on_too_large(_: Request, exc: Exception) -> Response:
-        return error_response(413, str(exc))
-
-    app.add_exception_handler(_TooLarge, on_too_large)
     v2 = APIRouter(prefix="/v2", tags=["KServe v2"])
 
     @v2.get("", summary="Server metadata")
@@ -175,19 +135,6 @@ def create_app(plane: DataPlane, models: list[str] | None = None, max_body_bytes
     async def model_stats(model: str, version: str | None = None) -> Response:
         return _json(plane.statistics(model, version))
 
-    @v2.post("/models/{model}/infer", summary="Inference", openapi_extra=_INFER_BODY)
-    @v2.post("/models/{model}/versions/{version}/infer", summary="Inference on a version", openapi_extra=_INFER_BODY)
-    async def infer(request: Request, model: str, version: str | None = None) -> Response:
-        body = await _read_body(request, max_body_bytes)
-        content, header_length = await plane.infer(model, version, body, _header_length(request))
-        if header_length is None:
-            return Response(content, media_type="application/json")
-        return Response(
-            content,
-            media_type="application/octet-stream",
-            headers={HEADER_LENGTH: str(header_length)},
-        )
-
     @v2.post("/repository/index", summary="Models in the repository and their state", tags=["repository"])
     async def repository_index(request: Request) -> Response:
         options = await _json_object(request)
@@ -205,7 +152,32 @@ def create_app(plane: DataPlane, models: list[str] | None = None, max_body_bytes
         return _json({})
 
     app.include_router(v2)
-    return app
+    app.openapi = lambda: _openapi_with_infer(app)  # type: ignore[method-assign]
+    return FastInferApp(app, InferEndpoint(plane, max_body_bytes))
+
+
+def _openapi_with_infer(app: FastAPI) -> dict[str, Any]:
+    """The generated document plus the bare infer endpoint, which FastAPI does not see."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        responses = {
+            "200": {"description": "Outputs (JSON, or JSON header + binary tensors)"},
+            "400": {"description": "Bad input"},
+            "404": {"description": "Unknown model or version"},
+            "429": {"description": "Queue full; see Retry-After"},
+            "503": {"description": "Model not ready"},
+            "504": {"description": "Deadline passed while queued"},
+        }
+        for path, summary in (
+            ("/v2/models/{model}/infer", "Inference"),
+            ("/v2/models/{model}/versions/{version}/infer", "Inference on a version"),
+        ):
+            parameters = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+                          for n in ("model", "version") if "{" + n + "}" in path]
+            schema["paths"][path] = {"post": {"summary": summary, "tags": ["KServe v2"], "parameters": parameters,
+                                              "responses": responses, **_INFER_BODY}}
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 async def _json_object(request: Request) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from server.errors import (
     EngineError,
     InvalidInput,
     ModelNotFound,
+    PayloadTooLarge,
     QueueFull,
     Unavailable,
     Unsupported,
@@ -30,6 +31,7 @@ STATUS_BY_ERROR: dict[type[BatchlineError], int] = {
     Unsupported: 400,
     ConfigError: 400,
     ModelNotFound: 404,
+    PayloadTooLarge: 413,
     QueueFull: 429,
     Cancelled: 499,  # the client closed the request (nginx's convention)
     EngineError: 500,
@@ -45,36 +47,37 @@ def status_of(error: BatchlineError) -> int:
     return 500
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    return Response(encode_error(message), status_code=status, media_type="application/json", headers=headers)
-
-
-def response_for(error: BatchlineError) -> Response:
-    headers = None
+def error_parts(error: BaseException) -> tuple[int, bytes, dict[str, str]]:
+    """Status, KServe error body and extra headers for any exception (500 for the unexpected)."""
+    if not isinstance(error, BatchlineError):
+        logger.error("unexpected error", exc_info=error)
+        return 500, encode_error(f"internal error: {type(error).__name__}"), {}
+    headers = {}
     if isinstance(error, QueueFull):
-        headers = {"Retry-After": str(max(1, round(error.retry_after_s)))}
-    return error_response(status_of(error), error.message, headers)
+        headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
+    return status_of(error), encode_error(error.message), headers
+
+
+def error_response(status: int, message: str) -> Response:
+    return Response(encode_error(message), status_code=status, media_type="application/json")
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    async def on_batchline_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, BatchlineError)
-        return response_for(exc)
+    async def on_error(_: Request, exc: Exception) -> Response:
+        status, body, headers = error_parts(exc)
+        return Response(body, status_code=status, media_type="application/json", headers=headers)
 
     async def on_http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return error_response(exc.status_code, str(exc.detail), exc.headers)
+        return Response(encode_error(str(exc.detail)), status_code=exc.status_code,
+                        media_type="application/json", headers=exc.headers)
 
     async def on_validation_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         return error_response(400, problems)
 
-    async def on_unexpected_error(_: Request, exc: Exception) -> Response:
-        logger.exception("unexpected error", exc_info=exc)
-        return error_response(500, f"internal error: {type(exc).__name__}")
-
-    app.add_exception_handler(BatchlineError, on_batchline_error)
+    app.add_exception_handler(BatchlineError, on_error)
     app.add_exception_handler(HTTPException, on_http_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(Exception, on_unexpected_error)
+    app.add_exception_handler(Exception, on_error)

@@ -240,6 +240,7 @@ EXPECTED_STATUS = {
     errors.Unsupported: 400,
     errors.ConfigError: 400,
     errors.ModelNotFound: 404,
+    errors.PayloadTooLarge: 413,
     errors.QueueFull: 429,
     errors.Cancelled: 499,
     errors.EngineError: 500,

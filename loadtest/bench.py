@@ -1,0 +1,361 @@
+"""`python -m loadtest.bench MODE`: benchmark the engine alone, or a running server.
+
+Each run writes MODE.json, MODE.md and MODE.png into --out, with the machine and the exact
+command line, so that every figure can be reproduced and compared (loadtest/report.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import shlex
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from loadtest import machine, payloads, report
+
+DESCRIPTION = """Benchmarks for Batchline (issue "Measure"). Modes:
+
+  engine    the engine alone, no server: items/s and latency per batch size; the best is
+            "the engine ceiling" that the server is read against
+  closed    closed loop with wrk against a running server (--url): a sweep of concurrency levels
+            (connections, each sends its next request when its reply arrives)
+  open      open loop, Poisson arrivals at a sweep of rates, latency vs offered load
+  batching  `closed` against two running servers, batching on (--url-on) and off (--url-off)
+
+Each run writes MODE.json (the record: machine, command line, parameters, every level),
+MODE.md (a table) and MODE.png (a plot, with matplotlib) into --out.
+The HTTP modes never start a server: start it yourself, e.g. pinned to CPU 0:
+  taskset -c 0 python -m server.cli serve --http-port 8000
+  python -m loadtest.bench closed --url http://127.0.0.1:8000 --generator-cpu 1 --out out/closed
+"""
+
+ENGINE_HELP = """The engine alone, loaded as the server loads it, called directly: no HTTP, no queue.
+minilm: ONNX Runtime (CPUExecutionProvider, --threads intra-op threads) + tokenizers
+(truncation at the config's max_length, padding to the longest text of the batch; tokenization is
+timed as part of each batch, as the server does it). digits: torch.export.load(...).module(),
+torch.set_num_threads(--threads). Per batch size: 3 warm-up runs, then runs back to back for
+--duration seconds (at least 5 runs, at most 100,000); reports items/s, p50/p99 latency per batch,
+and the best batch size ("the engine ceiling")."""
+
+CLOSED_HELP = """Closed loop with wrk (Debian package `wrk`): for each --concurrency level C, wrk keeps
+C keep-alive connections each sending its next request as soon as its reply is back, for
+--duration seconds (whole seconds: wrk rounds up). A Python client could not keep up with the
+server; wrk's C loop does. Reports req/s, items/s, p50/p90/p99 latency and errors per level.
+Before the sweep, one request is sent and its reply checked (status, output shape); wrk itself
+counts non-2xx replies, socket errors and timeouts. Pin wrk away from the server with
+--generator-cpu (taskset)."""
+
+OPEN_HELP = """Open loop: Poisson arrivals at each --rates value for --duration seconds, sent by an
+asyncio raw-socket HTTP/1.1 client (keep-alive pool of up to --connections connections). Latency
+is measured from each request's scheduled arrival, so queueing is not hidden. A Python client,
+pinned to one CPU, keeps up with rates up to a few thousand requests/s; above that it falls
+behind, which the report shows as client send lag (wrk2 is not packaged by Debian)."""
+
+BATCHING_HELP = """Runs `closed` against two servers that you start: --url-on with batching as
+configured, --url-off with batching disabled (e.g. a copy of the model repository whose
+config.yaml sets max_batch_size: 1 and warmup batch_sizes: [1]). Reports both sweeps side by side
+and the throughput ratio per concurrency level. Start both servers pinned to the same CPU set and
+run them one at a time if the machine is small (run this mode twice, or stop one while the other
+is measured): two servers on one core measure each other."""
+
+
+def _ints(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers, got {text!r}")
+    return values
+
+
+def _floats(text: str) -> list[float]:
+    values = [float(v) for v in text.split(",") if v.strip()]
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive numbers, got {text!r}")
+    return values
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench", description=DESCRIPTION,
+                                     formatter_class=_Formatter)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", choices=sorted(payloads.SPECS), default="digits", help="model to measure")
+    common.add_argument("--out", type=Path, required=True, help="folder for MODE.json, MODE.md, MODE.png")
+    common.add_argument("--note", default="", help="free text stored in the report (e.g. how the server was pinned)")
+    http = argparse.ArgumentParser(add_help=False)
+    http.add_argument("--binary", action="store_true", help="Triton binary tensor bodies (and binary outputs) instead of JSON")
+    http.add_argument("--items", type=int, default=1, help="items (batch rows) per request")
+    http.add_argument("--timeout", type=float, default=10.0, help="seconds a request may take before it counts as an error")
+    http.add_argument("--bodies", type=int, default=32, help="different request bodies, sent in turn")
+    http.add_argument("--generator-cpu", type=int, metavar="N",
+                      help="pin the load generator to CPU N (taskset for wrk, sched_setaffinity for open)")
+    wrk = argparse.ArgumentParser(add_help=False)
+    wrk.add_argument("--concurrency", type=_ints, default=[1, 8, 32, 64], help="comma-separated connection counts")
+    wrk.add_argument("--threads", type=int, default=1, help="wrk threads (one suffices for ~50k req/s)")
+    wrk.add_argument("--warmup", type=float, default=2.0, help="seconds of load at the highest concurrency before the sweep (0: none)")
+    modes = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
+
+    engine = modes.add_parser("engine", parents=[common], help="the engine alone, per batch size",
+                              description=ENGINE_HELP, formatter_class=_Formatter)
+    engine.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16, 32, 64], help="comma-separated")
+    engine.add_argument("--duration", type=float, default=3.0, help="seconds of runs per batch size")
+    engine.add_argument("--threads", type=int, default=1, help="intra-op threads (ONNX Runtime) / torch.set_num_threads")
+    engine.add_argument("--model-repository", type=Path, default=payloads.MODELS, help="model repository folder")
+
+    closed = modes.add_parser("closed", parents=[common, http, wrk], help="closed-loop concurrency sweep (wrk)",
+                              description=CLOSED_HELP, formatter_class=_Formatter)
+    closed.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    closed.add_argument("--duration", type=float, default=10.0, help="seconds per concurrency level")
+
+    open_ = modes.add_parser("open", parents=[common, http], help="open-loop Poisson rate sweep (asyncio)",
+                             description=OPEN_HELP, formatter_class=_Formatter)
+    open_.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    open_.add_argument("--rates", type=_floats, default=[100, 250, 500, 1000, 2000], help="comma-separated requests/s")
+    open_.add_argument("--connections", type=int, default=256, help="most connections the client opens")
+    open_.add_argument("--duration", type=float, default=10.0, help="seconds per rate")
+
+    batching = modes.add_parser("batching", parents=[common, http, wrk], help="closed sweep, batching on vs off",
+                                description=BATCHING_HELP, formatter_class=_Formatter)
+    batching.add_argument("--url-on", required=True, help="base URL of the server with batching")
+    batching.add_argument("--url-off", required=True, help="base URL of the server without batching")
+    batching.add_argument("--duration", type=float, default=10.0, help="seconds per concurrency level")
+    return parser
+
+
+def _record(args: argparse.Namespace, argv: list[str], parameters: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "mode": args.mode,
+        "command_line": shlex.join([sys.executable, "-m", "loadtest.bench", *argv]),
+        "cwd": os.getcwd(),
+        "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "note": args.note,
+        "machine": machine.machine_record(),
+        "parameters": parameters,
+        "notes": [],
+    }
+
+
+def _preflight(url: str, request: payloads.InferRequest, timeout: float) -> None:
+    """One request, its reply checked, before any load: a sweep against a wrong server is void."""
+    http = urllib.request.Request(url.rstrip("/") + request.path, data=request.body,
+                                  headers=request.headers, method="POST")
+    try:
+        with urllib.request.urlopen(http, timeout=timeout) as reply:
+            status, headers, body = reply.status, dict(reply.headers), reply.read()
+    except urllib.error.HTTPError as exc:
+        status, headers, body = exc.code, dict(exc.headers), exc.read()
+    except OSError as exc:
+        raise SystemExit(f"bench: no server at {url} ({exc}); start one first (see --help)") from exc
+    problem = payloads.check_response(request.model, request.items, status, headers, body)
+    if problem:
+        raise SystemExit(f"bench: {url} answers {request.model} wrongly: {problem}")
+
+
+# ---- engine -----------------------------------------------------------------------------------
+
+def run_engine(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
+    from loadtest import engine
+
+    parameters = {"model": args.model, "batch_sizes": args.batch_sizes, "duration_s": args.duration,
+                  "threads": args.threads, "model_repository": str(args.model_repository)}
+    record = _record(args, argv, parameters)
+    results = [r.as_dict() for r in engine.sweep(args.model, args.model_repository, args.batch_sizes,
+                                                  args.duration, args.threads)]
+    best = max(results, key=lambda r: r["items_s"])
+    record["results"] = results
+    record["headline"] = {"engine_ceiling_items_s": best["items_s"], "best_batch_size": best["batch_size"]}
+    headers = ["batch", "runs", "items/s", "p50 ms", "p99 ms"]
+    rows = [[r["batch_size"], r["runs"], r["items_s"], r["latency_ms"]["p50"], r["latency_ms"]["p99"]] for r in results]
+    if args.model == "minilm":
+        headers += ["tokenize p50 ms", "padding share"]
+        for row, r in zip(rows, results):
+            row += [r.get("tokenize_ms_p50"), r.get("padding_share")]
+        record["notes"].append("minilm pads each batch to its longest text: padding share is the part of "
+                               "the batch's tokens that are padding, computed but thrown away.")
+    summary = [f"engine ceiling ({args.model}, {args.threads} thread(s)): {best['items_s']:,.0f} items/s "
+               f"at batch {best['batch_size']}"]
+
+    def plot(path: Path) -> None:
+        fig, ax = report.figure(f"{args.model} engine alone, {args.threads} thread(s)")
+        sizes = [r["batch_size"] for r in results]
+        ax.plot(sizes, [r["items_s"] for r in results], "o-", label="items/s")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("items/s")
+        twin = ax.twinx()
+        twin.plot(sizes, [r["latency_ms"]["p50"] for r in results], "s--", color="tab:orange", label="p50 ms")
+        twin.set_ylabel("latency per batch, p50 (ms)")
+        fig.legend(loc="upper left")
+        report.save(fig, path)
+
+    return report.write(args.out, "engine", record, headers, rows, summary, plot)
+
+
+# ---- closed / batching ------------------------------------------------------------------------
+
+def _closed_sweep(args: argparse.Namespace, url: str, folder: Path) -> list[dict[str, Any]]:
+    from loadtest import wrk
+
+    requests = payloads.build_requests(args.model, args.items, args.binary, args.bodies)
+    _preflight(url, requests[0], args.timeout)
+    script, arguments = wrk.write_script(folder, requests)
+    target = url.rstrip("/") + requests[0].path
+    if args.warmup > 0:
+        wrk.run(target, script, arguments, max(args.concurrency), args.warmup, args.threads, args.timeout,
+                args.generator_cpu)
+    levels = []
+    for connections in args.concurrency:
+        result = wrk.run(target, script, arguments, connections, args.duration, args.threads, args.timeout,
+                         args.generator_cpu)
+        levels.append(result.as_dict(args.items))
+        print(f"  c={connections}: {levels[-1]['req_s']:,.0f} req/s, p50 {levels[-1]['latency_ms']['p50']:.2f} ms, "
+              f"p99 {levels[-1]['latency_ms']['p99']:.2f} ms, errors {levels[-1]['error_count']}", file=sys.stderr)
+    return levels
+
+
+def _http_parameters(args: argparse.Namespace) -> dict[str, Any]:
+    return {"model": args.model, "binary": args.binary, "items": args.items, "duration_s": args.duration,
+            "timeout_s": args.timeout, "bodies": args.bodies, "generator_cpu": args.generator_cpu}
+
+
+def _require_wrk() -> None:
+    from loadtest import wrk
+
+    try:
+        wrk.wrk_path()
+    except wrk.WrkMissing as exc:
+        raise SystemExit(f"bench: {exc}") from exc
+
+
+def _closed_row(level: dict[str, Any]) -> list[Any]:
+    latency = level["latency_ms"]
+    return [level["concurrency"], level["req_s"], level["items_s"], latency["p50"], latency["p90"],
+            latency["p99"], level["error_count"]]
+
+
+def run_closed(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
+    _require_wrk()
+    parameters = _http_parameters(args) | {"url": args.url, "concurrency": args.concurrency,
+                                           "wrk_threads": args.threads, "warmup_s": args.warmup}
+    record = _record(args, argv, parameters)
+    levels = _closed_sweep(args, args.url, args.out / "wrk")
+    best = max(levels, key=lambda level: level["req_s"])
+    record["results"] = levels
+    record["headline"] = {"peak_req_s": best["req_s"], "peak_items_s": best["items_s"],
+                          "at_concurrency": best["concurrency"]}
+    record["notes"].append("latency is wrk's, per request, measured on the client; errors sum wrk's "
+                           "connect/read/write/timeout errors and non-2xx replies")
+    headers = ["concurrency", "req/s", "items/s", "p50 ms", "p90 ms", "p99 ms", "errors"]
+    rows = [_closed_row(level) for level in levels]
+    summary = [f"peak {best['req_s']:,.0f} req/s ({best['items_s']:,.0f} items/s) at concurrency {best['concurrency']}"]
+
+    def plot(path: Path) -> None:
+        fig, ax = report.figure(f"{args.model} closed loop ({'binary' if args.binary else 'JSON'}, {args.items} item(s))")
+        xs = [level["concurrency"] for level in levels]
+        ax.plot(xs, [level["req_s"] for level in levels], "o-", label="req/s")
+        ax.set_xlabel("concurrency (connections)")
+        ax.set_ylabel("req/s")
+        twin = ax.twinx()
+        for key, style in (("p50", "s--"), ("p99", "^--")):
+            twin.plot(xs, [level["latency_ms"][key] for level in levels], style, label=f"{key} ms")
+        twin.set_ylabel("latency (ms)")
+        fig.legend(loc="upper left")
+        report.save(fig, path)
+
+    return report.write(args.out, "closed", record, headers, rows, summary, plot)
+
+
+def run_batching(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
+    _require_wrk()
+    parameters = _http_parameters(args) | {"url_on": args.url_on, "url_off": args.url_off,
+                                           "concurrency": args.concurrency, "wrk_threads": args.threads,
+                                           "warmup_s": args.warmup}
+    record = _record(args, argv, parameters)
+    print("batching on:", file=sys.stderr)
+    on = _closed_sweep(args, args.url_on, args.out / "wrk-on")
+    print("batching off:", file=sys.stderr)
+    off = _closed_sweep(args, args.url_off, args.out / "wrk-off")
+    record["results"] = {"on": on, "off": off}
+    headers = ["concurrency", "on req/s", "off req/s", "on/off", "on p99 ms", "off p99 ms", "on errors", "off errors"]
+    rows = [[a["concurrency"], a["req_s"], b["req_s"], round(a["req_s"] / b["req_s"], 2) if b["req_s"] else None,
+             a["latency_ms"]["p99"], b["latency_ms"]["p99"], a["error_count"], b["error_count"]]
+            for a, b in zip(on, off)]
+
+    def plot(path: Path) -> None:
+        fig, ax = report.figure(f"{args.model}: batching on vs off")
+        xs = [level["concurrency"] for level in on]
+        ax.plot(xs, [level["items_s"] for level in on], "o-", label="on, items/s")
+        ax.plot(xs, [level["items_s"] for level in off], "s-", label="off, items/s")
+        ax.set_xlabel("concurrency (connections)")
+        ax.set_ylabel("items/s")
+        ax.legend()
+        report.save(fig, path)
+
+    return report.write(args.out, "batching", record, headers, rows, (), plot)
+
+
+# ---- open ---------------------------------------------------------------------------------------
+
+def run_open(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
+    from loadtest import openloop
+
+    if args.generator_cpu is not None:
+        os.sched_setaffinity(0, {args.generator_cpu})
+    parameters = _http_parameters(args) | {"url": args.url, "rates": args.rates,
+                                           "max_connections": args.connections,
+                                           "client": f"python asyncio ({openloop.event_loop_name()})"}
+    record = _record(args, argv, parameters)
+    requests = payloads.build_requests(args.model, args.items, args.binary, args.bodies)
+    _preflight(args.url, requests[0], args.timeout)
+    results = [r.as_dict(args.items) for r in openloop.run_sweep(
+        args.url, requests, args.rates, args.duration, args.connections, args.timeout)]
+    record["results"] = results
+    for r in results:
+        lag = r["client_send_lag_ms"]["p99"]
+        if lag is not None and lag > 5:
+            record["notes"].append(f"at {r['offered_rate']:g}/s the client's send lag p99 was {lag} ms: "
+                                   "the client fell behind; latencies at this rate include its lag")
+    record["notes"].append("latency is measured from each request's scheduled (Poisson) arrival; "
+                           f"one reply in {openloop.VALIDATE_EVERY} is fully checked, every status is")
+    headers = ["offered/s", "achieved req/s", "p50 ms", "p90 ms", "p99 ms", "max ms", "errors", "client lag p99 ms"]
+    rows = [[r["offered_rate"], r["achieved_req_s"], r["latency_ms"]["p50"], r["latency_ms"]["p90"],
+             r["latency_ms"]["p99"], r["latency_ms"]["max"], r["error_count"], r["client_send_lag_ms"]["p99"]]
+            for r in results]
+
+    def plot(path: Path) -> None:
+        fig, ax = report.figure(f"{args.model} open loop (Poisson arrivals)")
+        xs = [r["offered_rate"] for r in results]
+        for key, style in (("p50", "o-"), ("p90", "s-"), ("p99", "^-")):
+            ax.plot(xs, [r["latency_ms"][key] for r in results], style, label=f"{key}")
+        ax.set_xlabel("offered load (requests/s)")
+        ax.set_ylabel("latency (ms)")
+        ax.set_yscale("log")
+        ax.legend()
+        report.save(fig, path)
+
+    return report.write(args.out, "open", record, headers, rows, (), plot)
+
+
+MODES = {"engine": run_engine, "closed": run_closed, "open": run_open, "batching": run_batching}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if getattr(args, "items", 1) < 1:
+        raise SystemExit("bench: --items must be >= 1")
+    files = MODES[args.mode](args, argv)
+    print(Path(files["markdown"]).read_text())
+    print("wrote " + ", ".join(files.values()), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The infer route as a bare ASGI endpoint: the hot path skips the framework entirely.
+
+FastAPI's routing, middleware and request objects cost more per call than a small model's
+inference; here a request is a path match, a body read, one data-plane call and two sends.
+A client that disconnects while its request waits has the request cancelled before compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import re
+import zlib
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from server.dataplane import DataPlane
+from server.errors import Cancelled, InvalidInput, PayloadTooLarge
+from server.http.errors import error_parts
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+INFER_PATH = re.compile(r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer")
+HEADER_LENGTH = "Inference-Header-Content-Length"
+_HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode()
+_JSON = [(b"content-type", b"application/json")]
+_BINARY = [(b"content-type", b"application/octet-stream")]
+
+
+class InferEndpoint:
+    def __init__(self, plane: DataPlane, max_body_bytes: int) -> None:
+        self._plane = plane
+        self._limit = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, model: str, version: str | None) -> None:
+        headers = dict(scope["headers"])
+        try:
+            body = await self._body(headers, receive)
+            header_length = _header_length(headers)
+        except Cancelled:
+            return  # the client is gone; nobody to answer
+        except Exception as exc:
+            await _send(send, *error_parts(exc))
+            return
+        work = asyncio.ensure_future(self._plane.infer(model, version, body, header_length))
+        watcher = asyncio.ensure_future(receive())  # completes when the client disconnects
+        watcher.add_done_callback(lambda _: work.cancel())
+        try:
+            content, binary_header_length = await work
+        except asyncio.CancelledError:
+            if not watcher.done():
+                raise  # the server is shutting down, not the client leaving
+            return
+        except Exception as exc:
+            watcher.cancel()
+            await _send(send, *error_parts(exc))
+            return
+        watcher.cancel()
+        if binary_header_length is None:
+            await _send(send, 200, content, {}, _JSON)
+        else:
+            await _send(send, 200, content, {HEADER_LENGTH: str(binary_header_length)}, _BINARY)
+
+    async def _body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self._limit:
+            raise PayloadTooLarge(f"the request body exceeds the limit of {self._limit} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise Cancelled("the client disconnected while sending the body")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self._limit:
+                raise PayloadTooLarge(f"the request body exceeds the limit of {self._limit} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return _decompressed(body, headers.get(b"content-encoding", b"identity").decode("latin-1").lower(), self._limit)
+
+
+def _decompressed(body: bytes, encoding: str, limit: int) -> bytes:
+    try:
+        if encoding == "gzip":
+            body = gzip.decompress(body)
+        elif encoding == "deflate":
+            body = zlib.decompress(body)
+        elif encoding != "identity":
+            raise InvalidInput(f"unsupported Content-Encoding {encoding!r}; use gzip or deflate")
+    except (OSError, zlib.error, EOFError) as exc:
+        raise InvalidInput(f"the body is not valid {encoding}: {exc}") from exc
+    if len(body) > limit:
+        raise PayloadTooLarge(f"the decompressed request body exceeds the limit of {limit} bytes")
+    return body
+
+
+def _header_length(headers: dict[bytes, bytes]) -> int | None:
+    raw = headers.get(_HEADER_LENGTH_KEY)
+    if raw is None:
+        return None
+    if not raw.strip().isdigit():
+        raise InvalidInput(f"{HEADER_LENGTH} must be a non-negative integer, got {raw.decode('latin-1')!r}")
+    return int(raw)
+
+
+async def _send(
+    send: Send, status: int, body: bytes, extra: dict[str, str], base: list[tuple[bytes, bytes]] = _JSON
+) -> None:
+    headers = [*base, (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class FastInferApp:
+    """Routes POST .../infer to the bare endpoint and everything else to the FastAPI app."""
+
+    def __init__(self, app: ASGIApp, endpoint: InferEndpoint) -> None:
+        self.app = app
+        self._endpoint = endpoint
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            match = INFER_PATH.fullmatch(scope["path"])
+            if match is not None:
+                await self._endpoint(scope, receive, send, match["model"], match["version"])
+                return
+        await self.app(scope, receive, send)

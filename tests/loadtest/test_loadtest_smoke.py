@@ -1,0 +1,115 @@
+"""Smoke tests of the load-test tooling (loadtest/): each tool runs for a second or two against
+the real server and must produce its files with real figures. They check the tools, not the
+server's speed: no threshold on a number here.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from loadtest import payloads
+from tests.integration.conftest import MODELS, running_server
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
+
+
+def _run(*command: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def _bench(*arguments: str, **kwargs) -> subprocess.CompletedProcess:
+    return _run(sys.executable, "-m", "loadtest.bench", *arguments, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def digits_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The default repository, digits only, its log kept in a temporary folder."""
+    if not (MODELS / "digits/1/model.pt2").is_file():
+        pytest.fail("models are not built; run `make models` (make test does it)")
+    link = tmp_path_factory.mktemp("server") / "models"
+    link.symlink_to(MODELS, target_is_directory=True)
+    with running_server(link, "--model", "digits") as url:
+        yield url
+
+
+def test_payloads_round_trip_shapes() -> None:
+    """Binary bodies: JSON header of the declared length, then the raw tensor bytes."""
+    request = payloads.build_request("digits", items=3, binary=True)
+    length = int(request.headers[payloads.HEADER_LENGTH])
+    header = json.loads(request.body[:length])
+    assert header["inputs"][0]["shape"] == [3, 1, 8, 8]
+    assert len(request.body) - length == header["inputs"][0]["parameters"]["binary_data_size"] == 3 * 64 * 4
+    text = payloads.build_request("minilm", items=2, binary=True)
+    raw = text.body[int(text.headers[payloads.HEADER_LENGTH]):]
+    first = int.from_bytes(raw[:4], "little")
+    assert raw[4:4 + first].decode() == payloads.SENTENCES[0]
+    wrong = b'{"outputs":[{"name":"probabilities","shape":[1,10]}]}'
+    assert "shape" in payloads.check_response("digits", 2, 200, {}, wrong)
+
+
+def test_locust_headless_run(digits_url: str, tmp_path: Path) -> None:
+    """locust exits non-zero on any failed request (its --exit-code-on-error), and the CSV,
+    written once a second, must show requests and no failures."""
+    prefix = tmp_path / "run"
+    _run(sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "-u", "2", "-r", "2",
+         "-t", "3s", "--host", digits_url, "--csv", str(prefix), "--only-summary",
+         env={"BATCHLINE_LT_MODEL": "digits", "BATCHLINE_LT_BINARY": "1", "BATCHLINE_LT_ITEMS": "2"})
+    rows = {row["Name"]: row for row in csv.DictReader((tmp_path / "run_stats.csv").open())}
+    total = rows["Aggregated"]
+    assert int(total["Request Count"]) > 0
+    assert int(total["Failure Count"]) == 0, (tmp_path / "run_failures.csv").read_text()
+    assert "digits binary x2" in rows
+
+
+def test_bench_engine_digits(tmp_path: Path) -> None:
+    _bench("engine", "--model", "digits", "--batch-sizes", "1,8", "--duration", "0.2", "--out", str(tmp_path))
+    record = json.loads((tmp_path / "engine.json").read_text())
+    assert [r["batch_size"] for r in record["results"]] == [1, 8]
+    assert all(r["items_s"] > 0 and r["latency_ms"]["p99"] >= r["latency_ms"]["p50"] > 0 for r in record["results"])
+    assert record["headline"]["engine_ceiling_items_s"] == max(r["items_s"] for r in record["results"])
+    assert record["machine"]["libraries"]["torch"] and "engine --model digits" in record["command_line"]
+    assert "engine ceiling" in (tmp_path / "engine.md").read_text()
+
+
+def test_bench_closed_wrk(digits_url: str, tmp_path: Path) -> None:
+    if not shutil.which("wrk"):
+        pytest.skip("wrk is not installed (apt-get install -y wrk); CI installs it")
+    _bench("closed", "--url", digits_url, "--concurrency", "1,4", "--duration", "2", "--warmup", "0",
+           "--out", str(tmp_path))
+    record = json.loads((tmp_path / "closed.json").read_text())
+    levels = record["results"]
+    assert [level["concurrency"] for level in levels] == [1, 4]
+    for level in levels:
+        assert level["requests"] > 0 and level["req_s"] > 0 and level["error_count"] == 0
+        assert 0 < level["latency_ms"]["p50"] <= level["latency_ms"]["p99"]
+    markdown = (tmp_path / "closed.md").read_text()
+    assert f"{levels[0]['req_s']:,.1f}" in markdown and "p99 ms" in markdown
+
+
+def test_bench_closed_without_wrk_says_how_to_install(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "loadtest.bench", "closed", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": str(tmp_path)})
+    assert done.returncode != 0
+    assert "apt-get install -y wrk" in done.stderr
+
+
+def test_bench_open_loop(digits_url: str, tmp_path: Path) -> None:
+    _bench("open", "--url", digits_url, "--rates", "50,200", "--duration", "1", "--out", str(tmp_path))
+    record = json.loads((tmp_path / "open.json").read_text())
+    assert [r["offered_rate"] for r in record["results"]] == [50, 200]
+    assert all(r["ok"] > 0 and r["error_count"] == 0 and r["validated_replies"] > 0 for r in record["results"])
+    assert (tmp_path / "open.md").read_text().count("\n|") >= 4
