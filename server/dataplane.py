@@ -15,6 +15,10 @@ from server.protocol.triton_config import triton_model_config
 from server.protocol.v2 import DecodedRequest, decode_request, encode_response
 from server.repository import ModelRepository
 
+# Bodies and outputs larger than this are decoded / encoded on a worker thread, so one big
+# request never stalls the event loop that every other request shares.
+OFFLOAD_BYTES = 1 << 20
+
 EXTENSIONS = [
     "binary_tensor_data",
     "model_configuration",
@@ -91,16 +95,17 @@ class DataPlane:
         self, name: str, version: str | None, body: bytes, header_length: int | None
     ) -> tuple[bytes, int | None]:
         """One v2 infer call: bytes in, response bytes (and binary header length) out."""
-        decoded = decode_request(body, header_length)
+        if len(body) > OFFLOAD_BYTES:
+            decoded = await asyncio.to_thread(decode_request, body, header_length)
+        else:
+            decoded = decode_request(body, header_length)
         model = self.repository.get(name, version)
         selection = selected_outputs(model.config, decoded)
         outputs = await model.infer(decoded.inputs, decoded.parameters)
-        return encode_response(
-            name,
-            model.version,
-            decoded.id,
-            [(n, datatype, outputs[n], binary) for n, datatype, binary in selection],
-        )
+        tensors = [(n, datatype, outputs[n], binary) for n, datatype, binary in selection]
+        if sum(t[2].nbytes for t in tensors) > OFFLOAD_BYTES:
+            return await asyncio.to_thread(encode_response, name, model.version, decoded.id, tensors)
+        return encode_response(name, model.version, decoded.id, tensors)
 
 
 def selected_outputs(config: ModelConfig, request: DecodedRequest) -> list[tuple[str, str, bool]]:

@@ -1,0 +1,86 @@
+"""The data plane's infer call: outputs checked before compute, big bodies off the loop."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import orjson
+import pytest
+
+import server.dataplane as dataplane
+from server.config import ModelConfig
+from server.dataplane import DataPlane
+from server.errors import InvalidInput
+
+CONFIG = ModelConfig.model_validate(
+    {
+        "name": "double",
+        "engine": "onnxruntime",
+        "max_batch_size": 4,
+        "inputs": [{"name": "x", "datatype": "FP32", "dims": [-1]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "dims": [-1]}],
+    }
+)
+
+
+class StubModel:
+    config = CONFIG
+    version = 1
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def infer(self, inputs, parameters):
+        self.calls += 1
+        return {"y": inputs["x"][1] * 2}
+
+
+class StubRepository:
+    def __init__(self) -> None:
+        self.model = StubModel()
+
+    def get(self, name: str, version: str | None = None) -> StubModel:
+        return self.model
+
+
+def body(values: list[float], outputs: list[str] | None = None) -> bytes:
+    document: dict = {"inputs": [{"name": "x", "shape": [1, len(values)], "datatype": "FP32", "data": values}]}
+    if outputs is not None:
+        document["outputs"] = [{"name": n} for n in outputs]
+    return orjson.dumps(document)
+
+
+async def test_unknown_output_is_refused_before_any_compute() -> None:
+    repository = StubRepository()
+    plane = DataPlane(repository)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="no output 'z'"):
+        await plane.infer("double", None, body([1.0], ["z"]), None)
+    assert repository.model.calls == 0
+
+
+async def test_large_bodies_and_outputs_are_coded_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: list[str] = []
+    real_decode, real_encode = dataplane.decode_request, dataplane.encode_response
+
+    def decode(*args):
+        threads.append(threading.current_thread().name)
+        return real_decode(*args)
+
+    def encode(*args):
+        threads.append(threading.current_thread().name)
+        return real_encode(*args)
+
+    monkeypatch.setattr(dataplane, "decode_request", decode)
+    monkeypatch.setattr(dataplane, "encode_response", encode)
+    plane = DataPlane(StubRepository())  # type: ignore[arg-type]
+    small, _ = await plane.infer("double", None, body([1.0, 2.0]), None)
+    monkeypatch.setattr(dataplane, "OFFLOAD_BYTES", 4)
+    large, _ = await plane.infer("double", None, body([1.0, 2.0]), None)
+    main = threading.main_thread().name
+    assert threads[:2] == [main, main]
+    assert main not in threads[2:] and len(threads) == 4
+    assert orjson.loads(small) == orjson.loads(large)
+    assert np.allclose(orjson.loads(large)["outputs"][0]["data"], [2.0, 4.0])
+
+
