@@ -20,6 +20,7 @@ def _serve(args: argparse.Namespace) -> int:
             "http_port": args.http_port,
             "log_level": args.log_level,
             "models": args.model or None,
+            "engine_threads": args.engine_threads,
         }.items()
         if v is not None
     }
@@ -39,7 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
     from server.http.app import create_app
     from server.repository import ModelRepository
 
-    plane = DataPlane(ModelRepository(settings.model_repository.resolve()))
+    plane = DataPlane(ModelRepository(settings.model_repository.resolve(), settings.engine_threads))
     app = create_app(plane, settings.models, settings.max_body_bytes)
     logging.getLogger(__name__).info(
         "batchline %s serving %s on http://%s:%d",
@@ -72,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--http-port", type=int, help="HTTP port (default: 8000)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default: info")
+    serve.add_argument(
+        "--engine-threads", type=int, metavar="N",
+        help="threads per engine instance for every model, overriding the configs (e.g. 1 when pinned to one core)",
+    )
     serve.add_argument(
         "--model", action="append", metavar="NAME", help="load only this model at start (repeatable)"
     )

@@ -38,6 +38,9 @@ class ServerSettings(BaseSettings):
         default=None, description="Load only these models at start (default: every model)."
     )
     max_body_bytes: int = Field(default=64 << 20, gt=0, description="Largest request body accepted.")
+    engine_threads: int | None = Field(
+        default=None, gt=0, description="Threads per engine instance for every model (overrides configs)."
+    )
 
 
 class _Strict(BaseModel):

@@ -107,7 +107,9 @@ class ModelVersion:
     def _warm_up(self, pipeline: ModelPipeline) -> None:
         if not self.config.warmup.enabled:
             return
-        for batch_size in self.config.warmup.batch_sizes:
+        sizes = set(self.config.warmup.batch_sizes)
+        sizes.update(b for b in self.config.batch_buckets or [] if b <= self.config.max_batch_size)
+        for batch_size in sorted(sizes):
             try:
                 pipeline.run_batch([self._sample_feed(batch_size)])
             except BatchlineError as exc:

@@ -33,8 +33,9 @@ class IndexEntry:
 
 
 class ModelRepository:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, engine_threads: int | None = None) -> None:
         self.root = root
+        self._engine_threads = engine_threads
         self._versions: dict[str, dict[int, ModelVersion]] = {}
         self._failures: dict[str, str] = {}  # model name -> why it could not be loaded at all
         self._unloaded: set[str] = set()  # explicitly unloaded, shown as such in the index
@@ -64,7 +65,7 @@ class ModelRepository:
         path = self._model_dir(name)
         async with self._locks.setdefault(name, asyncio.Lock()):
             try:
-                config = load_model_config(path / CONFIG_FILENAME)
+                config = self._with_overrides(load_model_config(path / CONFIG_FILENAME))
                 selected = config.version_policy.select(_versions_on_disk(path))
                 if not selected:
                     raise ConfigError(f"{path}: no version folder (e.g. {path}/1) to serve")
@@ -82,6 +83,18 @@ class ModelRepository:
             failed = [m for m in fresh.values() if not m.ready]
             if failed and len(failed) == len(fresh):
                 raise Unavailable(f"failed to load '{name}': {failed[0].reason}")
+
+    def _with_overrides(self, config: ModelConfig) -> ModelConfig:
+        """Apply server-wide settings that win over each model's own (engine threads)."""
+        if self._engine_threads is None:
+            return config
+        threads = self._engine_threads
+        return config.model_copy(
+            update={
+                "onnxruntime": config.onnxruntime.model_copy(update={"intra_op_num_threads": threads}),
+                "torch": config.torch.model_copy(update={"num_threads": threads}),
+            }
+        )
 
     async def unload(self, name: str) -> None:
         self._model_dir(name)

@@ -166,3 +166,15 @@ def test_bad_priority_or_timeout_is_400(slow_url: str, parameters: dict) -> None
 def test_priority_and_timeout_parameters_are_accepted(slow_url: str) -> None:
     response = _post(slow_url, _body(["fine"], priority=1, timeout=10_000_000))
     assert response.status_code == 200, response.text
+
+
+def test_the_warm_up_profile_is_exported_and_sets_the_cap(host: str) -> None:
+    stats = triton.InferenceServerClient(host).get_inference_statistics("minilm")["model_stats"][0]
+    profile = stats["batch_profile"]
+    assert [p["batch_size"] for p in profile] == [1, 2, 4, 8, 16, 32, 64]
+    assert all(p["items_per_second"] > 0 and p["seconds"] > 0 for p in profile)
+    best = max(p["items_per_second"] for p in profile)
+    cap = stats["batch_cap"]
+    chosen = next(p for p in profile if p["batch_size"] == cap)
+    assert chosen["items_per_second"] >= 0.95 * best
+    assert all(p["items_per_second"] < 0.95 * best for p in profile if p["batch_size"] < cap)
