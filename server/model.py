@@ -185,6 +185,8 @@ class ModelVersion:
         except InvalidInput:
             self.stats.count_failure("invalid")
             raise
+        if not self.ready:  # unloading began while this request was being tokenized
+            raise Unavailable(f"model '{self.config.name}' version {self.version} is unloading")
         request = InferenceRequest(
             admitted.feed,
             admitted.batch_size,
