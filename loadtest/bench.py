@@ -43,12 +43,13 @@ torch.set_num_threads(--threads). Per batch size: 3 warm-up runs, then runs back
 and the best batch size ("the engine ceiling")."""
 
 CLOSED_HELP = """Closed loop with wrk (Debian package `wrk`): for each --concurrency level C, wrk keeps
-C keep-alive connections each sending its next request as soon as its reply is back, for
---duration seconds (whole seconds: wrk rounds up). A Python client could not keep up with the
-server; wrk's C loop does. Reports req/s, items/s, p50/p90/p99 latency and errors per level.
-Before the sweep, one request is sent and its reply checked (status, output shape); wrk itself
-counts non-2xx replies, socket errors and timeouts. Pin wrk away from the server with
---generator-cpu (taskset)."""
+C keep-alive connections (C threads, one connection each) each sending its next request as soon
+as its reply is back, for --duration seconds (whole seconds: wrk rounds up). A Python client could
+not keep up with the server; wrk's C loop does. Reports req/s, items/s, p50/p90/p99 latency and
+errors per level. Latencies are timed per request by the Lua script, not taken from wrk's
+histogram, which wrk pads with coordinated-omission samples (see loadtest/wrk.py). Before the
+sweep, one request is sent and its reply checked (status, output shape); wrk itself counts non-2xx
+replies, socket errors and timeouts. Pin wrk away from the server with --generator-cpu (taskset)."""
 
 OPEN_HELP = """Open loop: Poisson arrivals at each --rates value for --duration seconds, sent by an
 asyncio raw-socket HTTP/1.1 client (keep-alive pool of up to --connections connections). Latency
@@ -98,7 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="pin the load generator to CPU N (taskset for wrk, sched_setaffinity for open)")
     wrk = argparse.ArgumentParser(add_help=False)
     wrk.add_argument("--concurrency", type=_ints, default=[1, 8, 32, 64], help="comma-separated connection counts")
-    wrk.add_argument("--threads", type=int, default=1, help="wrk threads (one suffices for ~50k req/s)")
     wrk.add_argument("--warmup", type=float, default=2.0, help="seconds of load at the highest concurrency before the sweep (0: none)")
     modes = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
 
@@ -134,7 +134,7 @@ def _record(args: argparse.Namespace, argv: list[str], parameters: dict[str, Any
         "mode": args.mode,
         "command_line": shlex.join([sys.executable, "-m", "loadtest.bench", *argv]),
         "cwd": os.getcwd(),
-        "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "note": args.note,
         "machine": machine.machine_record(),
         "parameters": parameters,
@@ -179,8 +179,8 @@ def run_engine(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
             row += [r.get("tokenize_ms_p50"), r.get("padding_share")]
         record["notes"].append("minilm pads each batch to its longest text: padding share is the part of "
                                "the batch's tokens that are padding, computed but thrown away.")
-    summary = [f"engine ceiling ({args.model}, {args.threads} thread(s)): {best['items_s']:,.0f} items/s "
-               f"at batch {best['batch_size']}"]
+    summary = [(f"engine ceiling ({args.model}, {args.threads} thread(s)): {best['items_s']:,.0f} items/s "
+               f"at batch {best['batch_size']}")]
 
     def plot(path: Path) -> None:
         fig, ax = report.figure(f"{args.model} engine alone, {args.threads} thread(s)")
@@ -208,12 +208,10 @@ def _closed_sweep(args: argparse.Namespace, url: str, folder: Path) -> list[dict
     script, arguments = wrk.write_script(folder, requests)
     target = url.rstrip("/") + requests[0].path
     if args.warmup > 0:
-        wrk.run(target, script, arguments, max(args.concurrency), args.warmup, args.threads, args.timeout,
-                args.generator_cpu)
+        wrk.run(target, script, arguments, max(args.concurrency), args.warmup, args.timeout, args.generator_cpu)
     levels = []
     for connections in args.concurrency:
-        result = wrk.run(target, script, arguments, connections, args.duration, args.threads, args.timeout,
-                         args.generator_cpu)
+        result = wrk.run(target, script, arguments, connections, args.duration, args.timeout, args.generator_cpu)
         levels.append(result.as_dict(args.items))
         print(f"  c={connections}: {levels[-1]['req_s']:,.0f} req/s, p50 {levels[-1]['latency_ms']['p50']:.2f} ms, "
               f"p99 {levels[-1]['latency_ms']['p99']:.2f} ms, errors {levels[-1]['error_count']}", file=sys.stderr)
@@ -243,15 +241,19 @@ def _closed_row(level: dict[str, Any]) -> list[Any]:
 def run_closed(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
     _require_wrk()
     parameters = _http_parameters(args) | {"url": args.url, "concurrency": args.concurrency,
-                                           "wrk_threads": args.threads, "warmup_s": args.warmup}
+                                           "warmup_s": args.warmup}
     record = _record(args, argv, parameters)
     levels = _closed_sweep(args, args.url, args.out / "wrk")
     best = max(levels, key=lambda level: level["req_s"])
     record["results"] = levels
     record["headline"] = {"peak_req_s": best["req_s"], "peak_items_s": best["items_s"],
                           "at_concurrency": best["concurrency"]}
-    record["notes"].append("latency is wrk's, per request, measured on the client; errors sum wrk's "
-                           "connect/read/write/timeout errors and non-2xx replies")
+    record["notes"] += [
+        ("latency: each request timed by the wrk Lua script, send to complete reply, on the client "
+        "(one wrk thread per connection); latency_ms_wrk_corrected in the JSON is wrk's own histogram, "
+        "which adds coordinated-omission samples no request experienced (see loadtest/wrk.py)"),
+        "errors: wrk's connect/read/write/timeout errors plus non-2xx replies",
+    ]
     headers = ["concurrency", "req/s", "items/s", "p50 ms", "p90 ms", "p99 ms", "errors"]
     rows = [_closed_row(level) for level in levels]
     summary = [f"peak {best['req_s']:,.0f} req/s ({best['items_s']:,.0f} items/s) at concurrency {best['concurrency']}"]
@@ -275,8 +277,7 @@ def run_closed(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
 def run_batching(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
     _require_wrk()
     parameters = _http_parameters(args) | {"url_on": args.url_on, "url_off": args.url_off,
-                                           "concurrency": args.concurrency, "wrk_threads": args.threads,
-                                           "warmup_s": args.warmup}
+                                           "concurrency": args.concurrency, "warmup_s": args.warmup}
     record = _record(args, argv, parameters)
     print("batching on:", file=sys.stderr)
     on = _closed_sweep(args, args.url_on, args.out / "wrk-on")

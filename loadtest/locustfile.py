@@ -26,7 +26,7 @@ from locust import FastHttpUser, events, task
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `loadtest` when run as locust -f
 
-from loadtest import payloads, shapes  # noqa: E402
+from loadtest import payloads, shapes
 
 MODEL = os.environ.get("BATCHLINE_LT_MODEL", "digits").strip().lower()
 SHAPE = os.environ.get("BATCHLINE_LT_SHAPE", "").strip().lower()

@@ -20,7 +20,7 @@ LIBRARIES = ("numpy", "onnxruntime", "onnxruntime-gpu", "torch", "tokenizers", "
 
 def _run(*command: str, timeout: float = 10) -> str | None:
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     except (OSError, subprocess.SubprocessError):
         return None
     return (done.stdout or done.stderr).strip() if done.returncode == 0 else None
@@ -63,7 +63,7 @@ def tool_version(tool: str) -> str | None:
     if not path:
         return None
     try:
-        done = subprocess.run([path, "-v"], capture_output=True, text=True, timeout=10)
+        done = subprocess.run([path, "-v"], check=False, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     text = (done.stdout or done.stderr).strip()

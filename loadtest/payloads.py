@@ -38,15 +38,15 @@ SENTENCES: tuple[str, ...] = (
     "Order #48213 shipped on 2024-03-05 and arrives in 3-5 business days.",
     "ok 👍",
     "The mitochondria is the powerhouse of the cell.",
-    "Please summarise the quarterly report in three bullet points, focusing on revenue, costs, "
-    "and the outlook for the next two quarters.",
+    ("Please summarise the quarterly report in three bullet points, focusing on revenue, costs, "
+    "and the outlook for the next two quarters."),
     "Error: connection refused (errno 111) while contacting 10.0.0.7:5432",
     "She sells sea shells by the sea shore.",
     "Transformers use self-attention to weigh the relevance of every token to every other token.",
     "Why is the sky blue?",
     "Two dogs are running through a field of tall grass.",
-    "The committee postponed its decision until more data on the long-term effects of the policy "
-    "could be collected, analysed and independently reviewed by at least two outside experts.",
+    ("The committee postponed its decision until more data on the long-term effects of the policy "
+    "could be collected, analysed and independently reviewed by at least two outside experts."),
     "Buy milk, eggs, bread.",
     "In 1969, Apollo 11 landed the first humans on the Moon.",
     "This product is terrible; it broke after two days and support never answered.",
@@ -54,13 +54,13 @@ SENTENCES: tuple[str, ...] = (
     "def add(a, b): return a + b",
     "The train to Amsterdam departs from platform 4 at 17:45.",
     "Quantum computers exploit superposition and entanglement.",
-    "Can you recommend a good book about the history of mathematics, preferably one that explains "
-    "the ideas rather than just the biographies of the people involved?",
+    ("Can you recommend a good book about the history of mathematics, preferably one that explains "
+    "the ideas rather than just the biographies of the people involved?"),
     "yes",
-    "Renewable energy capacity grew faster than expected last year, driven mostly by solar panels "
+    ("Renewable energy capacity grew faster than expected last year, driven mostly by solar panels "
     "installed on rooftops and in large utility-scale parks, while wind lagged behind because of "
     "supply-chain problems, higher interest rates and long permitting delays in several countries; "
-    "analysts nevertheless expect both to keep growing for the rest of the decade as costs fall.",
+    "analysts nevertheless expect both to keep growing for the rest of the decade as costs fall."),
     "Meeting moved to Thursday.",
     "A woman is slicing tomatoes in a kitchen.",
     "Is it safe to eat raw cookie dough?",

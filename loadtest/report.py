@@ -35,8 +35,8 @@ def machine_lines(machine: dict[str, Any]) -> list[str]:
     gpus = machine.get("gpus")
     source = machine.get("source") or {}
     return [
-        f"- CPU: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs"
-        f" (bench process allowed on {machine['cpu_affinity_of_bench']})",
+        (f"- CPU: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs"
+        f" (bench process allowed on {machine['cpu_affinity_of_bench']})"),
         f"- GPU: {', '.join(g['name'] for g in gpus) if gpus else 'none (nvidia-smi absent or no GPU)'}",
         f"- Python {machine['python']}; {libraries}",
         f"- wrk: {machine['wrk'] or 'not installed'}",
@@ -79,9 +79,9 @@ def write(
         *machine_lines(record["machine"]),
         "",
         "Parameters: " + ", ".join(f"{k}={v}" for k, v in parameters.items()),
+        *([f"Note: {record['note']}"] if record.get("note") else []),
         "",
-        *[f"**{line}**" for line in summary],
-        "" if summary else "",
+        *[f"**{line}**\n" for line in summary],
         markdown_table(headers, rows),
         "",
     ]

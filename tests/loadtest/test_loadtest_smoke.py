@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 
 
 def _run(*command: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    done = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
     assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
@@ -94,6 +94,7 @@ def test_bench_closed_wrk(digits_url: str, tmp_path: Path) -> None:
     assert [level["concurrency"] for level in levels] == [1, 4]
     for level in levels:
         assert level["requests"] > 0 and level["req_s"] > 0 and level["error_count"] == 0
+        assert level["latency_samples"] == level["requests"]  # every reply timed by the Lua script
         assert 0 < level["latency_ms"]["p50"] <= level["latency_ms"]["p99"]
     markdown = (tmp_path / "closed.md").read_text()
     assert f"{levels[0]['req_s']:,.1f}" in markdown and "p99 ms" in markdown
@@ -101,7 +102,7 @@ def test_bench_closed_wrk(digits_url: str, tmp_path: Path) -> None:
 
 def test_bench_closed_without_wrk_says_how_to_install(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "loadtest.bench", "closed", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PATH": str(tmp_path)})
     assert done.returncode != 0
     assert "apt-get install -y wrk" in done.stderr
@@ -113,3 +114,16 @@ def test_bench_open_loop(digits_url: str, tmp_path: Path) -> None:
     assert [r["offered_rate"] for r in record["results"]] == [50, 200]
     assert all(r["ok"] > 0 and r["error_count"] == 0 and r["validated_replies"] > 0 for r in record["results"])
     assert (tmp_path / "open.md").read_text().count("\n|") >= 4
+
+
+def test_wrk_histogram_percentiles_follow_wrk() -> None:
+    """The Lua script's "us:count" histogram → percentiles with wrk's rank rule, in ms."""
+    from loadtest import wrk
+
+    counts = wrk.parse_histogram("100:98,2000:1,900:1")
+    assert counts.sum() == 100 and counts[900] == 1
+    summary = wrk.summarize(counts)
+    # wrk's rank is round(p/100·n + 0.5): of 100 samples, p99 is the 100th
+    assert summary["p50"] == summary["p90"] == 0.1 and summary["p99"] == 2.0 and summary["max"] == 2.0
+    assert wrk.percentile_us(counts, 98) == 900
+    assert summary["mean"] == round((98 * 100 + 900 + 2000) / 100 / 1000, 3)
