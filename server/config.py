@@ -171,8 +171,10 @@ class VersionPolicy(_Strict):
 class Tokenize(_Strict):
     """Pre-processing for text models: UTF-8 strings in, token tensors out.
 
-    Each request is tokenized at admission (so the batcher knows its cost in tokens); a batch
-    pads every request to its longest sequence, rounded up to `pad_to_multiple_of`.
+    Each request is tokenized at admission (so the batcher knows its cost in tokens). With
+    `sequence_buckets`, requests batch only with others of the same length bucket and are padded
+    to it: padding waste stays small and a compiled engine sees a few fixed shapes. Without,
+    any texts share a batch, padded to its longest.
     """
 
     input: str = Field(description="The BYTES input holding the text, one string per item.")
@@ -182,7 +184,23 @@ class Tokenize(_Strict):
     attention_mask: str | None = "attention_mask"
     token_type_ids: str | None = "token_type_ids"
     pad_id: int = 0
-    pad_to_multiple_of: int = Field(default=1, gt=0)
+    sequence_buckets: list[Annotated[int, Field(gt=0)]] | None = None
+
+    @model_validator(mode="after")
+    def _buckets_cover_max_length(self) -> Tokenize:
+        buckets = self.sequence_buckets
+        if buckets is not None:
+            if sorted(set(buckets)) != buckets:
+                raise ValueError(f"sequence_buckets must be strictly increasing, got {buckets}")
+            if buckets[-1] != self.max_length:
+                raise ValueError(f"the last sequence bucket must equal max_length {self.max_length}")
+        return self
+
+    def bucket(self, length: int) -> int:
+        """The padded length of a sequence of `length` tokens."""
+        if self.sequence_buckets is None:
+            return length
+        return next(b for b in self.sequence_buckets if b >= length)
 
 
 class Preprocess(_Strict):

@@ -87,6 +87,7 @@ class Admission:
         self._config = config
         self._tokenizer = tokenizer
         self._text_input = config.tokenize.input if config.tokenize else None
+        self._bucketed = bool(config.tokenize and config.tokenize.sequence_buckets)
         self._padded = {t.name for t in config.inputs if t.pad_value is not None}
         batching = config.dynamic_batching
         self._levels = batching.levels if batching else 1
@@ -135,7 +136,12 @@ class Admission:
             feed[tensor.source_name] = array
             if tensor.name not in self._padded:
                 key.append((tensor.name, array.shape[1:] if self._config.batched else array.shape))
-        longest = next(iter(tokens.values())).shape[1] if tokens else 0
+        longest = 0
+        if tokens:
+            assert self._config.tokenize is not None
+            longest = self._config.tokenize.bucket(next(iter(tokens.values())).shape[1])
+            if self._bucketed:  # only texts of the same length bucket share a batch
+                key.append(("sequence", (longest,)))
         return Admitted(feed, batch_size, tuple(key), longest, priority, deadline_ns)
 
     def _options(self, parameters: dict[str, Any]) -> tuple[int, int | None]:

@@ -8,7 +8,6 @@ are renamed to the names clients know, cast to the declared datatype, and cut ba
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
@@ -33,7 +32,7 @@ class ModelPipeline:
         self.engine = engine
         self._batched = config.batched
         self._pads = pads
-        self._multiple = config.tokenize.pad_to_multiple_of if config.tokenize else 1
+        self._tokenize = config.tokenize
         self._buckets = config.batch_buckets or []
         self._outputs = [(t.name, t.source_name, numpy_dtype(t.datatype)) for t in config.outputs]
 
@@ -69,10 +68,10 @@ class ModelPipeline:
         return next((b for b in self._buckets if b >= items), items)
 
     def _padded(self, parts: list[np.ndarray], value: float, rows: int) -> np.ndarray:
-        """Pad every variable dim to the longest of the batch (sequence dim rounded up)."""
+        """Pad every variable dim to the longest of the batch (token tensors: to their bucket)."""
         shape = [max(p.shape[d] for p in parts) for d in range(1, parts[0].ndim)]
-        if shape and self._multiple > 1:
-            shape[0] = math.ceil(shape[0] / self._multiple) * self._multiple
+        if shape and self._tokenize is not None and self._tokenize.sequence_buckets:
+            shape[0] = self._tokenize.bucket(shape[0])
         if len(parts) == 1 and list(parts[0].shape[1:]) == shape:
             return _fill_rows(parts[0], rows)
         out = np.full((rows, *shape), value, dtype=parts[0].dtype)

@@ -83,7 +83,7 @@ def test_unbatched_models_run_the_request_as_given() -> None:
 
 
 @pytest.mark.skipif(not (MODELS / "minilm/1/tokenizer.json").is_file(), reason="minilm not built")
-def test_token_tensors_pad_to_a_multiple() -> None:
+def test_token_tensors_pad_to_their_sequence_bucket() -> None:
     cfg = ModelConfig.model_validate(
         {
             "name": "text",
@@ -91,7 +91,7 @@ def test_token_tensors_pad_to_a_multiple() -> None:
             "max_batch_size": 8,
             "inputs": [{"name": "text", "datatype": "BYTES", "dims": [1]}],
             "outputs": [{"name": "sum", "datatype": "FP32", "dims": [1], "engine_name": "engine_sum"}],
-            "preprocess": {"tokenize": {"input": "text", "max_length": 16, "pad_to_multiple_of": 8}},
+            "preprocess": {"tokenize": {"input": "text", "max_length": 16, "sequence_buckets": [8, 16]}},
             "dynamic_batching": {},
         }
     )
@@ -103,3 +103,29 @@ def test_token_tensors_pad_to_a_multiple() -> None:
     ModelPipeline(cfg, engine, paddable_inputs(cfg, tokenizer.outputs)).run_batch([short, long])
     assert engine.seen[0]["input_ids"] == (2, 16)
     assert tokenizer.encode(["word " * 100])["input_ids"].shape == (1, 16)  # truncated at max_length
+
+
+@pytest.mark.skipif(not (MODELS / "minilm/1/tokenizer.json").is_file(), reason="minilm not built")
+def test_only_texts_of_one_length_bucket_share_a_batch() -> None:
+    from server.scheduler.admission import Admission
+
+    cfg = ModelConfig.model_validate(
+        {
+            "name": "text",
+            "engine": "onnxruntime",
+            "max_batch_size": 8,
+            "inputs": [{"name": "text", "datatype": "BYTES", "dims": [1]}],
+            "outputs": [{"name": "sum", "datatype": "FP32", "dims": [1], "engine_name": "engine_sum"}],
+            "preprocess": {"tokenize": {"input": "text", "max_length": 64, "sequence_buckets": [8, 64]}},
+            "dynamic_batching": {"max_batch_tokens": 256},
+        }
+    )
+    admission = Admission(cfg, TextTokenizer(cfg.tokenize, MODELS / "minilm/1"))
+
+    def admitted(text: str):
+        return admission.admit_now({"text": np.array([[text]], dtype=object)}, 1)
+
+    short, also_short, long = admitted("hi"), admitted("hello there"), admitted("a sentence of many more words " * 3)
+    assert short.shape_key == also_short.shape_key != long.shape_key
+    assert (short.longest, long.longest) == (8, 64)  # the budget counts padded tokens
+
