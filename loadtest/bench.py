@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16, 32, 64], help="comma-separated")
     engine.add_argument("--duration", type=float, default=3.0, help="seconds of runs per batch size")
     engine.add_argument("--threads", type=int, default=1, help="intra-op threads (ONNX Runtime) / torch.set_num_threads")
+    engine.add_argument("--length-sorted", action="store_true",
+                        help="minilm: batch texts of neighbouring token length (what a length-aware batcher can do)")
     engine.add_argument("--model-repository", type=Path, default=payloads.MODELS, help="model repository folder")
 
     closed = modes.add_parser("closed", parents=[common, http, wrk], help="closed-loop concurrency sweep (wrk)",
@@ -164,10 +166,11 @@ def run_engine(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
     from loadtest import engine
 
     parameters = {"model": args.model, "batch_sizes": args.batch_sizes, "duration_s": args.duration,
-                  "threads": args.threads, "model_repository": str(args.model_repository)}
+                  "threads": args.threads, "model_repository": str(args.model_repository),
+                  "length_sorted": args.length_sorted}
     record = _record(args, argv, parameters)
     results = [r.as_dict() for r in engine.sweep(args.model, args.model_repository, args.batch_sizes,
-                                                  args.duration, args.threads)]
+                                                  args.duration, args.threads, args.length_sorted)]
     best = max(results, key=lambda r: r["items_s"])
     record["results"] = results
     record["headline"] = {"engine_ceiling_items_s": best["items_s"], "best_batch_size": best["batch_size"]}

@@ -65,7 +65,7 @@ def tokenizer_max_length(model_dir: Path, default: int = 256) -> int:
     return int(((config.get("preprocess") or {}).get("tokenize") or {}).get("max_length", default))
 
 
-def minilm_loader(model_dir: Path, threads: int) -> Loader:
+def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False) -> Loader:
     import onnxruntime as ort
     from tokenizers import Tokenizer
 
@@ -80,9 +80,13 @@ def minilm_loader(model_dir: Path, threads: int) -> Loader:
     tokenizer.enable_padding()
     feeds = {i.name for i in session.get_inputs()}
 
+    # length_sorted: batches of neighbours in token length, the best a length-aware batcher can
+    # form from this payload (the server's sequence buckets approach it).
+    texts = sorted(SENTENCES, key=lambda t: len(tokenizer.encode(t).ids)) if length_sorted else list(SENTENCES)
+
     def prepare(batch_size: int) -> Runner:
-        batches = [[SENTENCES[(b * batch_size + i) % len(SENTENCES)] for i in range(batch_size)]
-                   for b in range(len(SENTENCES))]
+        batches = [[texts[(b * batch_size + i) % len(texts)] for i in range(batch_size)]
+                   for b in range(len(texts))]
 
         def run(index: int) -> float:
             start = time.perf_counter()
@@ -108,7 +112,7 @@ def minilm_loader(model_dir: Path, threads: int) -> Loader:
     return prepare
 
 
-def digits_loader(model_dir: Path, threads: int) -> Loader:
+def digits_loader(model_dir: Path, threads: int, length_sorted: bool = False) -> Loader:
     import torch
 
     torch.set_num_threads(threads)
@@ -128,7 +132,7 @@ def digits_loader(model_dir: Path, threads: int) -> Loader:
     return prepare
 
 
-LOADERS: dict[str, Callable[[Path, int], Loader]] = {"minilm": minilm_loader, "digits": digits_loader}
+LOADERS: dict[str, Callable[[Path, int, bool], Loader]] = {"minilm": minilm_loader, "digits": digits_loader}
 
 
 def measure(run: Runner, batch_size: int, duration_s: float, max_runs: int = MAX_RUNS_PER_BATCH) -> BatchResult:
@@ -150,10 +154,12 @@ def measure(run: Runner, batch_size: int, duration_s: float, max_runs: int = MAX
     return BatchResult(batch_size, len(latencies), time.perf_counter() - start, latencies, tokenize)
 
 
-def sweep(model: str, repository: Path, batch_sizes: list[int], duration_s: float, threads: int) -> list[BatchResult]:
+def sweep(
+    model: str, repository: Path, batch_sizes: list[int], duration_s: float, threads: int, length_sorted: bool = False
+) -> list[BatchResult]:
     if model not in LOADERS:
         raise ValueError(f"unknown model {model!r}; known: {', '.join(LOADERS)}")
-    prepare = LOADERS[model](repository / model, threads)
+    prepare = LOADERS[model](repository / model, threads, length_sorted)
     results = []
     for size in batch_sizes:
         run = prepare(size)
