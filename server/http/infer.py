@@ -29,6 +29,7 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 _HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode()
 _JSON = [(b"content-type", b"application/json")]
 _BINARY = [(b"content-type", b"application/octet-stream")]
+WATCH_AFTER_S = 0.002
 
 
 class InferEndpoint:
@@ -46,24 +47,53 @@ class InferEndpoint:
         except Exception as exc:
             await _send(send, *error_parts(exc))
             return
-        work = asyncio.ensure_future(self._plane.infer(model, version, body, header_length))
-        watcher = asyncio.ensure_future(receive())  # completes when the client disconnects
-        watcher.add_done_callback(lambda _: work.cancel())
-        try:
-            content, binary_header_length = await work
-        except asyncio.CancelledError:
-            if not watcher.done():
-                raise  # the server is shutting down, not the client leaving
+        outcome = await self._infer_unless_disconnected(receive, model, version, body, header_length)
+        if outcome is None:
+            return  # the client left; its request was dropped, nobody to answer
+        if isinstance(outcome, BaseException):
+            await _send(send, *error_parts(outcome))
             return
-        except Exception as exc:
-            watcher.cancel()
-            await _send(send, *error_parts(exc))
-            return
-        watcher.cancel()
+        content, binary_header_length = outcome
         if binary_header_length is None:
             await _send(send, 200, content, {}, _JSON)
         else:
             await _send(send, 200, content, {HEADER_LENGTH: str(binary_header_length)}, _BINARY)
+
+    async def _infer_unless_disconnected(
+        self, receive: Receive, model: str, version: str | None, body: bytes, header_length: int | None
+    ) -> tuple[bytes, int | None] | BaseException | None:
+        """Run the request; if the client disconnects meanwhile, cancel it (None).
+
+        Watching for the disconnect costs a task, so it starts only once the request has taken
+        WATCH_AFTER_S: a fast answer, the usual case at low load, never pays for it.
+        """
+        handler = asyncio.current_task()
+        assert handler is not None
+        watcher: asyncio.Future[Message] | None = None
+
+        def on_disconnect(_: asyncio.Future[Message]) -> None:
+            handler.cancel()
+
+        def watch() -> None:
+            nonlocal watcher
+            watcher = asyncio.ensure_future(receive())  # completes when the client disconnects
+            watcher.add_done_callback(on_disconnect)
+
+        timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch)
+        try:
+            return await self._plane.infer(model, version, body, header_length)
+        except asyncio.CancelledError:
+            if watcher is None or not watcher.done():
+                raise  # the server is shutting down, not the client leaving
+            handler.uncancel()
+            return None
+        except Exception as exc:
+            return exc
+        finally:
+            timer.cancel()
+            if watcher is not None and not watcher.done():
+                watcher.remove_done_callback(on_disconnect)
+                watcher.cancel()
 
     async def _body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
         declared = headers.get(b"content-length")
