@@ -21,6 +21,7 @@ def _serve(args: argparse.Namespace) -> int:
             "log_level": args.log_level,
             "models": args.model or None,
             "engine_threads": args.engine_threads,
+            "device_price_per_hour": args.device_price_per_hour,
         }.items()
         if v is not None
     }
@@ -38,10 +39,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     from server.dataplane import DataPlane
     from server.http.app import create_app
+    from server.metrics import build_registry
     from server.repository import ModelRepository
 
-    plane = DataPlane(ModelRepository(settings.model_repository.resolve(), settings.engine_threads))
-    app = create_app(plane, settings.models, settings.max_body_bytes)
+    repository = ModelRepository(settings.model_repository.resolve(), settings.engine_threads)
+    plane = DataPlane(repository)
+    metrics = build_registry(repository, settings.device_price_per_hour)
+    app = create_app(plane, settings.models, settings.max_body_bytes, metrics)
     logging.getLogger(__name__).info(
         "batchline %s serving %s on http://%s:%d",
         __version__, settings.model_repository, settings.host, settings.http_port,
@@ -76,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--engine-threads", type=int, metavar="N",
         help="threads per engine instance for every model, overriding the configs (e.g. 1 when pinned to one core)",
+    )
+    serve.add_argument(
+        "--device-price-per-hour", type=float, metavar="USD",
+        help="price of this replica's device per hour, exported as batchline_device_price_per_hour",
     )
     serve.add_argument(
         "--model", action="append", metavar="NAME", help="load only this model at start (repeatable)"

@@ -38,6 +38,9 @@ class ServerSettings(BaseSettings):
         default=None, description="Load only these models at start (default: every model)."
     )
     max_body_bytes: int = Field(default=64 << 20, gt=0, description="Largest request body accepted.")
+    device_price_per_hour: float | None = Field(
+        default=None, ge=0, description="Price of this replica's device per hour, exported for cost per inference."
+    )
     engine_threads: int | None = Field(
         default=None, gt=0, description="Threads per engine instance for every model (overrides configs)."
     )

@@ -180,8 +180,19 @@ class ModelVersion:
         """Admit, queue and await one request's outputs (API names)."""
         if self._batcher is None or self._admission is None or not self.ready:
             raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready")
+        started = time.perf_counter_ns()
+        self.stats.pending += 1
         try:
-            admitted = await self._admission.admit(inputs, parameters or {})
+            return await self._admit_and_wait(self._batcher, self._admission, inputs, parameters or {})
+        finally:
+            self.stats.pending -= 1
+            self.stats.request_seconds.observe((time.perf_counter_ns() - started) / 1e9)
+
+    async def _admit_and_wait(
+        self, batcher: Batcher, admission: Admission, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any]
+    ) -> dict[str, np.ndarray]:
+        try:
+            admitted = await admission.admit(inputs, parameters)
         except InvalidInput:
             self.stats.count_failure("invalid")
             raise
@@ -196,12 +207,16 @@ class ModelVersion:
             priority=admitted.priority,
             deadline_ns=admitted.deadline_ns,
         )
-        self._batcher.submit(request)
+        batcher.submit(request)
         return await request.future
 
     @property
     def queue_depth(self) -> int:
         return self._batcher.queue_depth if self._batcher else 0
+
+    @property
+    def batches_in_flight(self) -> int:
+        return self._batcher.batches_running if self._batcher else 0
 
     async def unload(self) -> None:
         """Stop taking requests, let queued ones finish, then free the engines."""

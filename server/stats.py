@@ -1,13 +1,20 @@
-"""Per model-version statistics, shaped like Triton's statistics extension.
+"""Per model-version statistics: the one record both the statistics extension and /metrics read.
 
-Owned by the model's batcher and updated only on the event loop thread, so no locks.
+Owned by the model's batcher and model, updated only on the event loop thread, so no locks.
+Plain Python, no Prometheus: `server/metrics.py` turns it into metric families at scrape time,
+so the hot path pays one bisect per histogram and the two views always agree.
 """
 
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+OUTCOMES = ("success", "invalid", "queue_full", "deadline", "cancelled", "engine_error")
 
 
 @dataclass
@@ -21,6 +28,33 @@ class Duration:
 
     def as_dict(self) -> dict[str, int]:
         return {"count": self.count, "ns": self.ns}
+
+
+class Histogram:
+    """Counts per upper bound (Prometheus' `le`, inclusive), plus sum and count."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last slot is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le, cumulative count) pairs, +Inf last, as the exposition format wants them."""
+        running, pairs = 0, []
+        for bound, count in zip([*map(_le, self.bounds), "+Inf"], self.counts):
+            running += count
+            pairs.append((bound, running))
+        return pairs
+
+
+def _le(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() and bound >= 1 else repr(float(bound))
 
 
 @dataclass
@@ -43,16 +77,26 @@ class ModelStatistics:
     compute_output: Duration = field(default_factory=Duration)
     batches: dict[int, BatchStats] = field(default_factory=lambda: defaultdict(BatchStats))
     dispatch_reasons: Counter[str] = field(default_factory=Counter)
-    failures: Counter[str] = field(default_factory=Counter)  # invalid, queue_full, deadline, cancelled, engine
+    failures: Counter[str] = field(default_factory=Counter)  # keys: OUTCOMES but success
     batch_profile: list[dict[str, float]] = field(default_factory=list)
     batch_cap: int = 0
+    pending: int = 0  # admitted, not yet answered
+    instance_busy_ns: Counter[str] = field(default_factory=Counter)
+    request_seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
+    queue_seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
+    compute_seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
+    batch_sizes: Histogram = field(default_factory=lambda: Histogram(BATCH_SIZE_BUCKETS))
 
     def count_failure(self, reason: str) -> None:
+        assert reason in OUTCOMES and reason != "success", reason
         self.failures[reason] += 1
 
-    def record_batch(
-        self, batch_size: int, requests: int, input_ns: int, infer_ns: int, output_ns: int
-    ) -> None:
+    def record_queued(self, ns: int) -> None:
+        """One request left the queue for an instance after `ns`."""
+        self.queue.add(ns)
+        self.queue_seconds.observe(ns / 1e9)
+
+    def record_batch(self, batch_size: int, requests: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """One execution; request-level compute stats count each request once, as Triton does."""
         self.execution_count += 1
         self.inference_count += batch_size
@@ -64,6 +108,11 @@ class ModelStatistics:
         per_size.compute_input.add(input_ns)
         per_size.compute_infer.add(infer_ns)
         per_size.compute_output.add(output_ns)
+        self.compute_seconds.observe((input_ns + infer_ns + output_ns) / 1e9)
+        self.batch_sizes.observe(batch_size)
+
+    def record_busy(self, instance: str, ns: int) -> None:
+        self.instance_busy_ns[instance] += ns
 
     def as_dict(self, name: str, version: int) -> dict[str, object]:
         return {

@@ -14,12 +14,14 @@ import orjson
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
+from prometheus_client import CollectorRegistry
 
 from server import __version__
 from server.dataplane import DataPlane
 from server.errors import InvalidInput
 from server.http.errors import error_response, install_error_handlers
 from server.http.infer import FastInferApp, InferEndpoint
+from server.metrics import CONTENT_TYPE, exposition
 
 _EMPTY_JSON = b"{}"
 
@@ -81,7 +83,12 @@ def _status_only(ok: bool, what: str) -> Response:
     return error_response(503, f"{what} is not ready")
 
 
-def create_app(plane: DataPlane, models: list[str] | None = None, max_body_bytes: int = 64 << 20) -> FastInferApp:
+def create_app(
+    plane: DataPlane,
+    models: list[str] | None = None,
+    max_body_bytes: int = 64 << 20,
+    metrics: CollectorRegistry | None = None,
+) -> FastInferApp:
     """The ASGI app; models load in the background once it starts."""
 
     @asynccontextmanager
@@ -152,6 +159,13 @@ def create_app(plane: DataPlane, models: list[str] | None = None, max_body_bytes
         return _json({})
 
     app.include_router(v2)
+
+    if metrics is not None:
+
+        @app.get("/metrics", summary="Prometheus metrics", tags=["metrics"])
+        async def prometheus_metrics() -> Response:
+            return Response(exposition(metrics), media_type=CONTENT_TYPE)
+
     app.openapi = lambda: _openapi_with_infer(app)  # type: ignore[method-assign]
     return FastInferApp(app, InferEndpoint(plane, max_body_bytes))
 

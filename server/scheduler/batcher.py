@@ -189,21 +189,23 @@ class Batcher:
     ) -> None:
         self._stats.dispatch_reasons[reason] += 1
         for request in batch:
-            self._stats.queue.add(dispatched_ns - request.arrival_ns)
+            self._stats.record_queued(dispatched_ns - request.arrival_ns)
         try:
             result = await instance.run([r.feed for r in batch])
         except BaseException as exc:  # one bad batch fails its own requests, nobody else's
+            self._stats.record_busy(instance.label, self._clock() - dispatched_ns)
             error = exc if isinstance(exc, BatchlineError) else EngineError(f"{type(exc).__name__}: {exc}")
             if not isinstance(exc, BatchlineError):
                 logger.exception("batch of %d requests failed on %s", len(batch), instance.label)
             done = self._clock()
             for request in batch:
                 self._stats.fail.add(done - request.arrival_ns)
-                self._stats.count_failure("engine")
+                self._stats.count_failure("engine_error")
                 self._release(request, lambda r=request: r.fail(error))
             if isinstance(exc, asyncio.CancelledError):
                 raise
         else:
+            self._stats.record_busy(instance.label, self._clock() - dispatched_ns)
             self._stats.record_batch(
                 sum(r.batch_size for r in batch), len(batch),
                 result.compute_input_ns, result.compute_infer_ns, result.compute_output_ns,

@@ -270,7 +270,7 @@ async def test_a_failing_batch_fails_only_its_requests() -> None:
     await settle()
     fake.release(1)
     assert (await good.future)["y"].item() == 4.0
-    assert stats.failures["engine"] == 1
+    assert stats.failures["engine_error"] == 1
 
 
 async def test_without_merging_every_request_runs_alone() -> None:

@@ -1,0 +1,124 @@
+"""Prometheus metrics: the only module that knows Prometheus.
+
+A custom collector reads each model version's statistics (server/stats.py) and the GPUs at
+scrape time, so the hot path never touches prometheus-client and /metrics always agrees with
+the statistics extension. Names follow Prometheus conventions: base units, `_total` counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from server.gpu import GpuReading, read_gpus
+from server.repository import ModelRepository
+from server.stats import OUTCOMES, Histogram
+
+MODEL_LABELS = ["model", "version"]
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class BatchlineCollector(Collector):
+    def __init__(
+        self,
+        repository: ModelRepository,
+        price_per_hour: float | None = None,
+        gpus: Callable[[], list[GpuReading]] = read_gpus,
+    ) -> None:
+        self._repository = repository
+        self._price = price_per_hour
+        self._gpus = gpus
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._model_metrics()
+        gpus = self._gpus()
+        yield from _gpu_metrics(gpus)
+        if self._price is not None:
+            price = GaugeMetricFamily(
+                "batchline_device_price_per_hour", "Configured price of this replica's device per hour.", labels=["device"]
+            )
+            price.add_metric(["gpu" if gpus else "cpu"], self._price)
+            yield price
+
+    def _model_metrics(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily("batchline_requests", "Requests by outcome.", labels=[*MODEL_LABELS, "outcome"])
+        inferences = CounterMetricFamily("batchline_inferences", "Items inferred (batch rows).", labels=MODEL_LABELS)
+        batches = CounterMetricFamily("batchline_batches", "Batches executed.", labels=MODEL_LABELS)
+        dispatch = CounterMetricFamily("batchline_dispatch", "Batches by dispatch reason.", labels=[*MODEL_LABELS, "reason"])
+        busy = CounterMetricFamily(
+            "batchline_instance_busy_seconds", "Time each instance spent running batches.", labels=[*MODEL_LABELS, "instance"]
+        )
+        histograms = {
+            "request": _histogram("batchline_request_duration_seconds", "Admission to response, per request."),
+            "queue": _histogram("batchline_queue_duration_seconds", "Time waiting for an instance, per request."),
+            "compute": _histogram("batchline_compute_duration_seconds", "Batch assembly, engine and split, per batch."),
+            "batch": _histogram("batchline_batch_size", "Items per executed batch."),
+        }
+        queue_depth = GaugeMetricFamily("batchline_queue_depth", "Requests waiting for an instance.", labels=MODEL_LABELS)
+        pending = GaugeMetricFamily("batchline_pending_requests", "Requests admitted, not yet answered.", labels=MODEL_LABELS)
+        in_flight = GaugeMetricFamily("batchline_batches_in_flight", "Batches running now.", labels=MODEL_LABELS)
+        ready = GaugeMetricFamily("batchline_model_ready", "1 when the version serves.", labels=MODEL_LABELS)
+        for model in self._repository.loaded():
+            labels = [model.config.name, str(model.version)]
+            stats = model.stats
+            for outcome in OUTCOMES:
+                count = stats.success.count if outcome == "success" else stats.failures.get(outcome, 0)
+                requests.add_metric([*labels, outcome], count)
+            inferences.add_metric(labels, stats.inference_count)
+            batches.add_metric(labels, stats.execution_count)
+            for reason, count in sorted(stats.dispatch_reasons.items()):
+                dispatch.add_metric([*labels, str(reason)], count)
+            for instance, ns in sorted(stats.instance_busy_ns.items()):
+                busy.add_metric([*labels, instance], ns / 1e9)
+            _add(histograms["request"], labels, stats.request_seconds)
+            _add(histograms["queue"], labels, stats.queue_seconds)
+            _add(histograms["compute"], labels, stats.compute_seconds)
+            _add(histograms["batch"], labels, stats.batch_sizes)
+            queue_depth.add_metric(labels, model.queue_depth)
+            pending.add_metric(labels, stats.pending)
+            in_flight.add_metric(labels, model.batches_in_flight)
+            ready.add_metric(labels, 1.0 if model.ready else 0.0)
+        yield from (requests, inferences, batches, dispatch, busy, *histograms.values(), queue_depth, pending, in_flight, ready)
+
+
+def _histogram(name: str, documentation: str) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, documentation, labels=MODEL_LABELS)
+
+
+def _add(family: HistogramMetricFamily, labels: list[str], histogram: Histogram) -> None:
+    family.add_metric(labels, histogram.cumulative(), histogram.sum)
+
+
+def _gpu_metrics(gpus: list[GpuReading]) -> Iterator[Metric]:
+    if not gpus:
+        return
+    fields: list[tuple[str, str, str, bool]] = [
+        ("batchline_gpu_utilization_ratio", "utilization_ratio", "Share of time a kernel ran.", False),
+        ("batchline_gpu_memory_used_bytes", "memory_used_bytes", "Device memory in use.", False),
+        ("batchline_gpu_memory_total_bytes", "memory_total_bytes", "Device memory in all.", False),
+        ("batchline_gpu_power_watts", "power_watts", "Power draw.", False),
+        ("batchline_gpu_temperature_celsius", "temperature_celsius", "Core temperature.", False),
+        ("batchline_gpu_energy_joules", "energy_joules", "Energy used since the driver loaded.", True),
+    ]
+    for name, attribute, documentation, counter in fields:
+        family_type = CounterMetricFamily if counter else GaugeMetricFamily
+        family = family_type(name.removesuffix("_total"), documentation, labels=["gpu", "name"])
+        for gpu in gpus:
+            value = getattr(gpu, attribute)
+            if value is not None:
+                family.add_metric([str(gpu.index), gpu.name], value)
+        yield family
+
+
+def build_registry(repository: ModelRepository, price_per_hour: float | None = None) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(BatchlineCollector(repository, price_per_hour))
+    ProcessCollector(registry=registry)
+    return registry
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)
