@@ -22,6 +22,7 @@ def _serve(args: argparse.Namespace) -> int:
             "models": args.model or None,
             "engine_threads": args.engine_threads,
             "device_price_per_hour": args.device_price_per_hour,
+            "access_log": args.access_log,
         }.items()
         if v is not None
     }
@@ -38,6 +39,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.dataplane import DataPlane
+    from server.http.access_log import AccessLog
     from server.http.app import create_app
     from server.metrics import build_registry
     from server.repository import ModelRepository
@@ -45,7 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
     repository = ModelRepository(settings.model_repository.resolve(), settings.engine_threads)
     plane = DataPlane(repository)
     metrics = build_registry(repository, settings.device_price_per_hour)
-    app = create_app(plane, settings.models, settings.max_body_bytes, metrics)
+    app = create_app(plane, settings.models, settings.max_body_bytes, metrics, AccessLog(settings.access_log))
     logging.getLogger(__name__).info(
         "batchline %s serving %s on http://%s:%d",
         __version__, settings.model_repository, settings.host, settings.http_port,
@@ -80,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--engine-threads", type=int, metavar="N",
         help="threads per engine instance for every model, overriding the configs (e.g. 1 when pinned to one core)",
+    )
+    serve.add_argument(
+        "--access-log", choices=["off", "text", "json"],
+        help="a line per infer request with id, model, status, queue and compute times (default: off)",
     )
     serve.add_argument(
         "--device-price-per-hour", type=float, metavar="USD",

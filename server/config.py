@@ -38,6 +38,9 @@ class ServerSettings(BaseSettings):
         default=None, description="Load only these models at start (default: every model)."
     )
     max_body_bytes: int = Field(default=64 << 20, gt=0, description="Largest request body accepted.")
+    access_log: Literal["off", "text", "json"] = Field(
+        default="off", description="One line per infer request (id, model, status, queue and compute times)."
+    )
     device_price_per_hour: float | None = Field(
         default=None, ge=0, description="Price of this replica's device per hour, exported for cost per inference."
     )
@@ -238,6 +241,25 @@ class TorchOptions(_Strict):
     num_threads: int = Field(default=0, ge=0)
 
 
+class BuildGate(_Strict):
+    """Quality a build must keep against its FP32 source before its version may serve."""
+
+    enforce: bool = Field(default=True, description="false: publish a build even when the gate fails.")
+    min_accuracy_ratio: float = Field(default=0.99, gt=0, le=1, description="Classifiers: accuracy >= this x FP32's.")
+    min_mean_cosine: float = Field(default=0.99, ge=-1, le=1, description="Embeddings: mean cosine vs FP32.")
+    min_neighbour_agreement: float = Field(default=0.94, ge=0, le=1, description="Embeddings: same nearest neighbour.")
+
+
+class BuildSpec(_Strict):
+    """How a variant was (or is to be) built from another model (`batchline build`, server/quantize)."""
+
+    source: str = Field(min_length=1, description="The model this variant is built from, in the same repository.")
+    engine: Literal["onnxruntime", "torch", "tensorrt"]
+    precision: Precision
+    options: dict[str, bool | int | float | str] = Field(default_factory=dict)
+    gate: BuildGate = Field(default_factory=BuildGate)
+
+
 class ModelConfig(_Strict):
     """The schema of `models/<name>/config.yaml`."""
 
@@ -261,6 +283,7 @@ class ModelConfig(_Strict):
     preprocess: Preprocess | None = None
     onnxruntime: OnnxRuntimeOptions = Field(default_factory=OnnxRuntimeOptions)
     torch: TorchOptions = Field(default_factory=TorchOptions)
+    build: BuildSpec | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:

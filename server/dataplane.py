@@ -14,6 +14,7 @@ from server.errors import InvalidInput, Unavailable
 from server.protocol.triton_config import triton_model_config
 from server.protocol.v2 import DecodedRequest, decode_request, encode_response
 from server.repository import ModelRepository
+from server.scheduler.request import RequestRecord
 
 # Bodies and outputs larger than this are decoded / encoded on a worker thread, so one big
 # request never stalls the event loop that every other request shares.
@@ -92,7 +93,12 @@ class DataPlane:
         await self.repository.unload(name)
 
     async def infer(
-        self, name: str, version: str | None, body: bytes, header_length: int | None
+        self,
+        name: str,
+        version: str | None,
+        body: bytes,
+        header_length: int | None,
+        record: RequestRecord | None = None,
     ) -> tuple[bytes, int | None]:
         """One v2 infer call: bytes in, response bytes (and binary header length) out."""
         if len(body) > OFFLOAD_BYTES:
@@ -100,8 +106,10 @@ class DataPlane:
         else:
             decoded = decode_request(body, header_length)
         model = self.repository.get(name, version)
+        if record is not None:
+            record.request_id, record.model_version = decoded.id, model.version
         selection = selected_outputs(model.config, decoded)
-        outputs = await model.infer(decoded.inputs, decoded.parameters)
+        outputs = await model.infer(decoded.inputs, decoded.parameters, record)
         tensors = [(n, datatype, outputs[n], binary) for n, datatype, binary in selection]
         if sum(t[2].nbytes for t in tensors) > OFFLOAD_BYTES:
             return await asyncio.to_thread(encode_response, name, model.version, decoded.id, tensors)

@@ -26,7 +26,7 @@ from server.protocol.datatypes import numpy_dtype
 from server.scheduler.admission import Admission
 from server.scheduler.batcher import Batcher, QueueSettings
 from server.scheduler.policy import BatchPolicy
-from server.scheduler.request import InferenceRequest
+from server.scheduler.request import InferenceRequest, RequestRecord
 from server.stats import ModelStatistics
 from server.workers.instance import ModelInstance
 from server.workers.pipeline import ModelPipeline, paddable_inputs
@@ -175,21 +175,29 @@ class ModelVersion:
         )
 
     async def infer(
-        self, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any] | None = None
+        self,
+        inputs: dict[str, tuple[str, np.ndarray]],
+        parameters: dict[str, Any] | None = None,
+        record: RequestRecord | None = None,
     ) -> dict[str, np.ndarray]:
-        """Admit, queue and await one request's outputs (API names)."""
+        """Admit, queue and await one request's outputs (API names); `record` collects its times."""
         if self._batcher is None or self._admission is None or not self.ready:
             raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready")
         started = time.perf_counter_ns()
         self.stats.pending += 1
         try:
-            return await self._admit_and_wait(self._batcher, self._admission, inputs, parameters or {})
+            return await self._admit_and_wait(self._batcher, self._admission, inputs, parameters or {}, record)
         finally:
             self.stats.pending -= 1
             self.stats.request_seconds.observe((time.perf_counter_ns() - started) / 1e9)
 
     async def _admit_and_wait(
-        self, batcher: Batcher, admission: Admission, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any]
+        self,
+        batcher: Batcher,
+        admission: Admission,
+        inputs: dict[str, tuple[str, np.ndarray]],
+        parameters: dict[str, Any],
+        record: RequestRecord | None,
     ) -> dict[str, np.ndarray]:
         try:
             admitted = await admission.admit(inputs, parameters)
@@ -206,6 +214,7 @@ class ModelVersion:
             longest=admitted.longest,
             priority=admitted.priority,
             deadline_ns=admitted.deadline_ns,
+            record=record,
         )
         batcher.submit(request)
         return await request.future

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from server import __version__
 from server.dataplane import DataPlane
 from server.errors import InvalidInput
+from server.http.access_log import AccessLog
 from server.http.errors import error_response, install_error_handlers
 from server.http.infer import FastInferApp, InferEndpoint
 from server.metrics import CONTENT_TYPE, exposition
@@ -88,6 +89,7 @@ def create_app(
     models: list[str] | None = None,
     max_body_bytes: int = 64 << 20,
     metrics: CollectorRegistry | None = None,
+    access_log: AccessLog | None = None,
 ) -> FastInferApp:
     """The ASGI app; models load in the background once it starts."""
 
@@ -167,7 +169,7 @@ def create_app(
             return Response(exposition(metrics), media_type=CONTENT_TYPE)
 
     app.openapi = lambda: _openapi_with_infer(app)  # type: ignore[method-assign]
-    return FastInferApp(app, InferEndpoint(plane, max_body_bytes))
+    return FastInferApp(app, InferEndpoint(plane, max_body_bytes, access_log))
 
 
 def _openapi_with_infer(app: FastAPI) -> dict[str, Any]:

@@ -10,13 +10,16 @@ from __future__ import annotations
 import asyncio
 import gzip
 import re
+import time
 import zlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from server.dataplane import DataPlane
 from server.errors import Cancelled, InvalidInput, PayloadTooLarge
+from server.http.access_log import AccessLog
 from server.http.errors import error_parts
+from server.scheduler.request import RequestRecord
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -33,34 +36,51 @@ WATCH_AFTER_S = 0.002
 
 
 class InferEndpoint:
-    def __init__(self, plane: DataPlane, max_body_bytes: int) -> None:
+    def __init__(self, plane: DataPlane, max_body_bytes: int, access_log: AccessLog | None = None) -> None:
         self._plane = plane
         self._limit = max_body_bytes
+        self._access_log = access_log or AccessLog()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, model: str, version: str | None) -> None:
+        started = time.perf_counter_ns()
+        record = RequestRecord() if self._access_log.enabled else None
+        status = await self._respond(scope, receive, send, model, version, record)
+        if record is not None and status is not None:
+            client = scope.get("client")
+            self._access_log.write(
+                f"{client[0]}:{client[1]}" if client else "-", scope["path"], model, status, started, record
+            )
+
+    async def _respond(
+        self, scope: Scope, receive: Receive, send: Send, model: str, version: str | None, record: RequestRecord | None
+    ) -> int | None:
+        """Answer one infer call; the status sent, or None when the client left first."""
         headers = dict(scope["headers"])
         try:
             body = await self._body(headers, receive)
             header_length = _header_length(headers)
         except Cancelled:
-            return  # the client is gone; nobody to answer
+            return None  # the client is gone; nobody to answer
         except Exception as exc:
-            await _send(send, *error_parts(exc))
-            return
-        outcome = await self._infer_unless_disconnected(receive, model, version, body, header_length)
+            return await _send(send, *error_parts(exc))
+        outcome = await self._infer_unless_disconnected(receive, model, version, body, header_length, record)
         if outcome is None:
-            return  # the client left; its request was dropped, nobody to answer
+            return None  # the client left; its request was dropped, nobody to answer
         if isinstance(outcome, BaseException):
-            await _send(send, *error_parts(outcome))
-            return
+            return await _send(send, *error_parts(outcome))
         content, binary_header_length = outcome
         if binary_header_length is None:
-            await _send(send, 200, content, {}, _JSON)
-        else:
-            await _send(send, 200, content, {HEADER_LENGTH: str(binary_header_length)}, _BINARY)
+            return await _send(send, 200, content, {}, _JSON)
+        return await _send(send, 200, content, {HEADER_LENGTH: str(binary_header_length)}, _BINARY)
 
     async def _infer_unless_disconnected(
-        self, receive: Receive, model: str, version: str | None, body: bytes, header_length: int | None
+        self,
+        receive: Receive,
+        model: str,
+        version: str | None,
+        body: bytes,
+        header_length: int | None,
+        record: RequestRecord | None,
     ) -> tuple[bytes, int | None] | BaseException | None:
         """Run the request; if the client disconnects meanwhile, cancel it (None).
 
@@ -81,7 +101,7 @@ class InferEndpoint:
 
         timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch)
         try:
-            return await self._plane.infer(model, version, body, header_length)
+            return await self._plane.infer(model, version, body, header_length, record)
         except asyncio.CancelledError:
             if watcher is None or not watcher.done():
                 raise  # the server is shutting down, not the client leaving
@@ -142,11 +162,12 @@ def _header_length(headers: dict[bytes, bytes]) -> int | None:
 
 async def _send(
     send: Send, status: int, body: bytes, extra: dict[str, str], base: list[tuple[bytes, bytes]] = _JSON
-) -> None:
+) -> int:
     headers = [*base, (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+    return status
 
 
 class FastInferApp:

@@ -190,6 +190,8 @@ class Batcher:
         self._stats.dispatch_reasons[reason] += 1
         for request in batch:
             self._stats.record_queued(dispatched_ns - request.arrival_ns)
+            if request.record is not None:
+                request.record.queue_ns = dispatched_ns - request.arrival_ns
         try:
             result = await instance.run([r.feed for r in batch])
         except BaseException as exc:  # one bad batch fails its own requests, nobody else's
@@ -211,8 +213,11 @@ class Batcher:
                 result.compute_input_ns, result.compute_infer_ns, result.compute_output_ns,
             )
             done = self._clock()
+            compute_ns = result.compute_input_ns + result.compute_infer_ns + result.compute_output_ns
             for request, outputs in zip(batch, result.outputs):
                 self._stats.success.add(done - request.arrival_ns)
+                if request.record is not None:
+                    request.record.compute_ns = compute_ns
                 self._release(request, lambda r=request, o=outputs: r.resolve(o))
         finally:
             self._running.discard(asyncio.current_task())  # this batch no longer counts as busy

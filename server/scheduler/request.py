@@ -11,6 +11,16 @@ from typing import Hashable
 import numpy as np
 
 
+@dataclass
+class RequestRecord:
+    """What an access log line says about one request; filled in as it goes through."""
+
+    request_id: str | None = None
+    model_version: int | None = None
+    queue_ns: int = 0
+    compute_ns: int = 0
+
+
 class RequestState(enum.Enum):
     QUEUED = "queued"
     RUNNING = "running"
@@ -37,6 +47,7 @@ class InferenceRequest:
     state: RequestState = RequestState.QUEUED
     sequence: int = 0
     expiry: asyncio.TimerHandle | None = None
+    record: RequestRecord | None = None
 
     def resolve(self, outputs: dict[str, np.ndarray]) -> None:
         self.state = RequestState.DONE

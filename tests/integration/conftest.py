@@ -27,12 +27,17 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(repository: Path, *extra: str, wait_ready: bool = True) -> Iterator[str]:
-    """Start `batchline serve` on a free loopback port; yield its base URL; stop it."""
+def running_server(
+    repository: Path, *extra: str, wait_ready: bool = True, log_path: Path | None = None
+) -> Iterator[str]:
+    """Start `batchline serve` on a free loopback port; yield its base URL; stop it.
+    Its output goes to `log_path` (default: a file in the temp folder)."""
     port = free_port()
-    logs = Path(tempfile.gettempdir()) / "batchline-test-logs"
-    logs.mkdir(exist_ok=True)
-    log = open(logs / f"server-{port}.log", "w+")
+    if log_path is None:
+        logs = Path(tempfile.gettempdir()) / "batchline-test-logs"
+        logs.mkdir(exist_ok=True)
+        log_path = logs / f"server-{port}.log"
+    log = open(log_path, "w+")
     process = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "serve", "--model-repository", str(repository),
          "--host", "127.0.0.1", "--http-port", str(port), *extra],

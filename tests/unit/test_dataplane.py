@@ -31,7 +31,7 @@ class StubModel:
     def __init__(self) -> None:
         self.calls = 0
 
-    async def infer(self, inputs, parameters):
+    async def infer(self, inputs, parameters, record=None):
         self.calls += 1
         return {"y": inputs["x"][1] * 2}
 

@@ -1,0 +1,60 @@
+"""Access logs for the infer route: one line per request, as text or as JSON.
+
+Off by default: a log line per request costs more than a small model's inference. JSON lines
+go to their own handler (message only), so log shippers get one JSON object per line.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Literal
+
+import orjson
+
+from server.scheduler.request import RequestRecord
+
+AccessLogFormat = Literal["off", "text", "json"]
+logger = logging.getLogger("batchline.access")
+
+
+class AccessLog:
+    def __init__(self, format: AccessLogFormat = "off") -> None:
+        self.format = format
+        if format == "json":
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            logger.handlers = [handler]
+            logger.propagate = False
+            logger.setLevel(logging.INFO)
+
+    @property
+    def enabled(self) -> bool:
+        return self.format != "off"
+
+    def write(
+        self, client: str, path: str, model: str, status: int, started_ns: int, record: RequestRecord
+    ) -> None:
+        duration_ms = (time.perf_counter_ns() - started_ns) / 1e6
+        queue_ms, compute_ms = record.queue_ns / 1e6, record.compute_ns / 1e6
+        if self.format == "json":
+            line = {
+                "time": time.time(),
+                "client": client,
+                "method": "POST",
+                "path": path,
+                "model": model,
+                "version": record.model_version,
+                "status": status,
+                "request_id": record.request_id,
+                "duration_ms": round(duration_ms, 3),
+                "queue_ms": round(queue_ms, 3),
+                "compute_ms": round(compute_ms, 3),
+            }
+            logger.info(orjson.dumps(line).decode())
+        else:
+            logger.info(
+                '%s "POST %s" %d %.2fms queue=%.2fms compute=%.2fms model=%s version=%s id=%s',
+                client, path, status, duration_ms, queue_ms, compute_ms, model, record.model_version, record.request_id,
+            )
