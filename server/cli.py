@@ -11,7 +11,8 @@ from server import __version__
 from server.config import ServerSettings
 
 
-def _serve(args: argparse.Namespace) -> int:
+def settings_from(args: argparse.Namespace) -> ServerSettings:
+    """Environment (BATCHLINE_*) first, flags over it."""
     overrides = {
         k: v
         for k, v in {
@@ -26,7 +27,11 @@ def _serve(args: argparse.Namespace) -> int:
         }.items()
         if v is not None
     }
-    settings = ServerSettings(**overrides)
+    return ServerSettings(**overrides)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -65,6 +70,15 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    try:
+        from loadtest.bench import main as bench_main
+    except ImportError as exc:
+        logging.error("the benchmark tools are not installed (pip install 'batchline[loadtest]'): %s", exc)
+        return 2
+    return bench_main(args.arguments)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchline", description="KServe v2 inference server.")
     parser.add_argument("--version", action="version", version=f"batchline {__version__}")
@@ -95,10 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", action="append", metavar="NAME", help="load only this model at start (repeatable)"
     )
     serve.set_defaults(handler=_serve)
+    bench = commands.add_parser(
+        "bench",
+        help="benchmarks: engine ceiling, closed/open loop, batching on/off (see `batchline bench --help`)",
+        add_help=False,
+    )
+    bench.add_argument("arguments", nargs=argparse.REMAINDER, help="passed to python -m loadtest.bench")
+    bench.set_defaults(handler=_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # everything after `bench` belongs to the benchmark's own parser
+        return _bench(argparse.Namespace(arguments=argv[1:]))
     args = build_parser().parse_args(argv)
     return args.handler(args)
 

@@ -1,0 +1,33 @@
+"""The command line: flags over environment, and `bench` handing over to the benchmarks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from server.cli import build_parser, main, settings_from
+
+
+def test_flags_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCHLINE_HTTP_PORT", "9001")
+    monkeypatch.setenv("BATCHLINE_MODEL_REPOSITORY", "/srv/models")
+    monkeypatch.setenv("BATCHLINE_ACCESS_LOG", "json")
+    from_env = settings_from(build_parser().parse_args(["serve"]))
+    assert (from_env.http_port, from_env.model_repository, from_env.access_log) == (9001, Path("/srv/models"), "json")
+    flags = settings_from(
+        build_parser().parse_args(["serve", "--http-port", "9002", "--engine-threads", "1", "--model", "a", "--model", "b"])
+    )
+    assert (flags.http_port, flags.engine_threads, flags.models) == (9002, 1, ["a", "b"])
+    assert flags.model_repository == Path("/srv/models")
+
+
+def test_serve_refuses_a_missing_repository(tmp_path: Path) -> None:
+    assert main(["serve", "--model-repository", str(tmp_path / "nowhere")]) == 2
+
+
+def test_bench_hands_every_argument_to_the_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "engine", "--help"])
+    assert exited.value.code == 0
+    assert "--batch-sizes" in capsys.readouterr().out
