@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from server import __version__
 from server.dataplane import DataPlane
-from server.errors import InvalidInput
+from server.protocol.v2 import json_object
 from server.http.access_log import AccessLog
 from server.http.errors import error_response, install_error_handlers
 from server.http.infer import FastInferApp, InferEndpoint
@@ -197,14 +197,7 @@ def _openapi_with_infer(app: FastAPI) -> dict[str, Any]:
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
+    """The optional JSON object body of a control-plane call ({} when empty)."""
     body = await request.body()
-    if not body.strip():
-        return {}
-    try:
-        document = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidInput(f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(document, dict):
-        raise InvalidInput("the request body must be a JSON object")
-    return document
+    return json_object(body) if body.strip() else {}
 

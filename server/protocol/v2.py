@@ -40,12 +40,7 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
         header, binary = body, memoryview(b"")
     else:
         header, binary = split_body(body, header_length)
-    try:
-        document = orjson.loads(header)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidInput(f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(document, dict):
-        raise InvalidInput("the request body must be a JSON object")
+    document = json_object(header)
     request_id = document.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidInput("'id' must be a string")
@@ -68,6 +63,17 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
         outputs=_requested_outputs(document.get("outputs")),
         binary_output=bool(parameters.get("binary_data_output", False)),
     )
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body that must be one JSON object."""
+    try:
+        document = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(document, dict):
+        raise InvalidInput("the request body must be a JSON object")
+    return document
 
 
 def _parameters(value: object, where: str) -> dict[str, Any]:
