@@ -6,6 +6,7 @@ Inputs map to the program's positional arguments in config order, outputs likewi
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,9 @@ from server.errors import EngineError
 from server.devices import Device
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# torch.export.load keeps global deserializer state: two loads at once (models load in parallel
+# threads) fail with "_CURRENT_DESERIALIZER is already set".
+_LOAD_LOCK = threading.Lock()
 
 
 class TorchEngine(Engine):
@@ -32,7 +36,8 @@ class TorchEngine(Engine):
         if config.torch.num_threads:
             torch.set_num_threads(config.torch.num_threads)
         try:
-            program = torch.export.load(str(self._path))
+            with _LOAD_LOCK:
+                program = torch.export.load(str(self._path))
         except Exception as exc:  # torch raises many types for a bad archive
             raise EngineError(f"torch cannot load {self._path}: {exc}") from exc
         self._module = program.module().to(self._device)

@@ -94,14 +94,22 @@ def host(server_url: str) -> str:
 
 @pytest.fixture(scope="module")
 def scratch_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A repository of its own: a copy of digits, a model whose artifact is missing, and a
-    model whose config is invalid, to test loading, unloading and failures."""
+    """A repository of its own: a copy of digits, digits with three versions of which the policy
+    serves two, a model whose artifact is missing, and a model whose config is invalid."""
     _require_built_models()
     root = tmp_path_factory.mktemp("repo") / "models"
     shutil.copytree(MODELS / "digits", root / "digits", ignore=shutil.ignore_patterns("build.py"))
     broken = root / "broken"
     (broken / "1").mkdir(parents=True)
     (broken / "config.yaml").write_text((MODELS / "digits/config.yaml").read_text().replace("name: digits", "name: broken"))
+    versions = root / "digits_versions"
+    versions.mkdir()
+    for v in (1, 2, 3):
+        (versions / str(v)).symlink_to(MODELS / "digits" / "1", target_is_directory=True)
+    (versions / "config.yaml").write_text(
+        (MODELS / "digits/config.yaml").read_text().replace("name: digits", "name: digits_versions")
+        + "version_policy:\n  specific:\n    versions: [1, 3]\n"
+    )
     bad = root / "badconfig"
     (bad / "1").mkdir(parents=True)
     (bad / "config.yaml").write_text("name: badconfig\nengine: onnxruntime\nmax_batch_size: many\n"

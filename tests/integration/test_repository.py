@@ -57,7 +57,8 @@ def test_a_broken_model_is_not_ready_and_the_others_serve(scratch_url, client) -
 
 def test_index_ready_filter(scratch_url) -> None:
     ready = httpx.post(f"{scratch_url}/v2/repository/index", json={"ready": True}).json()
-    assert [e["name"] for e in ready] == ["digits"]
+    assert sorted({e["name"] for e in ready}) == ["digits", "digits_versions"]
+    assert all(e["state"] == "READY" for e in ready)
 
 
 def test_unload_then_load(scratch_url, client) -> None:
@@ -84,3 +85,18 @@ def test_load_errors(scratch_url, client) -> None:
     assert response.status_code == 400
     with pytest.raises(InferenceServerException):
         client.load_model("badconfig")
+
+
+def test_the_version_policy_picks_what_serves(scratch_url, client) -> None:
+    metadata = client.get_model_metadata("digits_versions")
+    assert metadata["versions"] == ["1", "3"]
+    image = triton.InferInput("image", [1, 1, 8, 8], "FP32")
+    image.set_data_from_numpy(np.zeros((1, 1, 8, 8), dtype=np.float32))
+    assert client.infer("digits_versions", [image]).get_response()["model_version"] == "3"  # the latest serves
+    assert client.infer("digits_versions", [image], model_version="1").get_response()["model_version"] == "1"
+    assert not client.is_model_ready("digits_versions", "2")
+    response = httpx.post(f"{scratch_url}/v2/models/digits_versions/versions/2/infer",
+                          json={"inputs": [{"name": "image", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": [0] * 64}]})
+    assert response.status_code == 404
+    index = {(e["name"], e.get("version")) for e in client.get_model_repository_index()}
+    assert {("digits_versions", "1"), ("digits_versions", "3")} <= index

@@ -1,0 +1,92 @@
+"""What each builder receives and returns, and which builder serves which (engine, precision).
+
+A builder writes one artifact into the staging folder and says how the variant must be served
+(engine, the config's precision) and what it did. Which builders exist is the table at the end;
+anything else is refused with the list of what is supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from server.config import ModelConfig
+from server.quantize.data import EvalData
+from server.quantize.errors import BuildError
+
+Options = dict[str, Any]
+
+
+@dataclass
+class BuildContext:
+    source_config: ModelConfig
+    source_version_dir: Path
+    source_artifact: Path
+    stage: Path  # becomes the version folder: only what serves goes here
+    work: Path  # scratch for intermediates (exported ONNX, pre-processed graphs)
+    options: Options
+    data: EvalData
+    progress: Callable[[str], None]
+
+
+@dataclass
+class BuildOutput:
+    artifact: str  # file name inside `stage`
+    engine: str  # the serving engine of the variant
+    precision: str  # the variant config's `precision` (what the serving engine is told)
+    method: str
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Builder:
+    run: Callable[[BuildContext], BuildOutput]
+    defaults: Callable[[ModelConfig, EvalData], Options]
+    sources: tuple[str, ...]  # source engines it can start from
+
+
+def resolve_options(builder: Builder, source: ModelConfig, data: EvalData, given: Options) -> Options:
+    """Defaults merged with what was asked; unknown option names are refused, not ignored."""
+    defaults = builder.defaults(source, data)
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise BuildError(f"unknown build options {unknown}; this build takes {sorted(defaults)}")
+    resolved = {**defaults, **given}
+    for key, value in resolved.items():
+        expected = type(defaults[key])
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            resolved[key] = float(value)
+        elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise BuildError(f"build option {key!r} must be {expected.__name__}, got {value!r}")
+    return resolved
+
+
+def builders() -> dict[tuple[str, str], Builder]:
+    """(target engine, precision) -> builder; imported lazily (torch, onnx are heavy)."""
+    from server.quantize import onnx_builds, tensorrt, torch_builds
+
+    return {
+        ("onnxruntime", "fp32"): Builder(onnx_builds.fp32, onnx_builds.fp32_defaults, ("onnxruntime", "torch")),
+        ("onnxruntime", "fp16"): Builder(onnx_builds.fp16, onnx_builds.fp16_defaults, ("onnxruntime", "torch")),
+        ("onnxruntime", "int8"): Builder(onnx_builds.int8, onnx_builds.int8_defaults, ("onnxruntime", "torch")),
+        ("torch", "fp16"): Builder(torch_builds.cast, torch_builds.cast_defaults, ("torch",)),
+        ("torch", "bf16"): Builder(torch_builds.cast, torch_builds.cast_defaults, ("torch",)),
+        ("torch", "int8"): Builder(torch_builds.int8, torch_builds.int8_defaults, ("torch",)),
+        **{("tensorrt", p): Builder(tensorrt.build, tensorrt.defaults, ("onnxruntime", "torch"))
+           for p in ("fp32", "fp16", "bf16", "int8")},
+    }
+
+
+def select(engine: str, precision: str, source_engine: str) -> Builder:
+    table = builders()
+    builder = table.get((engine, precision))
+    if builder is None:
+        supported = ", ".join(f"{e}/{p}" for e, p in sorted(table))
+        raise BuildError(f"no {engine} {precision} build; supported: {supported}")
+    if source_engine not in builder.sources:
+        raise BuildError(
+            f"a {engine} {precision} build starts from a {' or '.join(builder.sources)} model, not {source_engine}"
+        )
+    return builder

@@ -1,0 +1,98 @@
+"""Run one model version exactly as the server would: the same engine class, the same tokenizer.
+
+Evaluating a build through the serving engine (not a hand-made session) means the gate measures
+what will actually answer requests, including the torch engine's precision cast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from server.config import ModelConfig
+from server.devices import Device
+from server.engines import create_engine
+from server.preprocess import TextTokenizer
+from server.quantize.data import ClassificationData, EmbeddingData, EvalData
+
+
+def with_threads(config: ModelConfig, threads: int) -> ModelConfig:
+    """The config with every engine pinned to `threads` intra-op threads."""
+    return config.model_copy(
+        update={
+            "onnxruntime": config.onnxruntime.model_copy(
+                update={"intra_op_num_threads": threads, "inter_op_num_threads": 1}
+            ),
+            "torch": config.torch.model_copy(update={"num_threads": threads}),
+        }
+    )
+
+
+class Runner:
+    """One engine instance on the CPU plus the model's tokenizer, if it has one."""
+
+    def __init__(self, config: ModelConfig, version_dir: Path) -> None:
+        self.config = config
+        self.engine = create_engine(config, version_dir, Device("CPU"))
+        self.tokenizer = TextTokenizer(config.tokenize, version_dir) if config.tokenize else None
+        self.output = config.outputs[0].source_name
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def run(self, feed: dict[str, np.ndarray]) -> np.ndarray:
+        """One batch through the engine; the model's first output as float32."""
+        return np.asarray(self.engine.run(feed)[self.output], dtype=np.float32)
+
+    def feed(self, data: EvalData, batch: int, sequence_length: int | None = None) -> dict[str, np.ndarray]:
+        """A benchmark batch of `batch` items drawn (cycled) from the evaluation data."""
+        if isinstance(data, ClassificationData):
+            index = np.arange(batch) % len(data.images)
+            return {self._input_name(): np.ascontiguousarray(data.images[index])}
+        texts = [data.sentences[i % len(data.sentences)] for i in range(batch)]
+        return self._tokens(texts, sequence_length)
+
+    def outputs(self, data: EvalData, texts: list[str] | None = None, batch: int = 16) -> np.ndarray:
+        """The model's outputs for every evaluation item (or `texts`), in order."""
+        if isinstance(data, ClassificationData):
+            parts = [
+                self.run({self._input_name(): data.images[i : i + 64]}) for i in range(0, len(data.images), 64)
+            ]
+            return np.concatenate(parts)
+        items = texts if texts is not None else data.sentences
+        order = sorted(range(len(items)), key=lambda i: len(items[i]))  # like lengths share a batch
+        result = np.empty((len(items), self.config.outputs[0].dims[-1]), dtype=np.float32)
+        for start in range(0, len(order), batch):
+            chosen = order[start : start + batch]
+            result[chosen] = self.run(self._tokens([items[i] for i in chosen]))
+        return result
+
+    def _input_name(self) -> str:
+        return self.config.inputs[0].source_name
+
+    def _tokens(self, texts: list[str], sequence_length: int | None = None) -> dict[str, np.ndarray]:
+        assert self.tokenizer is not None, "a text model needs preprocess.tokenize"
+        tensors = self.tokenizer.encode(texts)
+        if sequence_length is None:
+            return tensors
+        pads = self.tokenizer.outputs
+        fixed = {}
+        for name, array in tensors.items():
+            array = array[:, :sequence_length]
+            if array.shape[1] < sequence_length:
+                pad = np.full((array.shape[0], sequence_length - array.shape[1]), pads[name], array.dtype)
+                array = np.concatenate([array, pad], axis=1)
+            fixed[name] = np.ascontiguousarray(array)
+        return fixed
+
+
+def evaluate(config: ModelConfig, version_dir: Path, data: EvalData) -> dict[str, np.ndarray]:
+    """Every output the quality gate needs from one model version."""
+    runner = Runner(config, version_dir)
+    try:
+        if isinstance(data, EmbeddingData):
+            return {"sentences": runner.outputs(data), "triplets": runner.outputs(data, data.triplet_texts)}
+        return {"probabilities": runner.outputs(data)}
+    finally:
+        runner.close()
