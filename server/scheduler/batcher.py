@@ -116,7 +116,6 @@ class Batcher:
         if request.state is RequestState.QUEUED:
             self._drop(request)
             self._stats.count_failure("cancelled")
-            request.state = RequestState.DONE
             self._release(request, None)
 
     def _drop(self, request: InferenceRequest) -> None:

@@ -1,0 +1,140 @@
+"""Engines: provider selection and verification, GPU guards, and precision casting, on the CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from server.config import ModelConfig
+from server.devices import Device
+from server.engines import create_engine
+from server.engines.onnxruntime import check_providers, requested_providers
+from server.errors import EngineError
+
+MODELS = Path(__file__).resolve().parents[3] / "models"
+
+
+def config(**overrides) -> ModelConfig:
+    document = {
+        "name": "double",
+        "engine": "onnxruntime",
+        "max_batch_size": 4,
+        "inputs": [{"name": "x", "datatype": "FP32", "dims": [2]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "dims": [2]}],
+        **overrides,
+    }
+    return ModelConfig.model_validate(document)
+
+
+@pytest.fixture
+def doubling_model(tmp_path: Path) -> Path:
+    """A one-node ONNX graph y = x + x, written to version folder 1."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])
+    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "double", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    (tmp_path / "1").mkdir()
+    onnx.save(model, tmp_path / "1" / "model.onnx")
+    return tmp_path / "1"
+
+
+def test_cpu_instances_never_ask_for_gpu_providers() -> None:
+    cfg = config(onnxruntime={"execution_providers": ["CUDAExecutionProvider", "CPUExecutionProvider"]})
+    assert requested_providers(cfg, Device("CPU")) == ["CPUExecutionProvider"]
+
+
+def test_gpu_instances_pin_their_device_and_keep_a_cpu_fallback() -> None:
+    assert requested_providers(config(), Device("GPU", 1)) == [
+        ("CUDAExecutionProvider", {"device_id": 1}),
+        "CPUExecutionProvider",
+    ]
+    trt = config(onnxruntime={"execution_providers": ["TensorrtExecutionProvider", "CUDAExecutionProvider"]})
+    assert requested_providers(trt, Device("GPU", 0)) == [
+        ("TensorrtExecutionProvider", {"device_id": 0}),
+        ("CUDAExecutionProvider", {"device_id": 0}),
+        "CPUExecutionProvider",
+    ]
+
+
+def test_a_session_that_fell_back_to_the_cpu_is_refused() -> None:
+    with pytest.raises(EngineError, match="asked for CUDAExecutionProvider but the session runs on CPUExecutionProvider"):
+        check_providers([("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"], ["CPUExecutionProvider"])
+    check_providers(["CPUExecutionProvider"], ["CPUExecutionProvider"])
+
+
+def test_onnxruntime_runs_on_the_cpu(doubling_model: Path) -> None:
+    engine = create_engine(config(), doubling_model, Device("CPU"))
+    out = engine.run({"x": np.array([[1.0, 2.0]], dtype=np.float32)})
+    assert out["y"].tolist() == [[2.0, 4.0]]
+    assert engine.describe().providers == ["CPUExecutionProvider"]
+
+
+def test_a_gpu_instance_on_a_cpu_build_fails_at_load_with_the_reason(doubling_model: Path) -> None:
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this onnxruntime lists CUDA; the fallback check is covered by the unit above")
+    with pytest.raises(EngineError, match="CUDAExecutionProvider"):
+        create_engine(config(), doubling_model, Device("GPU", 0))
+
+
+def test_config_and_graph_must_agree_on_tensor_names(doubling_model: Path) -> None:
+    wrong = config(inputs=[{"name": "z", "datatype": "FP32", "dims": [2]}])
+    with pytest.raises(EngineError, match="takes inputs"):
+        create_engine(wrong, doubling_model, Device("CPU"))
+    missing = config(outputs=[{"name": "y", "datatype": "FP32", "dims": [2], "engine_name": "nope"}])
+    with pytest.raises(EngineError, match="no outputs"):
+        create_engine(missing, doubling_model, Device("CPU"))
+
+
+def test_a_missing_artifact_names_the_file(tmp_path: Path) -> None:
+    with pytest.raises(EngineError, match="model.onnx is missing"):
+        create_engine(config(), tmp_path, Device("CPU"))
+
+
+DIGITS = MODELS / "digits" / "1"
+needs_digits = pytest.mark.skipif(not (DIGITS / "model.pt2").is_file(), reason="digits not built (make models)")
+
+
+def digits_config(**overrides) -> ModelConfig:
+    return ModelConfig.model_validate(
+        {
+            "name": "digits",
+            "engine": "torch",
+            "max_batch_size": 8,
+            "inputs": [{"name": "image", "datatype": "FP32", "dims": [1, 8, 8]}],
+            "outputs": [{"name": "probabilities", "datatype": "FP32", "dims": [10]}],
+            **overrides,
+        }
+    )
+
+
+@needs_digits
+def test_torch_on_a_gpu_without_cuda_fails_at_load() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(EngineError, match="no CUDA device"):
+        create_engine(digits_config(), DIGITS, Device("GPU", 0))
+
+
+def test_torch_refuses_int8_without_a_build() -> None:
+    with pytest.raises(EngineError, match="fp32, fp16 or bf16"):
+        create_engine(digits_config(precision="int8"), DIGITS, Device("CPU"))
+
+
+@needs_digits
+def test_torch_bf16_casts_the_program_and_answers_in_fp32() -> None:
+    images = np.load(DIGITS / "heldout.npz")["images"][:8]
+    fp32 = create_engine(digits_config(), DIGITS, Device("CPU")).run({"image": images})["probabilities"]
+    bf16_engine = create_engine(digits_config(precision="bf16"), DIGITS, Device("CPU"))
+    bf16 = bf16_engine.run({"image": images})["probabilities"]
+    assert bf16.dtype == np.float32 and bf16_engine.describe().precision == "bf16"
+    assert (bf16.argmax(1) == fp32.argmax(1)).mean() >= 0.85
+    assert np.abs(bf16 - fp32).max() < 0.1
