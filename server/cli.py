@@ -9,6 +9,7 @@ import sys
 
 from server import __version__
 from server.config import ServerSettings
+from server.quantize.cli import add_build_parser
 
 
 def settings_from(args: argparse.Namespace) -> ServerSettings:
@@ -116,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("arguments", nargs=argparse.REMAINDER, help="passed to python -m loadtest.bench")
     bench.set_defaults(handler=_bench)
+    add_build_parser(commands)
     return parser
 
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from server.config import CONFIG_FILENAME, ModelConfig, load_model_config
-from server.errors import ConfigError, InvalidInput, ModelNotFound, Unavailable
+from server.errors import ConfigError, EngineError, InvalidInput, ModelNotFound, Unavailable
 from server.model import ModelState, ModelVersion
+from server.quantize.ensure import ensure_built
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class ModelRepository:
         async with self._locks.setdefault(name, asyncio.Lock()):
             try:
                 config = self._with_overrides(load_model_config(path / CONFIG_FILENAME))
+                if config.build is not None:  # a variant built from another model: build or reuse
+                    await asyncio.to_thread(ensure_built, self.root, name, config)
                 selected = config.version_policy.select(_versions_on_disk(path))
                 if not selected:
                     raise ConfigError(f"{path}: no version folder (e.g. {path}/1) to serve")
@@ -73,6 +76,10 @@ class ModelRepository:
                 self._failures[name] = exc.message
                 logger.error("model %s: %s", name, exc.message)
                 raise InvalidInput(f"failed to load '{name}': {exc.message}") from exc
+            except EngineError as exc:
+                self._failures[name] = exc.message
+                logger.error("model %s: %s", name, exc.message)
+                raise Unavailable(f"failed to load '{name}': {exc.message}") from exc
             self._failures.pop(name, None)
             self._unloaded.discard(name)
             fresh = {v: ModelVersion(config, v, path / str(v)) for v in selected}

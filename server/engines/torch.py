@@ -18,9 +18,20 @@ from server.errors import EngineError
 from server.devices import Device
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# torch.export.load keeps global deserializer state: two loads at once (models load in parallel
-# threads) fail with "_CURRENT_DESERIALIZER is already set".
-_LOAD_LOCK = threading.Lock()
+# torch.export keeps global (de)serializer state: two loads at once (models load, and builds
+# run, in parallel threads) fail with "_CURRENT_DESERIALIZER is already set". Every
+# torch.export load, export and save in the process holds this lock.
+EXPORT_LOCK = threading.RLock()
+
+
+def load_program(path: Path) -> torch.export.ExportedProgram:
+    """torch.export.load, one at a time in the process. INT8 programs (PT2E, `batchline build
+    --engine torch --precision int8`) call the quantized_decomposed ops, which torch registers
+    only when their module is imported."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401
+
+    with EXPORT_LOCK:
+        return torch.export.load(str(path))
 
 
 class TorchEngine(Engine):
@@ -36,8 +47,7 @@ class TorchEngine(Engine):
         if config.torch.num_threads:
             torch.set_num_threads(config.torch.num_threads)
         try:
-            with _LOAD_LOCK:
-                program = torch.export.load(str(self._path))
+            program = load_program(self._path)
         except Exception as exc:  # torch raises many types for a bad archive
             raise EngineError(f"torch cannot load {self._path}: {exc}") from exc
         self._module = program.module().to(self._device)

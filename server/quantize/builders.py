@@ -24,6 +24,8 @@ class BuildContext:
     source_config: ModelConfig
     source_version_dir: Path
     source_artifact: Path
+    engine: str  # the target engine asked for
+    precision: str  # the target precision asked for
     stage: Path  # becomes the version folder: only what serves goes here
     work: Path  # scratch for intermediates (exported ONNX, pre-processed graphs)
     options: Options

@@ -136,7 +136,9 @@ def _embedding(spec: dict, folder: Path) -> EmbeddingData:
     sentences_path = folder / spec.get("sentences", "sentences.json")
     triplets_path = folder / spec.get("triplets", "triplets.json")
     try:
-        sentences = json.loads(sentences_path.read_text(encoding="utf-8"))["sentences"]
+        text = json.loads(sentences_path.read_text(encoding="utf-8"))
+        # "pairs": paraphrase pairs, flattened (each sentence's intended neighbour is its partner)
+        sentences = [s for pair in text["pairs"] for s in pair] if "pairs" in text else text["sentences"]
         triplets = [tuple(t) for t in json.loads(triplets_path.read_text(encoding="utf-8"))["triplets"]]
     except (OSError, KeyError, ValueError) as exc:
         raise BuildError(f"cannot read the evaluation text of {folder}: {exc}") from exc

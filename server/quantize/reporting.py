@@ -110,8 +110,16 @@ class BuildReport:
                 "|---|---|---|---|---|---|",
             ]
             ref = {b["batch"]: b for b in (bench.get("reference") or {}).get("buckets", [])}
+            same_engine = {b["batch"]: b for b in (bench.get("fp32_same_engine") or {}).get("buckets", [])}
+            same_lines: list[str] = []
             for row in bench.get("buckets", []):
                 r = ref.get(row["batch"])
+                same = same_engine.get(row["batch"])
+                if same:
+                    same_lines.append(
+                        f"| {row['batch']} | {same['latency_ms']:.3f} | {same['throughput']:.1f} |"
+                        f" {same['latency_ms'] / row['latency_ms']:.2f}x |"
+                    )
                 if r:
                     lines.append(
                         f"| {row['batch']} | {row['latency_ms']:.3f} | {r['latency_ms']:.3f} |"
@@ -119,6 +127,10 @@ class BuildReport:
                     )
                 else:
                     lines.append(f"| {row['batch']} | {row['latency_ms']:.3f} | | {row['throughput']:.1f} | | |")
+            if same_lines:
+                lines += ["", f"The FP32 export in {self.engine} itself (the precision's share of the gain):", "",
+                          "| batch | FP32 latency ms | FP32 items/s | build speedup over it |", "|---|---|---|---|",
+                          *same_lines]
             ref_rss = (bench.get("reference") or {}).get("peak_rss_mb")
             lines += ["", f"Peak RSS serving the build: {bench.get('peak_rss_mb', 0):.0f} MB"
                       + (f" (FP32: {ref_rss:.0f} MB)" if ref_rss else "")
@@ -154,7 +166,7 @@ def find_reports(variant_dir: Path) -> list[tuple[Path, BuildReport]]:
                 found.append((folder, BuildReport.load(path)))
             except (ValueError, TypeError):
                 continue  # a damaged report is as good as none: the build will be redone
-    return sorted(found, key=lambda item: item[1].built_at)
+    return sorted(found, key=lambda item: (item[1].built_at, (item[0] / REPORT_FILE).stat().st_mtime_ns))
 
 
 def report(repository: Path, variant: str) -> str:

@@ -1,0 +1,290 @@
+"""`build()`: make a quantized / lower-precision variant of a model, judge it, publish it or not.
+
+Flow: resolve the source (an FP32 model of the repository) and the builder; compute the cache
+key; reuse the variant's latest version if its key matches; otherwise build into a hidden
+staging folder, evaluate it against FP32 on held-out data, time it, write the report, and
+publish the folder as the next version only when the quality gate passes (or is not enforced).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import re
+import resource
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from server.config import CONFIG_FILENAME, BuildGate, BuildSpec, ModelConfig, load_model_config
+from server.quantize import variant as variants
+from server.quantize.builders import BuildContext, resolve_options, select
+from server.quantize.cache import cache_key, file_digest, library_versions
+from server.quantize.data import EvalData, load_eval_data
+from server.quantize.errors import BuildError
+from server.quantize.reporting import (
+    CHART_FILE,
+    MARKDOWN_FILE,
+    REJECTED_DIR,
+    REPORT_FILE,
+    BuildReport,
+    find_reports,
+)
+
+logger = logging.getLogger("server.quantize")
+DEFAULT_ARTIFACTS = {"onnxruntime": "model.onnx", "torch": "model.pt2"}
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+# In-process memo of FP32 figures: many builds of one source share them.
+_reference_outputs: dict[tuple[str, str], dict[str, np.ndarray]] = {}
+_reference_bench: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
+def _log(message: str) -> None:
+    logger.info("%s", message)
+
+
+def build(
+    repository: Path,
+    model: str,
+    engine: str,
+    precision: str,
+    *,
+    name: str | None = None,
+    force: bool = False,
+    progress: Callable[[str], None] = _log,
+    options: dict[str, Any] | None = None,
+    gate: BuildGate | None = None,
+    benchmark: bool = True,
+    bench_seconds: float = 1.0,
+    bench_batches: list[int] | None = None,
+    sequence_length: int = 32,
+) -> BuildReport:
+    """Build `model` for `engine`/`precision` as the variant `name` (default model-engine-precision).
+
+    Returns the report; `report.servable` says whether a version was published. Raises
+    `BuildError` (an EngineError) or `ConfigError` when no build can be made at all.
+    """
+    started = time.perf_counter()
+    repository = Path(repository)
+    source = _source(repository, model)
+    source_config, source_version, source_version_dir, source_artifact = source
+    variant = name or variants.variant_name(model, engine, precision)
+    if not _NAME.match(variant) or variant == model:
+        raise BuildError(f"variant name {variant!r} is not usable (a folder name other than the source's)")
+    variant_dir = repository / variant
+    existing = _existing_variant(variant_dir, model)
+    builder = select(engine, precision, source_config.engine)
+    given = dict(options if options is not None else (existing.build.options if existing and existing.build else {}))
+    data = load_eval_data(repository / model, source_version_dir, calibration=str(given.get("calibration", "train")))
+    resolved = resolve_options(builder, source_config, data, given)
+    gate = gate or (existing.build.gate if existing and existing.build else BuildGate())
+    versions = library_versions()
+    source_digest = file_digest(source_artifact)
+    key = cache_key(
+        source_digest=source_digest,
+        source_config=source_config.model_dump(mode="json", exclude={"name"}),
+        engine=engine,
+        precision=precision,
+        options=resolved,
+        data_fingerprint=data.fingerprint,
+        versions=versions,
+    )
+    source_info = {
+        "model": model, "version": source_version, "engine": source_config.engine,
+        "artifact": source_artifact.name, "sha256": source_digest, "size_bytes": source_artifact.stat().st_size,
+    }
+    with variants.locked(variant_dir):
+        if not force:
+            hit = _cached(variant_dir, key, gate)
+            if hit is not None:
+                progress(f"{variant}: cache hit ({hit.location}); nothing rebuilt")
+                return hit
+        try:
+            return _build(
+                repository, variant, variant_dir, source_config, source_version_dir, source_artifact,
+                source_info, engine, precision, builder, given, resolved, gate, data, key, versions,
+                progress, started, benchmark, bench_seconds, bench_batches, sequence_length,
+            )
+        except BaseException:
+            variants.cleanup_if_empty(variant_dir)
+            raise
+
+
+def _build(
+    repository: Path, variant: str, variant_dir: Path, source_config: ModelConfig, source_version_dir: Path,
+    source_artifact: Path, source_info: dict[str, Any], engine: str, precision: str, builder: Any,
+    given: dict[str, Any], resolved: dict[str, Any], gate: BuildGate, data: EvalData, key: str,
+    versions: dict[str, str], progress: Callable[[str], None], started: float, benchmark: bool,
+    bench_seconds: float, bench_batches: list[int] | None, sequence_length: int,
+) -> BuildReport:
+    from server.quantize.quality import judge
+    from server.quantize.runner import evaluate
+
+    with variants.staging(variant_dir) as stage, tempfile.TemporaryDirectory(prefix="batchline-build-") as work:
+        progress(f"{variant}: building {engine} {precision} from {source_info['model']}/{source_info['version']}")
+        context = BuildContext(
+            source_config=source_config, source_version_dir=source_version_dir, source_artifact=source_artifact,
+            engine=engine, precision=precision, stage=stage, work=Path(work), options=resolved, data=data,
+            progress=lambda m: progress(f"{variant}: {m}"),
+        )
+        output = builder.run(context)
+        if source_config.tokenize is not None:
+            tokenizer = source_config.tokenize.tokenizer
+            shutil.copyfile(source_version_dir / tokenizer, stage / tokenizer)
+        base = variants.read_raw_config(variant_dir if (variant_dir / CONFIG_FILENAME).is_file() else repository / source_info["model"])
+        spec = BuildSpec(source=source_info["model"], engine=engine, precision=precision, options=given, gate=gate)
+        filename = None if output.artifact == DEFAULT_ARTIFACTS.get(output.engine) else output.artifact
+        derived = variants.derive_config(
+            base, name=variant, engine=output.engine, precision=output.precision, model_filename=filename, spec=spec
+        )
+        variant_config = ModelConfig.model_validate(derived)
+
+        progress(f"{variant}: evaluating against FP32 on {data.kind} held-out data")
+        reference = _reference(source_config, source_version_dir, data, source_info["sha256"])
+        quality = judge(data, reference, evaluate(variant_config, stage, data), gate)
+        quality["gate"] = gate.model_dump(mode="json")
+        servable = bool(quality["passed"] or not gate.enforce)
+        notes = list(output.notes)
+        if not quality["passed"]:
+            failed = [c for c in quality["checks"] if not c["passed"]]
+            detail = ", ".join(f"{c['metric']} {c['value']:.4f} < {c['threshold']:.4f}" for c in failed)
+            notes.append(f"quality gate FAILED: {detail}" + ("" if gate.enforce else "; published anyway (enforce: false)"))
+
+        bench = None
+        if benchmark:
+            progress(f"{variant}: timing the engine alone (1 thread) at each batch size")
+            dirs = (repository / source_info["model"], source_version_dir)
+            bench = _time(variant_config, stage, dirs, bench_batches, bench_seconds, sequence_length, Path(work))
+            exported = Path(work) / "fp32.onnx"
+            if output.engine != source_config.engine and exported.is_file():
+                bench["fp32_same_engine"] = _same_engine_time(
+                    variant_config, exported, dirs, [b["batch"] for b in bench["buckets"]], bench_seconds,
+                    sequence_length, Path(work),
+                )
+            bench["reference"] = _reference_time(
+                source_config, source_version_dir, dirs, bench_batches or [b["batch"] for b in bench["buckets"]],
+                bench_seconds, sequence_length, Path(work), source_info["sha256"],
+            )
+        version = (variants.versions_on_disk(variant_dir) or [0])[-1] + 1
+        report = BuildReport(
+            variant=variant, source=source_info, engine=engine, precision=precision, options=resolved,
+            cache_key=key, method=output.method, notes=notes,
+            version=version if servable else None,
+            location=f"{variant}/{version}" if servable else f"{variant}/{REJECTED_DIR}/{key[:16]}",
+            servable=servable, library_versions=versions,
+            artifact={"file": output.artifact, "size_bytes": (stage / output.artifact).stat().st_size},
+            quality=quality, benchmark=bench,
+            built_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            build_seconds=round(time.perf_counter() - started, 2),
+            build_peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        )
+        _write_report(report, stage, repository)
+        if servable:
+            published = variants.publish(variant_dir, stage, derived, source_info["model"])
+            assert published == version
+        else:
+            variants.reject(variant_dir, stage, key)
+        progress(report.summary())
+        return report
+
+
+def _source(repository: Path, model: str) -> tuple[ModelConfig, int, Path, Path]:
+    """The FP32 source: its config, the version it serves, that folder, and the artifact."""
+    model_dir = repository / model
+    if not (model_dir / CONFIG_FILENAME).is_file():
+        raise BuildError(f"model '{model}' is not in the repository {repository}")
+    config = load_model_config(model_dir / CONFIG_FILENAME)
+    if config.build is not None:
+        raise BuildError(f"'{model}' is itself a build of '{config.build.source}'; build from the FP32 source")
+    if config.precision != "fp32":
+        raise BuildError(f"'{model}' is {config.precision}; builds start from an FP32 model")
+    selected = config.version_policy.select(variants.versions_on_disk(model_dir))
+    if not selected:
+        raise BuildError(f"model '{model}' has no version folder to build from (was it built?)")
+    version_dir = model_dir / str(selected[-1])
+    artifact = version_dir / (config.model_filename or DEFAULT_ARTIFACTS[config.engine])
+    if not artifact.is_file():
+        raise BuildError(f"the source artifact {artifact} is missing (was the model built?)")
+    return config, selected[-1], version_dir, artifact
+
+
+def _existing_variant(variant_dir: Path, model: str) -> ModelConfig | None:
+    """The variant's current config; refuses to overwrite a model that is not a build of `model`."""
+    path = variant_dir / CONFIG_FILENAME
+    if not path.is_file():
+        return None
+    config = load_model_config(path)
+    if config.build is None or config.build.source != model:
+        raise BuildError(f"'{variant_dir.name}' exists and is not a build of '{model}'; choose another name")
+    return config
+
+
+def _cached(variant_dir: Path, key: str, gate: BuildGate) -> BuildReport | None:
+    """A previous build with this key: the latest published version, or a rejection under this gate."""
+    reports = find_reports(variant_dir)
+    published = [(f, r) for f, r in reports if f.name.isdigit()]
+    if published:
+        latest = max(published, key=lambda item: int(item[0].name))
+        if latest[1].cache_key == key:
+            latest[1].cache_hit = True
+            return latest[1]
+    for folder, report in reversed(reports):
+        if not folder.name.isdigit() and report.cache_key == key and report.quality.get("gate") == gate.model_dump(mode="json"):
+            report.cache_hit = True
+            return report
+    return None
+
+
+def _reference(config: ModelConfig, version_dir: Path, data: EvalData, digest: str) -> dict[str, np.ndarray]:
+    from server.quantize.runner import evaluate
+
+    memo = (digest, data.fingerprint)
+    if memo not in _reference_outputs:
+        _reference_outputs[memo] = evaluate(config, version_dir, data)
+    return _reference_outputs[memo]
+
+
+def _time(config: ModelConfig, version_dir: Path, dirs: tuple[Path, Path], batches: list[int] | None,
+          seconds: float, sequence_length: int, work: Path) -> dict[str, Any]:
+    from server.quantize.bench import benchmark
+
+    return benchmark(config, version_dir, dirs, batches=batches, seconds=seconds,
+                     sequence_length=sequence_length, workdir=work)
+
+
+def _reference_time(config: ModelConfig, version_dir: Path, dirs: tuple[Path, Path], batches: list[int],
+                    seconds: float, sequence_length: int, work: Path, digest: str) -> dict[str, Any]:
+    memo = (digest, tuple(batches), seconds, sequence_length)
+    if memo not in _reference_bench:
+        _reference_bench[memo] = _time(config, version_dir, dirs, batches, seconds, sequence_length, work)
+    return _reference_bench[memo]
+
+
+def _same_engine_time(config: ModelConfig, exported: Path, dirs: tuple[Path, Path], batches: list[int],
+                      seconds: float, sequence_length: int, work: Path) -> dict[str, Any]:
+    """The FP32 export in the build's engine: separates the engine's gain from the precision's."""
+    folder = work / "fp32-same-engine"
+    folder.mkdir(exist_ok=True)
+    shutil.copyfile(exported, folder / "model.onnx")
+    fp32 = config.model_copy(update={"precision": "fp32", "build": None, "model_filename": None})
+    return _time(fp32, folder, dirs, batches, seconds, sequence_length, work)
+
+
+def _write_report(report: BuildReport, folder: Path, repository: Path) -> None:
+    """build.json, build.md and the speed-vs-quality chart of every build of this source."""
+    from server.quantize.chart import write_chart
+
+    (folder / REPORT_FILE).write_text(report.to_json(), encoding="utf-8")
+    (folder / MARKDOWN_FILE).write_text(report.markdown(), encoding="utf-8")
+    siblings = [report]
+    for candidate in sorted(p for p in repository.iterdir() if p.is_dir() and p.name != report.variant):
+        found = find_reports(candidate)
+        if found and found[-1][1].source.get("model") == report.source.get("model"):
+            siblings.append(found[-1][1])
+    write_chart(siblings, folder / CHART_FILE)

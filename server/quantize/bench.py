@@ -1,0 +1,131 @@
+"""Engine-alone speed of a build, per batch size, in a child process.
+
+A child process gives each measurement a clean peak RSS (`ru_maxrss` is a high-water mark of the
+whole process) and its own thread settings (torch's are process-wide). The engine runs alone:
+no HTTP, no batcher, one intra-op thread by default, short timed loops after a warm-up. Pin
+the whole build to a core (`taskset -c 1 batchline build ...`) for steadier figures: the child
+inherits the affinity.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from server.config import ModelConfig
+
+DEFAULT_BATCHES = (1, 8, 32)
+WARMUP_RUNS = 3
+MIN_RUNS = 5
+
+
+def batch_sizes(config: ModelConfig) -> list[int]:
+    """The config's batch buckets, else 1, 8 and 32 (within max_batch_size)."""
+    if not config.batched:
+        return [1]
+    if config.batch_buckets:
+        return [b for b in config.batch_buckets if b <= config.max_batch_size]
+    return [b for b in DEFAULT_BATCHES if b <= config.max_batch_size] or [config.max_batch_size]
+
+
+def benchmark(
+    config: ModelConfig,
+    version_dir: Path,
+    data_dirs: tuple[Path, Path],
+    *,
+    batches: list[int] | None = None,
+    seconds: float = 1.0,
+    threads: int = 1,
+    sequence_length: int | None = 32,
+    workdir: Path,
+) -> dict[str, Any]:
+    """Time `config`'s engine over `version_dir` in a child process; returns the figures."""
+    request = {
+        "config": config.model_dump(mode="json"),
+        "version_dir": str(version_dir),
+        "model_dir": str(data_dirs[0]),
+        "data_version_dir": str(data_dirs[1]),
+        "batches": batches or batch_sizes(config),
+        "seconds": seconds,
+        "threads": threads,
+        "sequence_length": sequence_length if config.tokenize else None,
+    }
+    path = workdir / f"bench-{os.getpid()}-{time.monotonic_ns()}.json"
+    path.write_text(json.dumps(request))
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "server.quantize.bench", str(path)], capture_output=True, text=True, env=env, cwd=root, check=False
+    )
+    if done.returncode != 0:
+        from server.quantize.errors import BuildError
+
+        raise BuildError(f"the benchmark failed: {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _child(request_path: Path) -> dict[str, Any]:
+    from server.quantize.data import load_eval_data
+    from server.quantize.runner import Runner, with_threads
+
+    request = json.loads(request_path.read_text())
+    config = with_threads(ModelConfig.model_validate(request["config"]), request["threads"])
+    data = load_eval_data(Path(request["model_dir"]), Path(request["data_version_dir"]))
+    rss_before = _rss_mb()
+    runner = Runner(config, Path(request["version_dir"]))
+    rows = []
+    for batch in request["batches"]:
+        feed = runner.feed(data, batch, request["sequence_length"])
+        for _ in range(WARMUP_RUNS):
+            runner.run(feed)
+        timings: list[float] = []
+        deadline = time.perf_counter() + request["seconds"]
+        while len(timings) < MIN_RUNS or time.perf_counter() < deadline:
+            start = time.perf_counter()
+            runner.run(feed)
+            timings.append(time.perf_counter() - start)
+        mean = statistics.fmean(timings)
+        rows.append({
+            "batch": batch,
+            "latency_ms": mean * 1e3,
+            "latency_p50_ms": statistics.median(timings) * 1e3,
+            "throughput": batch / mean,
+            "runs": len(timings),
+        })
+    runner.close()
+    return {
+        "threads": request["threads"],
+        "seconds": request["seconds"],
+        "sequence_length": request["sequence_length"],
+        "buckets": rows,
+        "rss_before_load_mb": rss_before,
+        "peak_rss_mb": _rss_mb(),
+        "gpu_memory_mb": None,  # CPU only: the server's GPU engines are not timed here
+    }
+
+
+def _rss_mb() -> float:
+    """This process's peak RSS in MB.
+
+    Linux carries the parent's high-water mark across fork+exec into `getrusage().ru_maxrss`,
+    so a child started by a build that loaded torch would report the build's peak; VmHWM in
+    /proc/self/status is per address space and starts afresh at exec. getrusage elsewhere.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(Path(sys.argv[1]))))

@@ -1,0 +1,101 @@
+"""`batchline build MODEL --engine E --precision P [--name N] [--force] [--report]`.
+
+Wired into server/cli.py with `add_build_parser(commands)`; the handler returns the exit code:
+0 a servable version exists (built or cached), 1 the build failed its quality gate (nothing was
+published), 2 no build could be made (bad model, unsupported combination, missing library).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ENGINES = ("onnxruntime", "torch", "tensorrt")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+
+
+def add_build_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "build",
+        help="build a quantized / lower-precision variant of a model, gated on quality",
+        description="Build MODEL for an engine and precision as a new model of the repository "
+        "(default name MODEL-ENGINE-PRECISION). The build is evaluated against FP32 on the model's "
+        "held-out data (models/MODEL/eval/) and published as the variant's next version only if it "
+        "passes the quality gate. An identical earlier build is reused (cache).",
+    )
+    parser.add_argument("model", help="the FP32 source model")
+    parser.add_argument("--engine", required=True, choices=ENGINES)
+    parser.add_argument("--precision", required=True, choices=PRECISIONS)
+    parser.add_argument("--name", help="the variant's name (default MODEL-ENGINE-PRECISION)")
+    parser.add_argument("--force", action="store_true", help="rebuild even when the cache has this build")
+    parser.add_argument("--report", action="store_true", help="print the variant's latest report; build nothing")
+    parser.add_argument(
+        "--option", action="append", default=[], metavar="KEY=VALUE",
+        help="builder option, e.g. per_channel=false, mode=static, keep_io_types=true (repeatable)",
+    )
+    parser.add_argument("--no-benchmark", action="store_true", help="skip the speed measurements")
+    parser.add_argument("--bench-seconds", type=float, default=1.0, help="timed seconds per batch size (default 1)")
+    parser.add_argument("--sequence-length", type=int, default=32,
+                        help="text models: tokens per timed item (default 32)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON instead of markdown")
+    parser.add_argument(
+        "--model-repository", type=Path, default=None,
+        help="folder of models (default: $BATCHLINE_MODEL_REPOSITORY or models)",
+    )
+    parser.set_defaults(handler=run_build)
+    return parser
+
+
+def parse_option(text: str) -> tuple[str, bool | int | float | str]:
+    """KEY=VALUE with VALUE read as JSON when it is (true, 3, 0.5), else kept as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--option wants KEY=VALUE, got {text!r}")
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return key, value
+    if not isinstance(parsed, (bool, int, float, str)):
+        raise ValueError(f"--option {key}: a scalar value is expected, got {value!r}")
+    return key, parsed
+
+
+def run_build(args: argparse.Namespace) -> int:
+    from server.errors import BatchlineError
+    from server.quantize.api import build
+    from server.quantize.reporting import report
+    from server.quantize.variant import variant_name
+
+    repository = args.model_repository or Path(os.environ.get("BATCHLINE_MODEL_REPOSITORY", "models"))
+    variant = args.name or variant_name(args.model, args.engine, args.precision)
+    try:
+        if args.report:
+            print(report(repository, variant))
+            return 0
+        options = dict(parse_option(o) for o in args.option) if args.option else None
+        result = build(
+            repository, args.model, args.engine, args.precision, name=args.name, force=args.force,
+            options=options, benchmark=not args.no_benchmark, bench_seconds=args.bench_seconds,
+            sequence_length=args.sequence_length,
+            progress=lambda message: print(message, file=sys.stderr, flush=True),
+        )
+    except (BatchlineError, ValueError) as exc:
+        print(f"batchline build: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return 2
+    print(result.to_json() if args.json else result.markdown())
+    return 0 if result.servable else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m server.quantize.cli ...`) until server/cli.py wires it in."""
+    parser = argparse.ArgumentParser(prog="batchline")
+    add_build_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""`ensure_built`: at model load, make sure a config that declares `build:` has a matching version.
+
+A variant's config may say how it is built (`build: {source, engine, precision, options, gate}`)
+instead of shipping an artifact. At load, the variant's latest version is reused if its
+build.json carries the cache key of that spec; otherwise it is built now (minutes for a
+transformer: call this off the event loop). A build that fails its enforced gate raises, so the
+model is unavailable with the reason while every other model serves.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from server.config import ModelConfig
+from server.errors import ConfigError, EngineError
+
+logger = logging.getLogger("server.quantize")
+
+
+def ensure_built(repository: Path, model_name: str, config: ModelConfig, *, benchmark: bool = False) -> int | None:
+    """The version to serve for `model_name`; None when its config declares no build.
+
+    Raises ConfigError for a spec that cannot be built (unknown source, unsupported combination)
+    and EngineError when the build fails or does not pass its quality gate.
+    """
+    if config.build is None:
+        return None
+    from server.quantize.api import build
+
+    spec = config.build
+    if spec.source == model_name:
+        raise ConfigError(f"{model_name}: build.source names the model itself")
+    if not (Path(repository) / spec.source).is_dir():
+        raise ConfigError(f"{model_name}: build.source '{spec.source}' is not in the repository")
+    try:
+        report = build(
+            Path(repository), spec.source, spec.engine, spec.precision, name=model_name,
+            options=dict(spec.options), gate=spec.gate, benchmark=benchmark,
+            progress=lambda message: logger.info("%s", message),
+        )
+    except (EngineError, ConfigError):  # BuildError is an EngineError: its message says why
+        raise
+    except Exception as exc:  # a library's own error while converting: name it, keep the server up
+        raise EngineError(f"{model_name}: building from '{spec.source}' failed: {type(exc).__name__}: {exc}") from exc
+    if not report.servable:
+        failed = [c for c in report.quality.get("checks", []) if not c["passed"]]
+        detail = ", ".join(f"{c['metric']} {c['value']:.4f} < {c['threshold']:.4f}" for c in failed)
+        raise EngineError(f"{model_name}: the {spec.engine} {spec.precision} build failed its quality gate ({detail})")
+    return report.version

@@ -1,0 +1,277 @@
+"""ONNX Runtime builds: FP32 export, FP16 conversion, INT8 dynamic (text) or static QDQ (images).
+
+Choices, measured on this project's models (see docs/quantization.md):
+- minilm INT8: dynamic quantization (weights INT8 per channel, activations scaled at run time);
+  per-channel keeps mean cosine ~0.99 vs FP32 where per-tensor falls to ~0.96. The transformer
+  optimizer fuses no attention in this dynamo-exported graph and ran slower, so it is off by
+  default (`optimize: true` turns it on).
+- digits INT8: static quantization in QDQ format, calibrated on the training split; QDQ is also
+  what TensorRT takes for explicit INT8.
+- FP16: float16 weights and compute with float32 inputs/outputs by default (`keep_io_types`).
+  ONNX Runtime's CPU provider has few FP16 kernels, so on CPU it is slower (casts, emulation):
+  it is meant for GPU providers.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from server.config import ModelConfig
+from server.quantize.builders import BuildContext, BuildOutput, Options
+from server.quantize.data import ClassificationData, EvalData
+from server.quantize.errors import BuildError
+
+ARTIFACT = "model.onnx"
+
+
+def source_onnx(ctx: BuildContext) -> Path:
+    """The FP32 ONNX graph to start from: the source's own, or the torch program exported."""
+    if ctx.source_config.engine == "onnxruntime":
+        return ctx.source_artifact
+    path = ctx.work / "fp32.onnx"
+    if not path.exists():
+        ctx.progress("exporting the torch program to ONNX (dynamic batch)")
+        export_program(ctx.source_artifact, path, ctx.source_config, ctx.data)
+    return path
+
+
+def export_program(program_path: Path, out: Path, config: ModelConfig, data: EvalData) -> None:
+    """torch.export archive -> ONNX with the config's tensor names, so the ORT engine finds them."""
+    import onnx
+    import torch
+
+    if config.tokenize is not None or len(config.inputs) != 1:
+        raise BuildError("exporting a torch program to ONNX is supported for single-input models only")
+    from server.engines.torch import EXPORT_LOCK, load_program
+
+    program = load_program(program_path)
+    example = torch.from_numpy(_example(config, data))
+    with EXPORT_LOCK, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.getLogger("torch").setLevel(logging.ERROR)
+        torch.onnx.export(
+            program,
+            (example,),
+            str(out),
+            input_names=[config.inputs[0].source_name],
+            output_names=[t.source_name for t in config.outputs],
+            dynamo=True,
+            external_data=False,
+            verbose=False,
+        )
+    model = onnx.load(str(out))
+    for value in [*model.graph.input, *model.graph.output]:  # name the batch dim for readers
+        dim = value.type.tensor_type.shape.dim[0]
+        if dim.dim_param:
+            dim.dim_param = "batch"
+    onnx.save(model, str(out))
+
+
+def _example(config: ModelConfig, data: EvalData) -> np.ndarray:
+    if isinstance(data, ClassificationData):
+        return np.ascontiguousarray(data.images[:8])  # batch > 1 keeps the batch dim dynamic
+    dims = [8, *(d if d > 0 else 1 for d in config.inputs[0].dims)]
+    return np.zeros(dims, dtype=np.float32)
+
+
+# --- FP32 --------------------------------------------------------------------------------------
+
+
+def fp32_defaults(source: ModelConfig, data: EvalData) -> Options:
+    return {}
+
+
+def fp32(ctx: BuildContext) -> BuildOutput:
+    """The FP32 graph as is (an export when the source is a torch program): the baseline."""
+    shutil.copyfile(source_onnx(ctx), ctx.stage / ARTIFACT)
+    return BuildOutput(ARTIFACT, "onnxruntime", "fp32", "FP32 ONNX graph (exported from torch when needed)")
+
+
+# --- FP16 --------------------------------------------------------------------------------------
+
+
+def fp16_defaults(source: ModelConfig, data: EvalData) -> Options:
+    return {"keep_io_types": True}
+
+
+def fp16(ctx: BuildContext) -> BuildOutput:
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    keep_io = bool(ctx.options["keep_io_types"])
+    if not keep_io:
+        raise BuildError(
+            "keep_io_types: false would make the model's inputs/outputs FP16; the variant keeps the"
+            " source's FP32 tensors, so only keep_io_types: true is supported"
+        )
+    ctx.progress("converting weights and compute to FP16 (inputs/outputs stay FP32)")
+    model = onnx.load(str(source_onnx(ctx)))
+    converted = convert_float_to_float16(model, keep_io_types=keep_io)
+    onnx.save(converted, str(ctx.stage / ARTIFACT))
+    return BuildOutput(
+        ARTIFACT,
+        "onnxruntime",
+        "fp16",
+        "FP16 weights and compute (onnxruntime.transformers.float16), FP32 inputs/outputs",
+        ["FP16 on ONNX Runtime's CPU provider is emulated and slower than FP32; it is for GPU providers."],
+    )
+
+
+# --- INT8 --------------------------------------------------------------------------------------
+
+
+def int8_defaults(source: ModelConfig, data: EvalData) -> Options:
+    static = isinstance(data, ClassificationData)
+    options: Options = {
+        "mode": "static" if static else "dynamic",
+        "per_channel": True,
+        "reduce_range": False,
+        "optimize": False,
+    }
+    if static:
+        options |= {"calibration": "train", "calibrate_method": "minmax"}
+    return options
+
+
+def int8(ctx: BuildContext) -> BuildOutput:
+    mode = ctx.options["mode"]
+    graph = source_onnx(ctx)
+    notes: list[str] = []
+    if ctx.options["optimize"]:
+        graph = _optimize(graph, ctx, notes)
+    prepared = _pre_process(graph, ctx, notes)
+    if mode == "dynamic":
+        return _dynamic(prepared, ctx, notes)
+    if mode == "static":
+        return _static(prepared, ctx, notes)
+    raise BuildError(f"build option mode must be 'dynamic' or 'static', got {mode!r}")
+
+
+def _optimize(graph: Path, ctx: BuildContext, notes: list[str]) -> Path:
+    """ORT's transformer optimizer (attention/LayerNorm fusion); BERT-like text models only."""
+    from onnxruntime.transformers import optimizer
+
+    if ctx.source_config.tokenize is None:
+        raise BuildError("optimize: true applies to transformer (text) models only")
+    ctx.progress("fusing the transformer graph (onnxruntime.transformers.optimizer, model_type bert)")
+    out = ctx.work / "optimized.onnx"
+    model = optimizer.optimize_model(str(graph), model_type="bert", num_heads=0, hidden_size=0, opt_level=1)
+    model.save_model_to_file(str(out))
+    fused = {k: v for k, v in model.get_fused_operator_statistics().items() if v}
+    notes.append(f"transformer optimizer fused: {fused or 'nothing'}")
+    return out
+
+
+def _pre_process(graph: Path, ctx: BuildContext, notes: list[str]) -> Path:
+    """quant_pre_process: symbolic shape inference + ORT graph optimization before quantizing.
+
+    Symbolic shape inference fails on the dynamo-exported transformer graph ("Incomplete
+    symbolic shape inference"); then ONNX shape inference alone is used, which suffices there.
+    It runs in a child process whose working folder is the build's scratch folder: on failure
+    ORT dumps the whole graph (90 MB for minilm) into the *current* folder under a random name.
+    """
+    out = ctx.work / "prepared.onnx"
+    ctx.progress("pre-processing the graph for quantization (shape inference, optimization)")
+    error = _run_pre_process(graph, out, skip_symbolic_shape=False, cwd=ctx.work)
+    if error is not None:
+        notes.append(f"symbolic shape inference failed ({error}); used ONNX shape inference only")
+        error = _run_pre_process(graph, out, skip_symbolic_shape=True, cwd=ctx.work)
+        if error is not None:
+            raise BuildError(f"quant_pre_process failed: {error}")
+    return out
+
+
+_PRE_PROCESS = (
+    "import sys\n"
+    "from onnxruntime.quantization.shape_inference import quant_pre_process\n"
+    "quant_pre_process(sys.argv[1], sys.argv[2], skip_symbolic_shape=sys.argv[3] == '1')\n"
+)
+
+
+def _run_pre_process(graph: Path, out: Path, *, skip_symbolic_shape: bool, cwd: Path) -> str | None:
+    """Run quant_pre_process in a child; None on success, else the last line of its error."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PRE_PROCESS, str(graph), str(out), "1" if skip_symbolic_shape else "0"],
+        cwd=cwd, capture_output=True, text=True, check=False,
+    )
+    if done.returncode == 0:
+        return None
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit code {done.returncode}"
+
+
+def _dynamic(prepared: Path, ctx: BuildContext, notes: list[str]) -> BuildOutput:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    per_channel = bool(ctx.options["per_channel"])
+    ctx.progress(f"dynamic INT8 quantization ({'per-channel' if per_channel else 'per-tensor'} QInt8 weights)")
+    quantize_dynamic(
+        str(prepared),
+        str(ctx.stage / ARTIFACT),
+        per_channel=per_channel,
+        reduce_range=bool(ctx.options["reduce_range"]),
+        weight_type=QuantType.QInt8,
+    )
+    granularity = "per-channel" if per_channel else "per-tensor"
+    return BuildOutput(
+        ARTIFACT,
+        "onnxruntime",
+        "int8",
+        f"ONNX Runtime dynamic quantization: QInt8 {granularity} weights, activations quantized at run time",
+        notes,
+    )
+
+
+class _Calibration:
+    """onnxruntime's CalibrationDataReader over the calibration images, in small batches."""
+
+    def __init__(self, name: str, images: np.ndarray, batch: int = 32) -> None:
+        self._batches = iter([{name: images[i : i + batch]} for i in range(0, len(images), batch)])
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._batches, None)
+
+
+def _static(prepared: Path, ctx: BuildContext, notes: list[str]) -> BuildOutput:
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    data = ctx.data
+    if not isinstance(data, ClassificationData):
+        raise BuildError("static INT8 needs calibration images; text models use mode: dynamic")
+    methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+               "percentile": CalibrationMethod.Percentile}
+    method = ctx.options["calibrate_method"]
+    if method not in methods:
+        raise BuildError(f"calibrate_method must be one of {sorted(methods)}, got {method!r}")
+    calibration = ctx.options["calibration"]
+    if calibration != "train":
+        notes.append(f"DELIBERATELY BROKEN calibration {calibration!r} (gate test)")
+    ctx.progress(f"static INT8 QDQ quantization, calibrated ({method}) on {len(data.calibration)} training images")
+    reader = _Calibration(ctx.source_config.inputs[0].source_name, data.calibration)
+    quantize_static(
+        str(prepared),
+        str(ctx.stage / ARTIFACT),
+        reader,
+        quant_format=QuantFormat.QDQ,
+        per_channel=bool(ctx.options["per_channel"]),
+        reduce_range=bool(ctx.options["reduce_range"]),
+        activation_type=QuantType.QInt8,
+        weight_type=QuantType.QInt8,
+        calibrate_method=methods[method],
+        extra_options={"CalibTensorRangeSymmetric": False},
+    )
+    return BuildOutput(
+        ARTIFACT,
+        "onnxruntime",
+        "int8",
+        f"ONNX Runtime static quantization, QDQ format, QInt8 weights and activations, {method} calibration"
+        f" on {len(data.calibration)} training-split images",
+        notes,
+    )

@@ -1,0 +1,180 @@
+"""Real builds of the default models on the CPU: published when they keep FP32's quality,
+refused when they do not, reused when nothing changed. Each build is made once per session."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+import yaml
+
+from server.config import load_model_config
+from server.errors import EngineError
+from server.quantize import BuildError, build, ensure_built, report
+from server.quantize.cli import main as cli_main
+
+
+def quiet(message: str) -> None:
+    """Progress sink: tests do not print."""
+
+
+
+@pytest.fixture(scope="session")
+def digits_int8(shared_repository: Path):
+    return build(shared_repository, "digits", "onnxruntime", "int8", progress=quiet,
+                 bench_seconds=0.1, bench_batches=[1, 8])
+
+
+@pytest.fixture(scope="session")
+def minilm_int8(shared_repository: Path):
+    return build(shared_repository, "minilm", "onnxruntime", "int8", progress=quiet,
+                 bench_seconds=0.1, bench_batches=[1, 8])
+
+
+def op_types(path: Path) -> set[str]:
+    return {n.op_type for n in onnx.load(str(path)).graph.node}
+
+
+def test_digits_int8_is_static_qdq_and_published(digits_int8, shared_repository: Path) -> None:
+    assert digits_int8.servable and digits_int8.version == 1 and not digits_int8.cache_hit
+    folder = shared_repository / "digits-onnxruntime-int8"
+    version = folder / "1"
+    assert {"model.onnx", "build.json", "build.md", "build.png"} <= {p.name for p in version.iterdir()}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= op_types(version / "model.onnx")
+    config = load_model_config(folder / "config.yaml")
+    assert (config.engine, config.precision, config.build.source) == ("onnxruntime", "int8", "digits")
+    quality = digits_int8.quality
+    assert quality["passed"] and quality["metrics"]["accuracy"] >= 0.99 * quality["reference"]["accuracy"]
+    assert quality["samples"] == 360
+    bench = digits_int8.benchmark
+    assert [b["batch"] for b in bench["buckets"]] == [1, 8] and bench["peak_rss_mb"] > 0
+    assert bench["reference"]["buckets"] and bench["fp32_same_engine"]["buckets"]
+    assert json.loads((version / "build.json").read_text())["cache_key"] == digits_int8.cache_key
+
+
+def test_minilm_int8_keeps_embeddings(minilm_int8, shared_repository: Path) -> None:
+    assert minilm_int8.servable
+    metrics = minilm_int8.quality["metrics"]
+    assert metrics["mean_cosine"] >= 0.99 and metrics["neighbour_agreement"] >= 0.94
+    assert metrics["triplet_order_agreement"] == 1.0
+    version = shared_repository / "minilm-onnxruntime-int8" / "1"
+    assert (version / "tokenizer.json").is_file()
+    assert minilm_int8.artifact["size_bytes"] < minilm_int8.source["size_bytes"] / 3
+    assert "DynamicQuantizeLinear" in op_types(version / "model.onnx")
+    assert not (Path.cwd() / "sym_shape_infer_temp.onnx").exists()  # ORT's failure dump stays in scratch
+    assert not list(Path.cwd().glob("*-*-*-*-*.data"))
+
+
+def test_second_identical_build_is_a_cache_hit(digits_int8, shared_repository: Path) -> None:
+    again = build(shared_repository, "digits", "onnxruntime", "int8", progress=quiet)
+    assert again.cache_hit and again.version == 1 and again.cache_key == digits_int8.cache_key
+    assert sorted(p.name for p in (shared_repository / "digits-onnxruntime-int8").iterdir() if p.name.isdigit()) == ["1"]
+
+
+def test_report_reprints_the_build(digits_int8, shared_repository: Path) -> None:
+    text = report(shared_repository, "digits-onnxruntime-int8")
+    assert "Quality vs FP32" in text and "| accuracy |" in text and "Speed" in text and "build.png" in text
+
+
+@pytest.mark.parametrize(
+    "model, engine, precision",
+    [("digits", "onnxruntime", "fp16"), ("digits", "torch", "fp16"), ("digits", "torch", "bf16"),
+     ("digits", "torch", "int8"), ("minilm", "onnxruntime", "fp16")],
+)
+def test_every_cpu_precision_builds_and_passes(shared_repository: Path, model: str, engine: str, precision: str) -> None:
+    result = build(shared_repository, model, engine, precision, progress=quiet, benchmark=False)
+    assert result.servable and result.quality["passed"], result.quality
+    config = load_model_config(shared_repository / result.variant / "config.yaml")
+    assert config.engine == engine and config.build.precision == precision
+
+
+def test_broken_calibration_fails_and_the_model_stays_on_its_good_version(repository: Path) -> None:
+    good = build(repository, "digits", "onnxruntime", "int8", progress=quiet, benchmark=False)
+    assert good.servable and good.version == 1
+    broken = build(repository, "digits", "onnxruntime", "int8", options={"calibration": "zeros"},
+                   progress=quiet, benchmark=False)
+    assert not broken.servable and broken.version is None
+    assert not broken.quality["passed"] and broken.quality["metrics"]["accuracy"] < 0.9
+    folder = repository / "digits-onnxruntime-int8"
+    assert sorted(p.name for p in folder.iterdir() if p.name.isdigit()) == ["1"]
+    assert (folder / "rejected" / broken.cache_key[:16] / "build.json").is_file()
+    assert load_model_config(folder / "config.yaml").build.options == {}  # still the good build's config
+
+
+def test_a_first_build_that_fails_leaves_no_model(repository: Path) -> None:
+    broken = build(repository, "digits", "onnxruntime", "int8", name="garbage",
+                   options={"calibration": "noise"}, progress=quiet, benchmark=False)
+    assert not broken.servable
+    assert not (repository / "garbage" / "config.yaml").exists()  # the server will not list it
+
+
+def test_gate_not_enforced_publishes_with_the_failure_reported(repository: Path) -> None:
+    from server.config import BuildGate
+
+    result = build(repository, "digits", "onnxruntime", "int8", options={"calibration": "zeros"},
+                   gate=BuildGate(enforce=False), progress=quiet, benchmark=False)
+    assert result.servable and result.version == 1 and not result.quality["passed"]
+    assert any("GATE FAILED" in note or "gate FAILED" in note for note in result.notes)
+
+
+def test_force_rebuilds_as_a_new_version(repository: Path) -> None:
+    first = build(repository, "digits", "torch", "bf16", progress=quiet, benchmark=False)
+    forced = build(repository, "digits", "torch", "bf16", force=True, progress=quiet, benchmark=False)
+    assert (first.version, forced.version) == (1, 2) and not forced.cache_hit
+
+
+def test_unsupported_builds_say_what_is_supported(repository: Path) -> None:
+    with pytest.raises(BuildError, match="supported: "):
+        build(repository, "minilm", "onnxruntime", "bf16", progress=quiet)
+    with pytest.raises(BuildError, match="starts from a torch model"):
+        build(repository, "minilm", "torch", "int8", progress=quiet)
+    with pytest.raises(BuildError, match="not in the repository"):
+        build(repository, "nope", "onnxruntime", "int8", progress=quiet)
+    with pytest.raises(BuildError, match="unknown build options"):
+        build(repository, "digits", "onnxruntime", "int8", options={"per_chanel": True}, progress=quiet)
+
+
+def test_tensorrt_fails_clearly_without_tensorrt(repository: Path) -> None:
+    with pytest.raises(BuildError, match="TensorRT is not installed on this machine"):
+        build(repository, "digits", "tensorrt", "fp16", progress=quiet, benchmark=False)
+    assert not (repository / "digits-tensorrt-fp16").exists()
+
+
+def _declare(repository: Path, name: str, **build_block) -> None:
+    raw = yaml.safe_load((repository / "digits" / "config.yaml").read_text())
+    raw.update(name=name, engine="onnxruntime", precision="int8", build={"source": "digits", "engine": "onnxruntime",
+                                                                         "precision": "int8", **build_block})
+    raw["dynamic_batching"] = {"max_queue_delay_microseconds": 500}  # hand-tuned: must survive the build
+    (repository / name).mkdir()
+    (repository / name / "config.yaml").write_text(yaml.safe_dump(raw))
+
+
+def test_ensure_built_builds_once_then_reuses(repository: Path) -> None:
+    _declare(repository, "digits-fast")
+    config = load_model_config(repository / "digits-fast" / "config.yaml")
+    assert ensure_built(repository, "digits-fast", config) == 1
+    stamp = (repository / "digits-fast" / "1" / "build.json").stat().st_mtime_ns
+    assert ensure_built(repository, "digits-fast", config) == 1
+    assert (repository / "digits-fast" / "1" / "build.json").stat().st_mtime_ns == stamp
+    kept = load_model_config(repository / "digits-fast" / "config.yaml")
+    assert kept.dynamic_batching.max_queue_delay_microseconds == 500
+    assert ensure_built(repository, "digits", load_model_config(repository / "digits" / "config.yaml")) is None
+
+
+def test_ensure_built_refuses_a_build_that_fails_its_gate(repository: Path) -> None:
+    _declare(repository, "digits-bad", options={"calibration": "zeros"})
+    with pytest.raises(EngineError, match="failed its quality gate"):
+        ensure_built(repository, "digits-bad", load_model_config(repository / "digits-bad" / "config.yaml"))
+
+
+def test_cli_exit_codes(digits_int8, shared_repository: Path, capsys: pytest.CaptureFixture) -> None:
+    repo = ["--model-repository", str(shared_repository)]
+    assert cli_main(["build", "digits", "--engine", "onnxruntime", "--precision", "int8", *repo]) == 0
+    assert "cache hit" in capsys.readouterr().out
+    assert cli_main(["build", "digits", "--engine", "onnxruntime", "--precision", "int8", "--report", *repo]) == 0
+    assert "Quality vs FP32" in capsys.readouterr().out
+    assert cli_main(["build", "minilm", "--engine", "onnxruntime", "--precision", "bf16", *repo]) == 2
+    assert cli_main(["build", "digits", "--engine", "onnxruntime", "--precision", "int8", "--name", "cli-broken",
+                     "--option", "calibration=zeros", "--no-benchmark", *repo]) == 1

@@ -1,0 +1,148 @@
+"""TensorRT's pure logic, checked without TensorRT: profiles, cache key, INT8 rule, lazy import."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from server.config import ModelConfig
+from server.quantize import tensorrt
+from server.quantize.errors import BuildError
+
+IMAGE = {
+    "name": "digits", "engine": "onnxruntime", "max_batch_size": 64, "batch_buckets": [1, 8, 64],
+    "inputs": [{"name": "image", "datatype": "FP32", "dims": [1, 8, 8]}],
+    "outputs": [{"name": "probabilities", "datatype": "FP32", "dims": [10]}],
+}
+TEXT = {
+    "name": "minilm", "engine": "onnxruntime", "max_batch_size": 32,
+    "inputs": [{"name": "text", "datatype": "BYTES", "dims": [1]}],
+    "outputs": [{"name": "embedding", "datatype": "FP32", "dims": [384]}],
+    "preprocess": {"tokenize": {"input": "text", "max_length": 256, "sequence_buckets": [16, 64, 256]}},
+}
+
+
+def test_one_profile_per_batch_bucket() -> None:
+    profiles = tensorrt.optimization_profiles(ModelConfig.model_validate(IMAGE))
+    assert [p.batch for p in profiles] == [1, 8, 64]
+    assert profiles[1].shapes["image"] == ((2, 1, 8, 8), (8, 1, 8, 8), (8, 1, 8, 8))
+    assert profiles[2].shapes["image"][0][0] == 9
+
+
+def test_text_profiles_cover_the_sequence_window() -> None:
+    profiles = tensorrt.optimization_profiles(ModelConfig.model_validate(TEXT))
+    assert [p.batch for p in profiles] == [1, 2, 4, 8, 16, 32]  # the batch ladder without buckets
+    assert set(profiles[0].shapes) == {"input_ids", "attention_mask", "token_type_ids"}
+    assert profiles[-1].shapes["input_ids"] == ((17, 1), (32, 64), (32, 256))
+
+
+def test_unbounded_variable_dim_is_refused() -> None:
+    config = dict(IMAGE, inputs=[{"name": "image", "datatype": "FP32", "dims": [1, -1, 8]}])
+    with pytest.raises(BuildError, match="no known bound"):
+        tensorrt.optimization_profiles(ModelConfig.model_validate(config))
+
+
+def test_engine_cache_key_depends_on_gpu_and_version() -> None:
+    profiles = tensorrt.optimization_profiles(ModelConfig.model_validate(IMAGE))
+    base = dict(gpu_name="NVIDIA H100", compute_capability=(9, 0), tensorrt_version="10.3.0",
+                source_digest="abc", precision="fp16", profiles=profiles)
+    key = tensorrt.engine_cache_key(**base)
+    assert key == tensorrt.engine_cache_key(**base)
+    for change in ({"gpu_name": "NVIDIA L4"}, {"compute_capability": (8, 9)}, {"tensorrt_version": "10.4.0"},
+                   {"precision": "int8"}, {"source_digest": "abd"}, {"profiles": profiles[:1]}):
+        assert tensorrt.engine_cache_key(**{**base, **change}) != key
+
+
+def test_int8_needs_explicit_qdq() -> None:
+    tensorrt.check_int8_graph({"Conv", "QuantizeLinear", "DequantizeLinear"})
+    with pytest.raises(BuildError, match="explicitly quantized"):
+        tensorrt.check_int8_graph({"Conv", "MatMul"})
+    assert tensorrt.precision_flags("int8") == ["INT8", "FP16"]
+
+
+def test_build_engine_says_tensorrt_is_missing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # import fails as if not installed
+    with pytest.raises(BuildError, match="TensorRT is not installed on this machine"):
+        tensorrt.build_engine(tmp_path / "m.onnx", tmp_path / "m.plan", ModelConfig.model_validate(IMAGE), "fp16")
+
+
+def test_build_engine_with_a_fake_tensorrt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The builder calls TensorRT's API in order: profiles per bucket, precision flags, a plan."""
+    calls: list[tuple] = []
+
+    class Fake:
+        __version__ = "10.0-fake"
+
+        class Logger:
+            WARNING = 1
+
+            def __init__(self, level): ...
+
+        class MemoryPoolType:
+            WORKSPACE = "ws"
+
+        class BuilderFlag:
+            FP16 = "FP16"
+            INT8 = "INT8"
+            BF16 = "BF16"
+
+        class OnnxParser:
+            num_errors = 0
+
+            def __init__(self, network, logger): ...
+
+            def parse_from_file(self, path):
+                return True
+
+        class Builder:
+            def __init__(self, logger): ...
+
+            def create_network(self, flags):
+                return object()
+
+            def create_builder_config(self):
+                class Config:
+                    def set_memory_pool_limit(self, pool, size):
+                        calls.append(("pool", size))
+
+                    def set_flag(self, flag):
+                        calls.append(("flag", flag))
+
+                    def add_optimization_profile(self, profile):
+                        calls.append(("profile", dict(profile.shapes)))
+                return Config()
+
+            def create_optimization_profile(self):
+                class Profile:
+                    shapes: dict = {}
+
+                    def __init__(self):
+                        self.shapes = {}
+
+                    def set_shape(self, name, low, opt, high):
+                        self.shapes[name] = (low, opt, high)
+                return Profile()
+
+            def build_serialized_network(self, network, config):
+                return b"PLAN"
+
+    class FakeTorch:
+        class cuda:
+            @staticmethod
+            def get_device_properties(index):
+                class P:
+                    name, major, minor = "Fake GPU", 9, 0
+                return P()
+
+    monkeypatch.setitem(sys.modules, "tensorrt", Fake)
+    monkeypatch.setitem(sys.modules, "torch", FakeTorch)
+    onnx_path = tmp_path / "m.onnx"
+    onnx_path.write_bytes(b"graph")
+    result = tensorrt.build_engine(onnx_path, tmp_path / "m.plan", ModelConfig.model_validate(IMAGE), "fp16",
+                                   workspace_mb=16)
+    assert (tmp_path / "m.plan").read_bytes() == b"PLAN"
+    assert ("flag", "FP16") in calls and ("pool", 16 << 20) in calls
+    assert [c for c in calls if c[0] == "profile"][1][1]["image"] == ((2, 1, 8, 8), (8, 1, 8, 8), (8, 1, 8, 8))
+    assert len(result["cache_key"]) == 64 and len(result["profiles"]) == 3
