@@ -2,7 +2,9 @@
 
 `loadtest/locustfile.py` drives the server with locust users; `python -m loadtest.bench MODE`
 measures the engine alone (`engine`), the server closed-loop with wrk (`closed`), open-loop with
-Poisson arrivals (`open`) and batching on against off (`batching`). See loadtest/README.md.
+Poisson arrivals (`open`), batching on against off (`batching`), the capacity per replica at a p99
+target and the autoscaling target (`capacity`), two servers side by side (`compare`), client-side
+batch sizes (`batchsize`) and precision variants (`precision`). See loadtest/README.md.
 
 Nothing here imports `server`: the tools speak KServe v2 over HTTP, or load the model artifacts
 the way the engines do, so they keep measuring while the server is rewritten.

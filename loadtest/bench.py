@@ -7,16 +7,11 @@ command line, so that every figure can be reproduced and compared (loadtest/repo
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import os
-import shlex
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from loadtest import machine, payloads, report
+from loadtest import batchsize, capacity, compare, payloads, precision, report, runs
 
 DESCRIPTION = """Benchmarks for Batchline (issue "Measure"). Modes:
 
@@ -26,6 +21,11 @@ DESCRIPTION = """Benchmarks for Batchline (issue "Measure"). Modes:
             (connections, each sends its next request when its reply arrives)
   open      open loop, Poisson arrivals at a sweep of rates, latency vs offered load
   batching  `closed` against two running servers, batching on (--url-on) and off (--url-off)
+  capacity  the highest Poisson rate a server sustains with p99 under --p99-ms, and what its
+            queue signals read there: the HPA/KEDA target per replica
+  compare   the same sweep against any two KServe v2 servers (--url-a, --url-b), side by side
+  batchsize client-side batches (items per request) 1..64: latency, items/s, instance busy share
+  precision the engine alone over every built precision variant of a model, side by side
 
 Each run writes MODE.json (the record: machine, command line, parameters, every level),
 MODE.md (a table) and MODE.png (a plot, with matplotlib) into --out.
@@ -65,99 +65,56 @@ run them one at a time if the machine is small (run this mode twice, or stop one
 is measured): two servers on one core measure each other."""
 
 
-def _ints(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers, got {text!r}")
-    return values
-
-
-def _floats(text: str) -> list[float]:
-    values = [float(v) for v in text.split(",") if v.strip()]
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive numbers, got {text!r}")
-    return values
-
-
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m loadtest.bench", description=DESCRIPTION,
-                                     formatter_class=_Formatter)
+                                     formatter_class=runs.Formatter)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", choices=sorted(payloads.SPECS), default="digits", help="model to measure")
     common.add_argument("--out", type=Path, required=True, help="folder for MODE.json, MODE.md, MODE.png")
     common.add_argument("--note", default="", help="free text stored in the report (e.g. how the server was pinned)")
     http = argparse.ArgumentParser(add_help=False)
     http.add_argument("--binary", action="store_true", help="Triton binary tensor bodies (and binary outputs) instead of JSON")
-    http.add_argument("--items", type=int, default=1, help="items (batch rows) per request")
+    items = argparse.ArgumentParser(add_help=False)
+    items.add_argument("--items", type=int, default=1, help="items (batch rows) per request")
     http.add_argument("--timeout", type=float, default=10.0, help="seconds a request may take before it counts as an error")
     http.add_argument("--bodies", type=int, default=32, help="different request bodies, sent in turn")
     http.add_argument("--generator-cpu", type=int, metavar="N",
-                      help="pin the load generator to CPU N (taskset for wrk, sched_setaffinity for open)")
+                      help="pin the load generator to CPU N (taskset for wrk, sched_setaffinity for the Python client)")
     wrk = argparse.ArgumentParser(add_help=False)
-    wrk.add_argument("--concurrency", type=_ints, default=[1, 8, 32, 64], help="comma-separated connection counts")
+    wrk.add_argument("--concurrency", type=runs.ints, default=[1, 8, 32, 64], help="comma-separated connection counts")
     wrk.add_argument("--warmup", type=float, default=2.0, help="seconds of load at the highest concurrency before the sweep (0: none)")
     modes = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
+    parents = runs.Parents(common=common, http=http, items=items, wrk=wrk)
 
     engine = modes.add_parser("engine", parents=[common], help="the engine alone, per batch size",
-                              description=ENGINE_HELP, formatter_class=_Formatter)
-    engine.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16, 32, 64], help="comma-separated")
+                              description=ENGINE_HELP, formatter_class=runs.Formatter)
+    engine.add_argument("--batch-sizes", type=runs.ints, default=[1, 2, 4, 8, 16, 32, 64], help="comma-separated")
     engine.add_argument("--duration", type=float, default=3.0, help="seconds of runs per batch size")
     engine.add_argument("--threads", type=int, default=1, help="intra-op threads (ONNX Runtime) / torch.set_num_threads")
     engine.add_argument("--length-sorted", action="store_true",
                         help="minilm: batch texts of neighbouring token length (what a length-aware batcher can do)")
     engine.add_argument("--model-repository", type=Path, default=payloads.MODELS, help="model repository folder")
 
-    closed = modes.add_parser("closed", parents=[common, http, wrk], help="closed-loop concurrency sweep (wrk)",
-                              description=CLOSED_HELP, formatter_class=_Formatter)
+    closed = modes.add_parser("closed", parents=[common, http, items, wrk], help="closed-loop concurrency sweep (wrk)",
+                              description=CLOSED_HELP, formatter_class=runs.Formatter)
     closed.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     closed.add_argument("--duration", type=float, default=10.0, help="seconds per concurrency level")
 
-    open_ = modes.add_parser("open", parents=[common, http], help="open-loop Poisson rate sweep (asyncio)",
-                             description=OPEN_HELP, formatter_class=_Formatter)
+    open_ = modes.add_parser("open", parents=[common, http, items], help="open-loop Poisson rate sweep (asyncio)",
+                             description=OPEN_HELP, formatter_class=runs.Formatter)
     open_.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
-    open_.add_argument("--rates", type=_floats, default=[100, 250, 500, 1000, 2000], help="comma-separated requests/s")
+    open_.add_argument("--rates", type=runs.floats, default=[100, 250, 500, 1000, 2000], help="comma-separated requests/s")
     open_.add_argument("--connections", type=int, default=256, help="most connections the client opens")
     open_.add_argument("--duration", type=float, default=10.0, help="seconds per rate")
 
-    batching = modes.add_parser("batching", parents=[common, http, wrk], help="closed sweep, batching on vs off",
-                                description=BATCHING_HELP, formatter_class=_Formatter)
+    batching = modes.add_parser("batching", parents=[common, http, items, wrk], help="closed sweep, batching on vs off",
+                                description=BATCHING_HELP, formatter_class=runs.Formatter)
     batching.add_argument("--url-on", required=True, help="base URL of the server with batching")
     batching.add_argument("--url-off", required=True, help="base URL of the server without batching")
     batching.add_argument("--duration", type=float, default=10.0, help="seconds per concurrency level")
+    for module in (capacity, compare, batchsize, precision):
+        module.add_parser(modes, parents)
     return parser
-
-
-def _record(args: argparse.Namespace, argv: list[str], parameters: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "mode": args.mode,
-        "command_line": shlex.join([sys.executable, "-m", "loadtest.bench", *argv]),
-        "cwd": os.getcwd(),
-        "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "note": args.note,
-        "machine": machine.machine_record(),
-        "parameters": parameters,
-        "notes": [],
-    }
-
-
-def _preflight(url: str, request: payloads.InferRequest, timeout: float) -> None:
-    """One request, its reply checked, before any load: a sweep against a wrong server is void."""
-    http = urllib.request.Request(url.rstrip("/") + request.path, data=request.body,
-                                  headers=request.headers, method="POST")
-    try:
-        with urllib.request.urlopen(http, timeout=timeout) as reply:
-            status, headers, body = reply.status, dict(reply.headers), reply.read()
-    except urllib.error.HTTPError as exc:
-        status, headers, body = exc.code, dict(exc.headers), exc.read()
-    except OSError as exc:
-        raise SystemExit(f"bench: no server at {url} ({exc}); start one first (see --help)") from exc
-    problem = payloads.check_response(request.model, request.items, status, headers, body)
-    if problem:
-        raise SystemExit(f"bench: {url} answers {request.model} wrongly: {problem}")
 
 
 # ---- engine -----------------------------------------------------------------------------------
@@ -168,7 +125,7 @@ def run_engine(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
     parameters = {"model": args.model, "batch_sizes": args.batch_sizes, "duration_s": args.duration,
                   "threads": args.threads, "model_repository": str(args.model_repository),
                   "length_sorted": args.length_sorted}
-    record = _record(args, argv, parameters)
+    record = runs.record(args, argv, parameters)
     results = [r.as_dict() for r in engine.sweep(args.model, args.model_repository, args.batch_sizes,
                                                   args.duration, args.threads, args.length_sorted)]
     best = max(results, key=lambda r: r["items_s"])
@@ -189,7 +146,7 @@ def run_engine(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
         fig, ax = report.figure(f"{args.model} engine alone, {args.threads} thread(s)")
         sizes = [r["batch_size"] for r in results]
         ax.plot(sizes, [r["items_s"] for r in results], "o-", label="items/s")
-        ax.set_xscale("log", base=2)
+        report.log_axis(ax, "x", 2)
         ax.set_xlabel("batch size")
         ax.set_ylabel("items/s")
         twin = ax.twinx()
@@ -204,21 +161,9 @@ def run_engine(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
 # ---- closed / batching ------------------------------------------------------------------------
 
 def _closed_sweep(args: argparse.Namespace, url: str, folder: Path) -> list[dict[str, Any]]:
-    from loadtest import wrk
-
     requests = payloads.build_requests(args.model, args.items, args.binary, args.bodies)
-    _preflight(url, requests[0], args.timeout)
-    script, arguments = wrk.write_script(folder, requests)
-    target = url.rstrip("/") + requests[0].path
-    if args.warmup > 0:
-        wrk.run(target, script, arguments, max(args.concurrency), args.warmup, args.timeout, args.generator_cpu)
-    levels = []
-    for connections in args.concurrency:
-        result = wrk.run(target, script, arguments, connections, args.duration, args.timeout, args.generator_cpu)
-        levels.append(result.as_dict(args.items))
-        print(f"  c={connections}: {levels[-1]['req_s']:,.0f} req/s, p50 {levels[-1]['latency_ms']['p50']:.2f} ms, "
-              f"p99 {levels[-1]['latency_ms']['p99']:.2f} ms, errors {levels[-1]['error_count']}", file=sys.stderr)
-    return levels
+    return runs.closed_sweep(url, requests, args.concurrency, args.duration, args.warmup, args.timeout,
+                             args.generator_cpu, folder)
 
 
 def _http_parameters(args: argparse.Namespace) -> dict[str, Any]:
@@ -226,62 +171,43 @@ def _http_parameters(args: argparse.Namespace) -> dict[str, Any]:
             "timeout_s": args.timeout, "bodies": args.bodies, "generator_cpu": args.generator_cpu}
 
 
-def _require_wrk() -> None:
-    from loadtest import wrk
-
-    try:
-        wrk.wrk_path()
-    except wrk.WrkMissing as exc:
-        raise SystemExit(f"bench: {exc}") from exc
-
-
-def _closed_row(level: dict[str, Any]) -> list[Any]:
-    latency = level["latency_ms"]
-    return [level["concurrency"], level["req_s"], level["items_s"], latency["p50"], latency["p90"],
-            latency["p99"], level["error_count"]]
-
-
 def run_closed(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
-    _require_wrk()
+    runs.require_wrk()
     parameters = _http_parameters(args) | {"url": args.url, "concurrency": args.concurrency,
                                            "warmup_s": args.warmup}
-    record = _record(args, argv, parameters)
+    record = runs.record(args, argv, parameters)
     levels = _closed_sweep(args, args.url, args.out / "wrk")
     best = max(levels, key=lambda level: level["req_s"])
     record["results"] = levels
     record["headline"] = {"peak_req_s": best["req_s"], "peak_items_s": best["items_s"],
                           "at_concurrency": best["concurrency"]}
-    record["notes"] += [
-        ("latency: each request timed by the wrk Lua script, send to complete reply, on the client "
-        "(one wrk thread per connection); latency_ms_wrk_corrected in the JSON is wrk's own histogram, "
-        "which adds coordinated-omission samples no request experienced (see loadtest/wrk.py)"),
-        "errors: wrk's connect/read/write/timeout errors plus non-2xx replies",
-    ]
-    headers = ["concurrency", "req/s", "items/s", "p50 ms", "p90 ms", "p99 ms", "errors"]
-    rows = [_closed_row(level) for level in levels]
+    record["notes"] += runs.CLOSED_NOTES
+    headers = runs.CLOSED_HEADERS
+    rows = [runs.closed_row(level) for level in levels]
     summary = [f"peak {best['req_s']:,.0f} req/s ({best['items_s']:,.0f} items/s) at concurrency {best['concurrency']}"]
 
     def plot(path: Path) -> None:
-        fig, ax = report.figure(f"{args.model} closed loop ({'binary' if args.binary else 'JSON'}, {args.items} item(s))")
-        xs = [level["concurrency"] for level in levels]
-        ax.plot(xs, [level["req_s"] for level in levels], "o-", label="req/s")
-        ax.set_xlabel("concurrency (connections)")
-        ax.set_ylabel("req/s")
-        twin = ax.twinx()
-        for key, style in (("p50", "s--"), ("p99", "^--")):
-            twin.plot(xs, [level["latency_ms"][key] for level in levels], style, label=f"{key} ms")
-        twin.set_ylabel("latency (ms)")
-        fig.legend(loc="upper left")
+        fig, (left, right) = report.panels(
+            f"{args.model} closed loop ({'binary' if args.binary else 'JSON'}, {args.items} item(s) per request)", 2)
+        report.latency_curves(left, [level["req_s"] for level in levels], [level["latency_ms"] for level in levels])
+        left.set_xlabel("throughput (req/s)")
+        left.set_title("latency vs throughput", fontsize=9)
+        left.legend(fontsize=8)
+        right.plot([level["concurrency"] for level in levels], [level["req_s"] for level in levels], "o-")
+        report.log_axis(right, "x", 2)
+        right.set_xlabel("concurrency (connections)")
+        right.set_ylabel("throughput (req/s)")
+        right.set_title("throughput vs concurrency", fontsize=9)
         report.save(fig, path)
 
     return report.write(args.out, "closed", record, headers, rows, summary, plot)
 
 
 def run_batching(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
-    _require_wrk()
+    runs.require_wrk()
     parameters = _http_parameters(args) | {"url_on": args.url_on, "url_off": args.url_off,
                                            "concurrency": args.concurrency, "warmup_s": args.warmup}
-    record = _record(args, argv, parameters)
+    record = runs.record(args, argv, parameters)
     print("batching on:", file=sys.stderr)
     on = _closed_sweep(args, args.url_on, args.out / "wrk-on")
     print("batching off:", file=sys.stderr)
@@ -310,14 +236,13 @@ def run_batching(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
 def run_open(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
     from loadtest import openloop
 
-    if args.generator_cpu is not None:
-        os.sched_setaffinity(0, {args.generator_cpu})
+    runs.pin_generator(args.generator_cpu)
     parameters = _http_parameters(args) | {"url": args.url, "rates": args.rates,
                                            "max_connections": args.connections,
                                            "client": f"python asyncio ({openloop.event_loop_name()})"}
-    record = _record(args, argv, parameters)
+    record = runs.record(args, argv, parameters)
     requests = payloads.build_requests(args.model, args.items, args.binary, args.bodies)
-    _preflight(args.url, requests[0], args.timeout)
+    runs.preflight(args.url, requests[0], args.timeout)
     results = [r.as_dict(args.items) for r in openloop.run_sweep(
         args.url, requests, args.rates, args.duration, args.connections, args.timeout)]
     record["results"] = results
@@ -334,20 +259,26 @@ def run_open(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
             for r in results]
 
     def plot(path: Path) -> None:
-        fig, ax = report.figure(f"{args.model} open loop (Poisson arrivals)")
-        xs = [r["offered_rate"] for r in results]
-        for key, style in (("p50", "o-"), ("p90", "s-"), ("p99", "^-")):
-            ax.plot(xs, [r["latency_ms"][key] for r in results], style, label=f"{key}")
-        ax.set_xlabel("offered load (requests/s)")
-        ax.set_ylabel("latency (ms)")
-        ax.set_yscale("log")
-        ax.legend()
+        fig, (left, right) = report.panels(f"{args.model} open loop (Poisson arrivals)", 2)
+        offered = [r["offered_rate"] for r in results]
+        report.latency_curves(left, offered, [r["latency_ms"] for r in results])
+        left.set_xlabel("offered load (requests/s)")
+        report.log_axis(left)
+        left.set_title("latency vs offered load", fontsize=9)
+        left.legend(fontsize=8)
+        right.plot(offered, [r["steady"]["achieved_req_s"] for r in results], "o-", label="achieved (steady window)")
+        right.plot(offered, offered, ":", color="grey", label="achieved = offered")
+        right.set_xlabel("offered load (requests/s)")
+        right.set_ylabel("throughput (req/s)")
+        right.set_title("throughput vs offered load", fontsize=9)
+        right.legend(fontsize=8)
         report.save(fig, path)
 
     return report.write(args.out, "open", record, headers, rows, (), plot)
 
 
-MODES = {"engine": run_engine, "closed": run_closed, "open": run_open, "batching": run_batching}
+MODES = {"engine": run_engine, "closed": run_closed, "open": run_open, "batching": run_batching,
+         "capacity": capacity.run, "compare": compare.run, "batchsize": batchsize.run, "precision": precision.run}
 
 
 def main(argv: list[str] | None = None) -> int:

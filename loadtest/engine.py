@@ -6,7 +6,10 @@ without importing the server, which is being rewritten:
   minilm: ONNX Runtime session on CPUExecutionProvider, graph optimisation "all", plus the
           `tokenizers` Tokenizer of tokenizer.json, truncation 256, padding to the batch's
           longest text; the tokenization is timed with the run, as the server does it per batch.
-  digits: torch.export.load(...).module(), eager under inference_mode, torch.set_num_threads.
+  digits: torch.export.load(...).module(), eager under inference_mode, torch.set_num_threads,
+          cast to the config's precision (fp16/bf16) as the torch engine does; or an ONNX variant.
+A folder is read as the server reads it: its config.yaml, its highest version folder and the
+config's model_filename (so built precision variants, loadtest/variants.py, load too).
 """
 
 from __future__ import annotations
@@ -52,6 +55,46 @@ class BatchResult:
         return out | self.extra
 
 
+DEFAULT_ARTIFACTS = {"onnxruntime": "model.onnx", "torch": "model.pt2"}
+ONNX_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+              "tensor(int64)": np.int64, "tensor(int32)": np.int32}
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A model folder as the server reads it."""
+
+    folder: Path
+    config: dict[str, Any]
+    version_dir: Path
+    engine: str
+    precision: str
+    artifact: Path
+
+    def find(self, filename: str) -> Path:
+        """A file of the version folder; else of the build source's (a variant may share it)."""
+        path = self.version_dir / filename
+        source = (self.config.get("build") or {}).get("source")
+        if not path.is_file() and source:
+            fallback = model_files(self.folder.parent / source).version_dir / filename
+            if fallback.is_file():
+                return fallback
+        return path
+
+
+def model_files(folder: Path) -> ModelFiles:
+    import yaml
+
+    config = yaml.safe_load((folder / "config.yaml").read_text()) or {}
+    versions = sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) > 0)
+    if not versions:
+        raise FileNotFoundError(f"{folder} holds no version folder; build it first")
+    version_dir = folder / str(versions[-1])
+    engine = str(config.get("engine", "onnxruntime"))
+    artifact = version_dir / (config.get("model_filename") or DEFAULT_ARTIFACTS.get(engine, "model.onnx"))
+    return ModelFiles(folder, config, version_dir, engine, str(config.get("precision", "fp32")), artifact)
+
+
 Runner = Callable[[int], float | None]  # runs batch number i; returns seconds spent tokenizing
 # A runner may carry `extra`: figures about its inputs (e.g. padding) to put into the report.
 Loader = Callable[[int], Runner]  # batch size -> runner; the model is loaded once per sweep
@@ -65,20 +108,27 @@ def tokenizer_max_length(model_dir: Path, default: int = 256) -> int:
     return int(((config.get("preprocess") or {}).get("tokenize") or {}).get("max_length", default))
 
 
-def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False) -> Loader:
+def _onnx_session(path: Path, threads: int) -> Any:
     import onnxruntime as ort
-    from tokenizers import Tokenizer
 
-    version_dir = model_dir / "1"
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    session = ort.InferenceSession(str(version_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
-    tokenizer = Tokenizer.from_file(str(version_dir / "tokenizer.json"))
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False) -> Loader:
+    from tokenizers import Tokenizer
+
+    files = model_files(model_dir)
+    session = _onnx_session(files.artifact, threads)
+    tokenize = (files.config.get("preprocess") or {}).get("tokenize") or {}
+    tokenizer = Tokenizer.from_file(str(files.find(tokenize.get("tokenizer", "tokenizer.json"))))
     tokenizer.enable_truncation(max_length=tokenizer_max_length(model_dir))
     tokenizer.enable_padding()
-    feeds = {i.name for i in session.get_inputs()}
+    types = {i.name: ONNX_TYPES.get(i.type, np.int64) for i in session.get_inputs()}
+    feeds = set(types)
 
     # length_sorted: batches of neighbours in token length, the best a length-aware batcher can
     # form from this payload (the server's sequence buckets approach it).
@@ -91,11 +141,11 @@ def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False) ->
         def run(index: int) -> float:
             start = time.perf_counter()
             encodings = tokenizer.encode_batch(batches[index % len(batches)])
-            feed = {"input_ids": np.array([e.ids for e in encodings], dtype=np.int64)}
+            feed = {"input_ids": np.array([e.ids for e in encodings], dtype=types.get("input_ids", np.int64))}
             if "attention_mask" in feeds:
-                feed["attention_mask"] = np.array([e.attention_mask for e in encodings], dtype=np.int64)
+                feed["attention_mask"] = np.array([e.attention_mask for e in encodings], dtype=types["attention_mask"])
             if "token_type_ids" in feeds:
-                feed["token_type_ids"] = np.array([e.type_ids for e in encodings], dtype=np.int64)
+                feed["token_type_ids"] = np.array([e.type_ids for e in encodings], dtype=types["token_type_ids"])
             tokenized = time.perf_counter()
             session.run(None, feed)  # every output, as the server's engine runs them
             return tokenized - start
@@ -112,27 +162,61 @@ def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False) ->
     return prepare
 
 
+def _image_batches(images: np.ndarray, batch_size: int) -> list[np.ndarray]:
+    return [np.ascontiguousarray(images[(np.arange(batch_size) + b * batch_size) % len(images)]) for b in range(8)]
+
+
 def digits_loader(model_dir: Path, threads: int, length_sorted: bool = False) -> Loader:
     import torch
 
     torch.set_num_threads(threads)
-    module = torch.export.load(str(model_dir / "1" / "model.pt2")).module()
+    try:  # INT8 programs (batchline build) call quantized_decomposed ops: register them before load
+        import torch.ao.quantization.fx._decomposed
+    except ImportError:
+        pass
+    files = model_files(model_dir)
+    module = torch.export.load(str(files.artifact)).module()
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(files.precision, torch.float32)
+    if dtype != torch.float32:  # as the server's torch engine: weights and float inputs cast
+        module = module.to(dtype)
     images = digits_images(model_dir.parent)
 
     def prepare(batch_size: int) -> Runner:
-        batches = [np.ascontiguousarray(images[(np.arange(batch_size) + b * batch_size) % len(images)])
-                   for b in range(8)]
+        batches = _image_batches(images, batch_size)
 
         def run(index: int) -> None:
             with torch.inference_mode():
-                module(torch.from_numpy(batches[index % len(batches)])).numpy()
+                module(torch.from_numpy(batches[index % len(batches)]).to(dtype)).float().numpy()
 
         return run
 
     return prepare
 
 
-LOADERS: dict[str, Callable[[Path, int, bool], Loader]] = {"minilm": minilm_loader, "digits": digits_loader}
+def digits_onnx_loader(model_dir: Path, threads: int, length_sorted: bool = False) -> Loader:
+    files = model_files(model_dir)
+    session = _onnx_session(files.artifact, threads)
+    first = session.get_inputs()[0]
+    dtype = ONNX_TYPES.get(first.type, np.float32)
+    images = digits_images(model_dir.parent)
+
+    def prepare(batch_size: int) -> Runner:
+        batches = [b.astype(dtype) for b in _image_batches(images, batch_size)]
+
+        def run(index: int) -> None:
+            session.run(None, {first.name: batches[index % len(batches)]})
+
+        return run
+
+    return prepare
+
+
+# (payload, engine) -> loader: which inputs to feed, and how the server's engine runs the artifact
+LOADERS: dict[tuple[str, str], Callable[[Path, int, bool], Loader]] = {
+    ("minilm", "onnxruntime"): minilm_loader,
+    ("digits", "torch"): digits_loader,
+    ("digits", "onnxruntime"): digits_onnx_loader,
+}
 
 
 def measure(run: Runner, batch_size: int, duration_s: float, max_runs: int = MAX_RUNS_PER_BATCH) -> BatchResult:
@@ -155,11 +239,17 @@ def measure(run: Runner, batch_size: int, duration_s: float, max_runs: int = MAX
 
 
 def sweep(
-    model: str, repository: Path, batch_sizes: list[int], duration_s: float, threads: int, length_sorted: bool = False
+    model: str, repository: Path, batch_sizes: list[int], duration_s: float, threads: int, length_sorted: bool = False,
+    folder: Path | None = None,
 ) -> list[BatchResult]:
-    if model not in LOADERS:
-        raise ValueError(f"unknown model {model!r}; known: {', '.join(LOADERS)}")
-    prepare = LOADERS[model](repository / model, threads, length_sorted)
+    """`model` names the payload (digits | minilm); `folder` the model folder to load (default:
+    repository/model; a variant of it, e.g. repository/minilm-onnxruntime-int8, takes the same payload)."""
+    folder = folder or repository / model
+    engine = str(model_files(folder).engine)
+    if (model, engine) not in LOADERS:
+        known = ", ".join(f"{m} on {e}" for m, e in LOADERS)
+        raise ValueError(f"no engine-alone loader for {model} on {engine}; known: {known}")
+    prepare = LOADERS[(model, engine)](folder, threads, length_sorted)
     results = []
     for size in batch_sizes:
         run = prepare(size)

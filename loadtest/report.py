@@ -53,8 +53,10 @@ def write(
     rows: Sequence[Row],
     summary: Sequence[str] = (),
     plot: Any = None,
+    sections: Sequence[str] = (),
 ) -> dict[str, str]:
-    """Write MODE.json/.md/.png into `out`; `plot(path)` draws the PNG. Returns the paths."""
+    """Write MODE.json/.md/.png into `out`; `plot(path)` draws the PNG; `sections` are more
+    markdown (further tables, recommendations) after the table and the figure. Returns the paths."""
     out.mkdir(parents=True, exist_ok=True)
     files = {"json": str(out / f"{mode}.json"), "markdown": str(out / f"{mode}.md")}
     png = out / f"{mode}.png"
@@ -89,6 +91,8 @@ def write(
         text += [f"![{mode}]({png.name})", ""]
     if plot_note:
         text += [plot_note, ""]
+    for section in sections:
+        text += [section.rstrip(), ""]
     for note in record.get("notes", []):
         text.append(f"- {note}")
     Path(files["markdown"]).write_text("\n".join(text).rstrip() + "\n")
@@ -104,6 +108,56 @@ def figure(title: str):
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     return fig, ax
+
+
+def panels(title: str, count: int):
+    """A figure of `count` side-by-side axes under one title (e.g. latency vs throughput, and
+    throughput vs load), closed by the caller through `save`."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, count, figsize=(5.2 * count, 4.2), dpi=110, squeeze=False)
+    fig.suptitle(title, fontsize=10)
+    for ax in axes[0]:
+        ax.grid(True, alpha=0.3)
+    return fig, list(axes[0])
+
+
+LATENCY_STYLES = {"p50": "o-", "p90": "s-", "p99": "^-"}
+
+
+def latency_curves(ax, xs: Sequence[float], latencies: Sequence[dict[str, Any]], label: str = "",
+                   keys: Sequence[str] = ("p50", "p90", "p99"), linestyle: str | None = None,
+                   color: str | None = None) -> None:
+    """Latency percentiles (ms) against xs (throughput or offered rate), one line per percentile
+    (marker per percentile; `color`/`linestyle` tell series, e.g. two servers, apart)."""
+    for key in keys:
+        style = LATENCY_STYLES.get(key, "o-")
+        if linestyle:
+            style = style[0] + linestyle
+        points = sorted((x, lat[key]) for x, lat in zip(xs, latencies) if lat and lat.get(key) is not None)
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], style, label=f"{label} {key}".strip(),
+                    **({"color": color} if color else {}))
+    ax.set_ylabel("latency (ms)")
+
+
+def log_axis(ax, axis: str = "y", base: int = 10) -> None:
+    """A log scale with plain tick labels (3, 10, 30 rather than 3x10^0)."""
+    from matplotlib.ticker import FuncFormatter
+
+    getattr(ax, f"set_{axis}scale")("log", base=base)
+    target = ax.yaxis if axis == "y" else ax.xaxis
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    target.set_major_formatter(plain)
+    target.set_minor_formatter(FuncFormatter(lambda value, _: ""))
+
+
+def hline(ax, y: float, label: str, color: str = "tab:red") -> None:
+    ax.axhline(y, color=color, linestyle=":", linewidth=1.2, label=label)
+
+
+def vline(ax, x: float, label: str, color: str = "tab:green", linestyle: str = "--") -> None:
+    ax.axvline(x, color=color, linestyle=linestyle, linewidth=1.2, label=label)
 
 
 def save(fig, path: Path) -> None:

@@ -2,8 +2,9 @@
 
 For each model: the engine alone (the ceiling), then the real server with batching on and with
 batching off, each pinned to CPU 0 with one engine thread while wrk runs pinned to CPU 1, swept
-over the same concurrency levels. Writes suite.json and suite.md (plus each run's own reports)
-into --out. One server at a time: two servers on one core would measure each other.
+over the same concurrency levels. Writes suite.json, suite.md and suite.png (served items/s vs the
+engine ceiling), plus each run's own reports, into --out. One server at a time: two servers on one
+core would measure each other.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import yaml
 
-from loadtest import machine
+from loadtest import machine, report
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
@@ -133,8 +135,8 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
         ceiling = result["engine"]["engine_ceiling_items_s"]
         sorted_note = " (texts batched by neighbouring length)" if result["engine"].get("length_sorted") else ""
         lines += [f"## {model}", "",
-                  f"Engine alone (1 thread): {ceiling:,.0f} items/s at batch {result['engine']['best_batch_size']}"
-                  f"{sorted_note}: the ceiling.",
+                  (f"Engine alone (1 thread): {ceiling:,.0f} items/s at batch {result['engine']['best_batch_size']}"
+                  f"{sorted_note}: the ceiling."),
                   "",
                   "| clients | on req/s | on p50 ms | on p99 ms | off req/s | off p50 ms | off p99 ms | on/off | on/ceiling |",
                   "|---|---|---|---|---|---|---|---|---|"]
@@ -147,9 +149,44 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
                 f"| {ratio:.2f} | {on['items_s'] / ceiling:.2f} |"
             )
         on = result["on"]
-        lines += ["", f"Batching on: {on['inferences']:,} items in {on['executions']:,} executions "
-                      f"(batch cap {on['batch_cap']}); dispatch reasons {on['dispatch_reasons']}.", ""]
+        lines += ["", (f"Batching on: {on['inferences']:,} items in {on['executions']:,} executions "
+                      f"(batch cap {on['batch_cap']}); dispatch reasons {on['dispatch_reasons']}."), ""]
     return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], concurrency: list[int], path: Path) -> None:
+    """Served items/s (batching on and off) against concurrency, under each model's engine ceiling."""
+    fig, axes = report.panels("served throughput vs the engine ceiling (server on CPU 0, 1 engine thread)", len(results))
+    for ax, (model, result) in zip(axes, results.items()):
+        for mode, style in (("on", "o-"), ("off", "s--")):
+            levels = [_level(result[mode]["levels"], c) for c in concurrency]
+            ax.plot(concurrency, [level["items_s"] for level in levels], style, label=f"batching {mode}")
+        ceiling = result["engine"]["engine_ceiling_items_s"]
+        report.hline(ax, ceiling, f"engine ceiling {ceiling:,.0f} items/s")
+        report.log_axis(ax, "x", 2)
+        ax.set_xlabel("clients (connections)")
+        ax.set_ylabel("items/s")
+        served = max(level["items_s"] for mode in ("on", "off") for level in result[mode]["levels"])
+        ax.set_ylim(0, 1.1 * max(ceiling, served))
+        ax.set_title(model, fontsize=9)
+        ax.legend(fontsize=7)
+    report.save(fig, path)
+
+
+def write_report(out: Path, results: dict[str, Any], args: argparse.Namespace) -> None:
+    """suite.json (with the machine), suite.png and suite.md (which shows the figure)."""
+    record = {"command": args.argv, "machine": machine.machine_record(), "results": results}
+    (out / "suite.json").write_text(json.dumps(record, indent=2))
+    text = markdown(results, args)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        plot(results, args.concurrency, out / "suite.png")
+        text += "\n![suite](suite.png)\n"
+    except ImportError:
+        text += "\nno plot: matplotlib is not installed\n"
+    (out / "suite.md").write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         for model in args.models.split(","):
             results[model] = run_model(model, args, Path(scratch))
-    record = {"command": args.argv, "machine": machine.machine_record(), "results": results}
-    (args.out / "suite.json").write_text(json.dumps(record, indent=2))
-    (args.out / "suite.md").write_text(markdown(results, args))
+    write_report(args.out, results, args)
     print((args.out / "suite.md").read_text())
     return 0
 

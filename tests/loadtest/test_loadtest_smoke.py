@@ -11,38 +11,16 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from loadtest import payloads
-from tests.integration.conftest import MODELS, running_server
+from tests.loadtest.conftest import ROOT, assert_figure
+from tests.loadtest.conftest import bench as _bench
+from tests.loadtest.conftest import run_command as _run
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
-
-
-def _run(*command: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    done = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
-    assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done
-
-
-def _bench(*arguments: str, **kwargs) -> subprocess.CompletedProcess:
-    return _run(sys.executable, "-m", "loadtest.bench", *arguments, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def digits_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The default repository, digits only, its log kept in a temporary folder."""
-    if not (MODELS / "digits/1/model.pt2").is_file():
-        pytest.fail("models are not built; run `make models` (make test does it)")
-    link = tmp_path_factory.mktemp("server") / "models"
-    link.symlink_to(MODELS, target_is_directory=True)
-    with running_server(link, "--model", "digits") as url:
-        yield url
 
 
 def test_payloads_round_trip_shapes() -> None:
@@ -81,7 +59,7 @@ def test_bench_engine_digits(tmp_path: Path) -> None:
     assert all(r["items_s"] > 0 and r["latency_ms"]["p99"] >= r["latency_ms"]["p50"] > 0 for r in record["results"])
     assert record["headline"]["engine_ceiling_items_s"] == max(r["items_s"] for r in record["results"])
     assert record["machine"]["libraries"]["torch"] and "engine --model digits" in record["command_line"]
-    assert "engine ceiling" in (tmp_path / "engine.md").read_text()
+    assert "engine ceiling" in assert_figure(tmp_path, "engine")
 
 
 def test_bench_closed_wrk(digits_url: str, tmp_path: Path) -> None:
@@ -96,7 +74,7 @@ def test_bench_closed_wrk(digits_url: str, tmp_path: Path) -> None:
         assert level["requests"] > 0 and level["req_s"] > 0 and level["error_count"] == 0
         assert level["latency_samples"] == level["requests"]  # every reply timed by the Lua script
         assert 0 < level["latency_ms"]["p50"] <= level["latency_ms"]["p99"]
-    markdown = (tmp_path / "closed.md").read_text()
+    markdown = assert_figure(tmp_path, "closed")
     assert f"{levels[0]['req_s']:,.1f}" in markdown and "p99 ms" in markdown
 
 
@@ -113,7 +91,8 @@ def test_bench_open_loop(digits_url: str, tmp_path: Path) -> None:
     record = json.loads((tmp_path / "open.json").read_text())
     assert [r["offered_rate"] for r in record["results"]] == [50, 200]
     assert all(r["ok"] > 0 and r["error_count"] == 0 and r["validated_replies"] > 0 for r in record["results"])
-    assert (tmp_path / "open.md").read_text().count("\n|") >= 4
+    assert all(r["steady"]["achieved_req_s"] > 0 and r["aborted"] is None for r in record["results"])
+    assert assert_figure(tmp_path, "open").count("\n|") >= 4
 
 
 def test_wrk_histogram_percentiles_follow_wrk() -> None:
