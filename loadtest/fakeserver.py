@@ -222,7 +222,7 @@ class FakeServer:
                             (f"{name}_count", labels[m], float(s.success))]
             family(name, "histogram", samples)
         family("batchline_instance_busy_seconds", "counter",
-               [("batchline_instance_busy_seconds_total", labels[m] + f',instance="{m}-1-0"', self.stats[m].busy_s)
+               [("batchline_instance_busy_seconds_total", labels[m] + f',model_instance="{m}-1-0"', self.stats[m].busy_s)
                 for m in models])
         family("batchline_requests", "counter",
                [("batchline_requests_total", labels[m] + ',outcome="success"', float(self.stats[m].success))

@@ -189,7 +189,7 @@ def window(before: Snapshot, after: Snapshot, model: str, gauge: dict[str, Any] 
     if queue_s is not None and after.metrics is not None:
         compute_s = _delta(before.metrics, after.metrics, COMPUTE_SUM, model)
         busy_s = _delta(before.metrics, after.metrics, BUSY, model)
-        instances = len({labels.get("instance") for labels, _ in after.metrics.get(BUSY, [])
+        instances = len({labels.get("model_instance") for labels, _ in after.metrics.get(BUSY, [])
                          if labels.get("model") == model})
         price = [value for _, value in after.metrics.get(PRICE, [])]
         out["metrics"] = {

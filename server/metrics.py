@@ -49,7 +49,7 @@ class BatchlineCollector(Collector):
         batches = CounterMetricFamily("batchline_batches", "Batches executed.", labels=MODEL_LABELS)
         dispatch = CounterMetricFamily("batchline_dispatch", "Batches by dispatch reason.", labels=[*MODEL_LABELS, "reason"])
         busy = CounterMetricFamily(
-            "batchline_instance_busy_seconds", "Time each instance spent running batches.", labels=[*MODEL_LABELS, "instance"]
+            "batchline_instance_busy_seconds", "Time each instance spent running batches.", labels=[*MODEL_LABELS, "model_instance"]
         )
         histograms = {
             "request": _histogram("batchline_request_duration_seconds", "Admission to response, per request."),

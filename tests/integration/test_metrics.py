@@ -56,7 +56,7 @@ def test_metrics_move_exactly_with_the_requests_sent(server_url: str) -> None:
     assert after[("batchline_queue_depth", digits())] == 0
     assert after[("batchline_pending_requests", digits())] == 0
     assert after[("batchline_model_ready", digits())] == 1
-    assert delta("batchline_instance_busy_seconds_total", instance="digits-1-0") > 0
+    assert delta("batchline_instance_busy_seconds_total", model_instance="digits-1-0") > 0
 
 
 def test_metrics_agree_with_the_statistics_extension(server_url: str) -> None:

@@ -88,7 +88,7 @@ def test_every_model_metric_moves_exactly_with_the_statistics() -> None:
     assert samples[("batchline_inferences_total", labels())] == 3
     assert samples[("batchline_batches_total", labels())] == 1
     assert samples[("batchline_dispatch_total", labels(reason="idle"))] == 1
-    assert samples[("batchline_instance_busy_seconds_total", labels(instance="toy-1-0"))] == pytest.approx(0.01)
+    assert samples[("batchline_instance_busy_seconds_total", labels(model_instance="toy-1-0"))] == pytest.approx(0.01)
     assert samples[("batchline_queue_duration_seconds_count", labels())] == 2
     assert samples[("batchline_queue_duration_seconds_sum", labels())] == pytest.approx(0.032)
     assert samples[("batchline_queue_duration_seconds_bucket", labels(le="0.0025"))] == 1

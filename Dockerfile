@@ -1,0 +1,96 @@
+# Batchline: one Dockerfile, two machine kinds (docs/operations.md).
+#
+#   docker build -t batchline:0.1.0-cpu .                                  # VARIANT=cpu (default)
+#   docker build -t batchline:0.1.0-gpu --build-arg VARIANT=gpu .
+#
+# Build arguments:
+#   VARIANT          cpu | gpu: the base image and requirements/<VARIANT>.txt
+#   TORCH_INDEX_URL  extra pip index for torch. "auto" (default): PyTorch's CPU wheel index for
+#                    cpu (PyPI's Linux torch is a CUDA build), none for gpu (PyPI's torch is the
+#                    CUDA build); "" for none; or any index/mirror URL (e.g. a cuXXX index).
+#   PYTHON_IMAGE     base of the cpu variant (Python >= 3.11)
+#   CUDA_IMAGE       base of the gpu variant (an nvidia/cuda runtime image with cuDNN, Ubuntu >= 24.04
+#                    so that its python3 is >= 3.11)
+#
+# Stages: base-cpu | base-gpu -> base -> deps (the runtime virtualenv) -> models (the default
+# model repository, built offline from packages with the same torch that serves it) -> runtime
+# (base + venv + models, non-root). Nothing is downloaded at run time. BuildKit (Docker's default
+# builder) builds only the chosen variant's base; the legacy builder builds both.
+
+ARG VARIANT=cpu
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG CUDA_IMAGE=nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04
+
+# ---------------------------------------------------------------------------------------------
+FROM ${PYTHON_IMAGE} AS base-cpu
+
+FROM ${CUDA_IMAGE} AS base-gpu
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && rm -rf /var/lib/apt/lists/*
+
+# ---------------------------------------------------------------------------------------------
+# hadolint ignore=DL3006
+FROM base-${VARIANT} AS base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+
+# ---------------------------------------------------------------------------------------------
+FROM base AS deps
+ARG VARIANT
+ARG TORCH_INDEX_URL=auto
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY requirements/ requirements/
+COPY server/ server/
+COPY loadtest/ loadtest/
+COPY deploy/docker/install-deps.sh deploy/docker/check-build.py deploy/docker/
+# requirements/<VARIANT>.txt's pins + `.[<VARIANT>]` (not editable) into /opt/venv, then a check
+# that torch and ONNX Runtime are the builds for the variant (a CUDA torch never slips into cpu).
+RUN sh deploy/docker/install-deps.sh "$VARIANT" "$TORCH_INDEX_URL" /opt/venv
+
+# ---------------------------------------------------------------------------------------------
+FROM deps AS models
+ENV HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# The build extra (export, training) in this stage only; its versions come from pyproject.toml
+# and torch is already satisfied above. Then each build script, offline, and the repository the
+# image serves: config.yaml + version folders of each model, nothing else.
+# hadolint ignore=DL3013
+RUN pip install ".[build]"
+COPY models/ models/
+COPY deploy/docker/assemble-repository.sh deploy/docker/
+RUN python models/minilm/build.py \
+    && python models/digits/build.py \
+    && sh deploy/docker/assemble-repository.sh models /opt/batchline/models
+
+# ---------------------------------------------------------------------------------------------
+FROM base AS runtime
+ARG VARIANT
+LABEL org.opencontainers.image.title="batchline" \
+      org.opencontainers.image.description="KServe v2 inference server with dynamic batching (${VARIANT})" \
+      org.opencontainers.image.licenses="Apache-2.0"
+RUN groupadd --system --gid 10001 batchline \
+    && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
+       --shell /usr/sbin/nologin batchline
+COPY --from=deps /opt/venv /opt/venv
+COPY --from=models /opt/batchline/models /opt/batchline/models
+COPY deploy/docker/healthcheck.py /opt/batchline/healthcheck.py
+ENV BATCHLINE_MODEL_REPOSITORY=/opt/batchline/models \
+    BATCHLINE_HOST=0.0.0.0 \
+    BATCHLINE_HTTP_PORT=8000 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    HOME=/tmp
+WORKDIR /opt/batchline
+USER 10001:10001
+EXPOSE 8000
+# uvicorn drains on SIGTERM (30 s), then the repository finishes the queued work.
+STOPSIGNAL SIGTERM
+HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
+    CMD ["python", "/opt/batchline/healthcheck.py"]
+CMD ["batchline", "serve", "--host", "0.0.0.0"]

@@ -1,0 +1,559 @@
+"""Dockerfile, .dockerignore and deploy/docker/: what can be checked without a Docker engine.
+
+The image itself is not built here (no engine on CI's machine). What is checked instead:
+hadolint (with its ShellCheck) on the Dockerfile and ShellCheck on the scripts; the stages,
+arguments, user, signal, health check and command, read from the Dockerfile; that the build
+context (.dockerignore) holds everything the COPY lines need and none of the built models; each
+script the build runs (install-deps.sh with pip and python stubbed, check-build.py,
+assemble-repository.sh) on this machine; and the runtime stage's command line, run with the
+runtime stage's environment on a repository assembled as the image's is: it must serve, answer
+the image's health check, and drain in-flight requests on SIGTERM (STOPSIGNAL).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import shlex
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.deploy.contract import ROOT, run, tool
+from tests.integration.conftest import MODELS, free_port
+
+DOCKERFILE = ROOT / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+DOCKER_DIR = ROOT / "deploy" / "docker"
+SCRIPTS = [DOCKER_DIR / "install-deps.sh", DOCKER_DIR / "assemble-repository.sh", ROOT / "scripts" / "prometheus.sh"]
+
+
+# ---- a Dockerfile reader -------------------------------------------------------------------
+@dataclass
+class Instruction:
+    keyword: str
+    arguments: str
+
+    def exec_form(self) -> list[str] | None:
+        text = self.arguments
+        text = text.removeprefix("CMD ")
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        return parsed if isinstance(parsed, list) else None
+
+
+@dataclass
+class Stage:
+    name: str
+    base: str
+    instructions: list[Instruction] = field(default_factory=list)
+
+    def all(self, keyword: str) -> list[Instruction]:
+        return [i for i in self.instructions if i.keyword == keyword]
+
+    def one(self, keyword: str) -> Instruction:
+        (found,) = self.all(keyword)
+        return found
+
+    def args(self) -> dict[str, str | None]:
+        found: dict[str, str | None] = {}
+        for instruction in self.all("ARG"):
+            name, _, default = instruction.arguments.partition("=")
+            found[name] = default if _ else None
+        return found
+
+    def env(self) -> dict[str, str]:
+        found = {}
+        for instruction in self.all("ENV"):
+            for pair in shlex.split(instruction.arguments):
+                key, _, value = pair.partition("=")
+                found[key] = value
+        return found
+
+
+def read_dockerfile() -> tuple[dict[str, str | None], list[Stage]]:
+    """Global ARGs and the stages, continuation lines joined, comments dropped."""
+    logical: list[str] = []
+    current = ""
+    for line in DOCKERFILE.read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#") or (not stripped and not current):
+            continue
+        if stripped.endswith("\\"):
+            current += stripped[:-1] + " "
+            continue
+        logical.append(current + stripped)
+        current = ""
+    assert not current, "the Dockerfile ends inside a continuation"
+    global_args: dict[str, str | None] = {}
+    stages: list[Stage] = []
+    for line in logical:
+        keyword, _, arguments = line.partition(" ")
+        keyword = keyword.upper()
+        arguments = re.sub(r"\s+", " ", arguments).strip()
+        if keyword == "FROM":
+            match = re.fullmatch(r"(?:--platform=\S+ )?(\S+) AS (\S+)", arguments, re.IGNORECASE)
+            assert match, f"every stage is named: FROM {arguments}"
+            stages.append(Stage(match.group(2), match.group(1)))
+        elif not stages:
+            assert keyword == "ARG", f"{keyword} before the first FROM"
+            name, _, default = arguments.partition("=")
+            global_args[name] = default if _ else None
+        else:
+            stages[-1].instructions.append(Instruction(keyword, arguments))
+    return global_args, stages
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> tuple[dict[str, str | None], dict[str, Stage]]:
+    global_args, stages = read_dockerfile()
+    names = [s.name for s in stages]
+    assert len(names) == len(set(names))
+    assert names[-1] == "runtime", "the last stage is what `docker build` tags"
+    return global_args, {s.name: s for s in stages}
+
+
+# ---- linters -------------------------------------------------------------------------------
+def test_hadolint_passes() -> None:
+    run(tool("hadolint"), str(DOCKERFILE))
+
+
+def test_hadolint_can_fail(tmp_path: Path) -> None:
+    bad = tmp_path / "Dockerfile"
+    bad.write_text(DOCKERFILE.read_text().replace("FROM base AS runtime", "FROM ubuntu:latest AS runtime\nRUN cd /tmp"))
+    assert run(tool("hadolint"), str(bad), check=False).returncode != 0
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_shellcheck_passes(script: Path) -> None:
+    run(tool("shellcheck"), "--severity=style", str(script))
+
+
+# ---- structure -----------------------------------------------------------------------------
+def test_the_variants_and_their_bases(dockerfile) -> None:  # type: ignore[no-untyped-def]
+    global_args, stages = dockerfile
+    assert global_args["VARIANT"] == "cpu"
+    assert re.fullmatch(r"python:3\.(1[1-9])-slim(-\w+)?", global_args["PYTHON_IMAGE"] or "")
+    cuda = global_args["CUDA_IMAGE"] or ""
+    assert re.fullmatch(r"nvidia/cuda:\d+\.\d+\.\d+-(cudnn-)?runtime-ubuntu(2[4-9])\.04", cuda), \
+        f"{cuda}: an nvidia/cuda runtime image on Ubuntu >= 24.04 (python3 >= 3.11)"
+    assert stages["base-cpu"].base == "${PYTHON_IMAGE}"
+    assert stages["base-gpu"].base == "${CUDA_IMAGE}"
+    assert "python3-venv" in stages["base-gpu"].one("RUN").arguments
+    assert stages["base"].base == "base-${VARIANT}"
+    for variant in ("cpu", "gpu"):
+        assert (ROOT / "requirements" / f"{variant}.txt").is_file()
+    for name in ("deps", "runtime"):
+        assert "VARIANT" in stages[name].args(), f"{name} must declare ARG VARIANT to see it"
+    assert stages["deps"].args()["TORCH_INDEX_URL"] == "auto"
+    (install,) = stages["deps"].all("RUN")
+    assert install.arguments == 'sh deploy/docker/install-deps.sh "$VARIANT" "$TORCH_INDEX_URL" /opt/venv'
+    assert stages["deps"].base == "base" and stages["models"].base == "deps" and stages["runtime"].base == "base"
+
+
+def test_the_models_are_built_offline_in_their_own_stage(dockerfile) -> None:  # type: ignore[no-untyped-def]
+    _, stages = dockerfile
+    models = stages["models"]
+    assert models.env()["HF_HUB_OFFLINE"] == "1" and models.env()["TRANSFORMERS_OFFLINE"] == "1"
+    build = models.all("RUN")[-1].arguments
+    for script in sorted(MODELS.glob("*/build.py")):
+        assert f"python {script.relative_to(ROOT)}" in build, f"{script} is not run"
+    assert "assemble-repository.sh models /opt/batchline/models" in build
+    copies = [c.arguments for c in stages["runtime"].all("COPY")]
+    assert "--from=deps /opt/venv /opt/venv" in copies
+    assert "--from=models /opt/batchline/models /opt/batchline/models" in copies
+    assert not any("--from=models /opt/venv" in c for c in copies), "the build extra stays out of the image"
+
+
+def test_the_runtime_stage(dockerfile) -> None:  # type: ignore[no-untyped-def]
+    _, stages = dockerfile
+    runtime = stages["runtime"]
+    user = runtime.one("USER").arguments
+    assert re.fullmatch(r"[1-9]\d*:[1-9]\d*", user), f"USER {user}: numeric and not root (runAsNonRoot checks)"
+    uid = user.split(":")[0]
+    assert f"--uid {uid}" in runtime.all("RUN")[0].arguments
+    assert runtime.one("STOPSIGNAL").arguments == "SIGTERM"
+    assert runtime.one("CMD").exec_form() == ["batchline", "serve", "--host", "0.0.0.0"]
+    env = runtime.env()
+    assert env["BATCHLINE_MODEL_REPOSITORY"] == "/opt/batchline/models"
+    assert runtime.one("EXPOSE").arguments == env["BATCHLINE_HTTP_PORT"] == "8000"
+    healthcheck = runtime.one("HEALTHCHECK").arguments
+    command = Instruction("HEALTHCHECK", healthcheck[healthcheck.index("CMD "):]).exec_form()
+    assert command == ["python", "/opt/batchline/healthcheck.py"], healthcheck
+    assert "COPY deploy/docker/healthcheck.py /opt/batchline/healthcheck.py" in [f"COPY {c.arguments}" for c in runtime.all("COPY")]
+    assert "/v2/health/live" in (DOCKER_DIR / "healthcheck.py").read_text()
+    start_period = re.search(r"--start-period=(\d+)s", healthcheck)
+    assert start_period and int(start_period.group(1)) >= 30
+
+
+# ---- the build context ---------------------------------------------------------------------
+def dockerignore_patterns() -> list[tuple[bool, str]]:
+    """(exclude?, pattern) as Docker reads .dockerignore: cleaned, leading / dropped, ! re-includes."""
+    patterns = []
+    for line in DOCKERIGNORE.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        include = line.startswith("!")
+        pattern = os.path.normpath(line.lstrip("!").strip()).lstrip("/")
+        patterns.append((not include, pattern))
+    return patterns
+
+
+def _match(pattern: str, path: str) -> bool:
+    """Go's filepath.Match per path element, plus `**` for any number of elements (moby's
+    patternmatcher)."""
+    regex = ""
+    for i, part in enumerate(pattern.split("/")):
+        if part == "**":
+            regex += "(?:[^/]+/)*" if i < len(pattern.split("/")) - 1 else ".*"
+            continue
+        regex += fnmatch.translate(part).removeprefix("(?s:").removesuffix(")\\Z").replace(".*", "[^/]*")
+        regex += "/"
+    regex = regex.rstrip("/")
+    regex = regex.replace("(?:[^/]+/)*/", "(?:[^/]+/)*")
+    return re.fullmatch(regex, path) is not None
+
+
+def in_context(path: str) -> bool:
+    """Whether `path` (relative to the root) is sent to the builder: the last pattern that matches
+    it or one of its parent folders decides."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    excluded = False
+    for exclude, pattern in dockerignore_patterns():
+        if any(_match(pattern, p) for p in prefixes):
+            excluded = exclude
+    return not excluded
+
+
+def tracked_files(path: str) -> list[str]:
+    done = subprocess.run(["git", "ls-files", "--", path], cwd=ROOT, capture_output=True, text=True, check=False)
+    files = done.stdout.split() if done.returncode == 0 else []
+    if not files:  # not a git checkout, or not committed yet: the files on disk, caches aside
+        base = ROOT / path
+        candidates = [base] if base.is_file() else [p for p in base.rglob("*") if p.is_file()]
+        files = [str(p.relative_to(ROOT)) for p in candidates
+                 if "__pycache__" not in p.parts and not re.search(r"^models/[^/]+/\d+/", str(p.relative_to(ROOT)))]
+    return files
+
+
+def test_the_dockerignore_matcher() -> None:
+    assert _match("models/*/[0-9]*", "models/minilm/1") and not _match("models/*/[0-9]*", "models/minilm/config.yaml")
+    assert _match("**/__pycache__", "server/http/__pycache__") and _match("**/__pycache__", "__pycache__")
+    assert _match("*", "tests") and not _match("*", "tests/unit")
+
+
+def test_the_build_context_holds_what_the_copies_need(dockerfile) -> None:  # type: ignore[no-untyped-def]
+    _, stages = dockerfile
+    sources = []
+    for stage in stages.values():
+        for copy in stage.all("COPY"):
+            if copy.arguments.startswith("--from="):
+                continue
+            *srcs, _dest = copy.arguments.split(" ")
+            sources += srcs
+    assert sources
+    for source in sources:
+        source = source.rstrip("/")
+        assert (ROOT / source).exists(), f"COPY {source}: no such file"
+        files = tracked_files(source)
+        assert files, f"COPY {source}: nothing there"
+        left_out = [f for f in files if not in_context(f)]
+        assert not left_out, f".dockerignore leaves out what COPY {source} needs: {left_out[:5]}"
+
+
+def test_the_build_context_leaves_out_built_models_and_the_rest() -> None:
+    for path in ("models/minilm/1/model.onnx", "models/digits/1/model.pt2", "server/__pycache__/cli.cpython-311.pyc",
+                 "tests/unit/test_config.py", ".git/HEAD", ".venv/bin/python", "docs/architecture.md",
+                 "deploy/k8s/base/deployment.yaml", "out/suite.json"):
+        assert not in_context(path), f"{path} is sent to the builder"
+    for path in ("models/minilm/build.py", "models/minilm/config.yaml", "server/cli.py", "requirements/cpu.txt",
+                 "deploy/docker/healthcheck.py", "pyproject.toml", "README.md"):
+        assert in_context(path), f"{path} is not sent to the builder"
+
+
+# ---- the scripts the build runs ------------------------------------------------------------
+def stubbed(tmp_path: Path, real_python: bool) -> tuple[dict[str, str], Path]:
+    """PATH with a `python3` whose `-m venv DIR` makes DIR/bin/pip (logs its arguments and the
+    pins file) and DIR/bin/python (this Python, or a stub that succeeds)."""
+    bin_dir = tmp_path / "stub-bin"
+    bin_dir.mkdir()
+    log = tmp_path / "pip.log"
+    python = sys.executable if real_python else "true"
+    (bin_dir / "python3").write_text(f"""#!/bin/sh
+[ "$1" = -m ] && [ "$2" = venv ] || exit 99
+mkdir -p "$3/bin"
+cat > "$3/bin/pip" <<'EOF'
+#!/bin/sh
+printf '%s\\n' "$@" > "{log}"
+while [ "$#" -gt 0 ]; do [ "$1" = -r ] && cp "$2" "{log}.pins"; shift; done
+EOF
+printf '#!/bin/sh\\nexec {python} "$@"\\n' > "$3/bin/python"
+chmod +x "$3/bin/pip" "$3/bin/python"
+""")
+    (bin_dir / "python3").chmod(stat.S_IRWXU)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}, log
+
+
+def install_deps(tmp_path: Path, variant: str, index: str, real_python: bool = False) -> tuple[subprocess.CompletedProcess[str], list[str], str]:
+    env, log = stubbed(tmp_path, real_python)
+    done = run("sh", str(DOCKER_DIR / "install-deps.sh"), variant, index, str(tmp_path / "venv"), env=env, check=False)
+    pip_args = log.read_text().splitlines() if log.exists() else []
+    pins = Path(f"{log}.pins").read_text() if Path(f"{log}.pins").exists() else ""
+    return done, pip_args, pins
+
+
+def requirement_pins(variant: str) -> str:
+    lines = (ROOT / "requirements" / f"{variant}.txt").read_text().splitlines()
+    return "".join(f"{line}\n" for line in lines if line.strip() and not line.startswith(("#", "-e")))
+
+
+@pytest.mark.parametrize(("variant", "index", "expected_index"), [
+    ("cpu", "auto", "https://download.pytorch.org/whl/cpu"),
+    ("gpu", "auto", None),
+    ("cpu", "", None),
+    ("gpu", "https://mirror.invalid/whl/cu126", "https://mirror.invalid/whl/cu126"),
+])
+def test_install_deps_picks_the_index_and_pins(tmp_path: Path, variant: str, index: str, expected_index: str | None) -> None:
+    done, pip_args, pins = install_deps(tmp_path, variant, index)
+    assert done.returncode == 0, done.stderr
+    expected = ["install"] + (["--extra-index-url", expected_index] if expected_index else [])
+    assert pip_args[: len(expected)] == expected
+    assert pip_args[len(expected)] == "-r" and pip_args[len(expected) + 2:] == [f".[{variant}]"]
+    assert pins == requirement_pins(variant)
+    if variant == "cpu":
+        assert re.search(r"^torch==", pins, re.MULTILINE), "the CPU image pins torch"
+
+
+def test_install_deps_refuses_an_unknown_variant(tmp_path: Path) -> None:
+    done, pip_args, _ = install_deps(tmp_path, "tpu", "auto")
+    assert done.returncode == 2 and not pip_args
+
+
+def test_install_deps_fails_when_the_build_is_the_wrong_one(tmp_path: Path) -> None:
+    """With this machine's (CPU) torch, the gpu variant's check fails the build."""
+    done, _, _ = install_deps(tmp_path, "gpu", "auto", real_python=True)
+    assert done.returncode != 0 and "not the gpu build" in done.stderr
+
+
+def test_check_build_knows_this_machine() -> None:
+    script = str(DOCKER_DIR / "check-build.py")
+    assert run(sys.executable, script, "cpu").returncode == 0
+    gpu = run(sys.executable, script, "gpu", check=False)
+    assert gpu.returncode == 1 and "torch" in gpu.stderr and "onnxruntime" in gpu.stderr
+    assert run(sys.executable, script, "tpu", check=False).returncode == 2
+
+
+def require_built_models() -> None:
+    missing = [p for p in (MODELS / "minilm/1/model.onnx", MODELS / "digits/1/model.pt2") if not p.is_file()]
+    if missing:
+        pytest.fail(f"models are not built ({missing}); run `make models` (make test does it)")
+
+
+def test_assemble_repository_copies_configs_and_versions_only(tmp_path: Path) -> None:
+    require_built_models()
+    target = tmp_path / "repository"
+    run("sh", str(DOCKER_DIR / "assemble-repository.sh"), str(MODELS), str(target))
+    for model in (p for p in MODELS.iterdir() if (p / "config.yaml").is_file()):
+        copied = sorted(p.name for p in (target / model.name).iterdir())
+        versions = sorted(p.name for p in model.iterdir() if p.is_dir() and p.name.isdigit())
+        assert copied == sorted(["config.yaml", *versions]), f"{model.name}: {copied}"
+        for version in versions:
+            assert sorted(p.name for p in (target / model.name / version).iterdir()) == \
+                sorted(p.name for p in (model / version).iterdir())
+
+
+def test_assemble_repository_refuses_an_unbuilt_model(tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    (source / "unbuilt").mkdir(parents=True)
+    (source / "unbuilt" / "config.yaml").write_text("name: unbuilt\n")
+    done = run("sh", str(DOCKER_DIR / "assemble-repository.sh"), str(source), str(tmp_path / "out"), check=False)
+    assert done.returncode == 1 and "no built version" in done.stderr
+    (source / "unbuilt" / "config.yaml").unlink()
+    done = run("sh", str(DOCKER_DIR / "assemble-repository.sh"), str(source), str(tmp_path / "out2"), check=False)
+    assert done.returncode == 1 and "no config.yaml" in done.stderr
+
+
+# ---- the runtime stage's command, run here -------------------------------------------------
+_BLOCKER = """\
+# Written by tests/deploy: hide the packages the image does not install, as if absent.
+import os, sys
+
+_blocked = frozenset(filter(None, os.environ.get("BATCHLINE_IMAGE_BLOCKED", "").split(",")))
+
+
+class _Hiding:
+    def __init__(self, finder):
+        self._finder = finder
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in _blocked:
+            return None
+        find = getattr(self._finder, "find_spec", None)
+        return find(name, path, target) if find else None
+
+    def __getattr__(self, attribute):  # find_distributions, invalidate_caches, ...
+        return getattr(self._finder, attribute)
+
+
+sys.meta_path[:] = [_Hiding(finder) for finder in sys.meta_path]
+"""
+
+
+def not_in_the_image() -> list[str]:
+    """Top-level modules installed here but not in the runtime image, whose venv holds
+    batchline[cpu] and what it needs (the deps stage): the build, test, load-test and other
+    extras' packages, and this venv's tools."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    keep: set[str] = set()
+    stack: list[tuple[str, frozenset[str]]] = [("batchline", frozenset({"cpu"}))]
+    seen: set[tuple[str, frozenset[str]]] = set()
+    while stack:
+        name, extras = stack.pop()
+        if (canonicalize_name(name), extras) in seen:
+            continue
+        seen.add((canonicalize_name(name), extras))
+        keep.add(canonicalize_name(name))
+        try:
+            requirements = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for line in requirements:
+            requirement = Requirement(line)
+            environments = [{"extra": e} for e in (*extras, "")]
+            if requirement.marker is None or any(requirement.marker.evaluate(e) for e in environments):
+                stack.append((requirement.name, frozenset(requirement.extras)))
+    installed = {canonicalize_name(d.metadata["Name"]) for d in metadata.distributions()}
+    excluded = installed - keep
+    return sorted(module for module, dists in metadata.packages_distributions().items()
+                  if dists and all(canonicalize_name(d) in excluded for d in dists) and module.isidentifier())
+
+
+def image_python_env(tmp_path: Path) -> dict[str, str]:
+    """PYTHONPATH and variables that make this venv import only what the image's venv has."""
+    site = tmp_path / "image-site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(_BLOCKER)
+    return {"PYTHONPATH": str(site), "BATCHLINE_IMAGE_BLOCKED": ",".join(not_in_the_image())}
+
+
+def test_the_image_venv_lacks_the_extras(tmp_path: Path) -> None:
+    """The stand-in for the image's venv hides the packages the image does not install (and so
+    the server test below fails if `batchline serve` needs one of them)."""
+    blocked = not_in_the_image()
+    for module in ("sklearn", "sentence_transformers", "pytest", "locust", "matplotlib", "onnx"):
+        assert module in blocked, module
+    for module in ("torch", "onnxruntime", "fastapi", "uvicorn", "numpy", "tokenizers", "prometheus_client", "yaml"):
+        assert module not in blocked, module
+    env = image_python_env(tmp_path)
+    hidden = run(sys.executable, "-c", "import sklearn", env=env, check=False)
+    assert hidden.returncode != 0 and "No module named 'sklearn'" in hidden.stderr
+    probe = "import importlib.util as u; assert u.find_spec('onnx') is None and u.find_spec('torch')"
+    run(sys.executable, "-c", probe, env=env)
+    run(sys.executable, "-c", "import torch, onnxruntime, server.cli", env=env)
+
+def test_healthcheck_fails_without_a_server() -> None:
+    port = free_port()
+    done = run(sys.executable, str(DOCKER_DIR / "healthcheck.py"), check=False,
+               env={"BATCHLINE_HTTP_PORT": str(port), "BATCHLINE_HOST": "0.0.0.0"})
+    assert done.returncode == 1 and f"127.0.0.1:{port}" in done.stderr
+
+
+def _texts(n: int) -> list[str]:
+    return [f"sentence {i}: " + "dynamic batching trades a little latency for throughput " * 20 for i in range(n)]
+
+
+@pytest.mark.integration
+def test_the_image_command_serves_checks_health_and_drains_on_sigterm(dockerfile, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The runtime stage's CMD and ENV, on a repository assembled as the image's, with only the
+    image's Python packages importable: it serves every model, the HEALTHCHECK script passes,
+    and requests in flight at SIGTERM complete before the process ends (uvicorn then re-raises
+    the SIGTERM)."""
+    require_built_models()
+    _, stages = dockerfile
+    runtime = stages["runtime"]
+    repository = tmp_path / "models"
+    run("sh", str(DOCKER_DIR / "assemble-repository.sh"), str(MODELS), str(repository))
+    env = {**os.environ, **runtime.env(), "BATCHLINE_MODEL_REPOSITORY": str(repository), "HOME": str(tmp_path),
+           **image_python_env(tmp_path)}
+    env["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # the image's /opt/venv/bin first
+    port = free_port()
+    command = runtime.one("CMD").exec_form()
+    assert command is not None
+    # Loopback only here: later flags win, so the image's --host 0.0.0.0 is overridden.
+    with open(tmp_path / "server.log", "w+") as log:
+        process = subprocess.Popen([*command, "--host", "127.0.0.1", "--http-port", str(port)], cwd=tmp_path,
+                                   env={**env, "BATCHLINE_HTTP_PORT": str(port)}, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 180
+            while True:
+                assert process.poll() is None, f"the server exited {process.returncode}: {log.seek(0) or log.read()}"
+                try:
+                    if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "not ready in 180 s"
+                time.sleep(0.3)
+            models = {m.name for m in repository.iterdir()}
+            index = httpx.post(f"{url}/v2/repository/index", json={"ready": True}).json()
+            assert {m["name"] for m in index} == models
+
+            health = run(sys.executable, str(DOCKER_DIR / "healthcheck.py"), check=False,
+                         env={"BATCHLINE_HTTP_PORT": str(port), "BATCHLINE_HOST": env["BATCHLINE_HOST"]})
+            assert health.returncode == 0, health.stderr
+
+            statuses: list[int] = []
+            body = {"inputs": [{"name": "text", "shape": [32, 1], "datatype": "BYTES", "data": _texts(32)}]}
+
+            def send() -> None:
+                try:
+                    statuses.append(httpx.post(f"{url}/v2/models/minilm/infer", json=body, timeout=60).status_code)
+                except httpx.HTTPError as exc:
+                    statuses.append(-1)
+                    print("request failed:", exc)
+
+            senders = [threading.Thread(target=send) for _ in range(6)]
+            for sender in senders:
+                sender.start()
+
+            def pending() -> float:
+                text = httpx.get(f"{url}/metrics", timeout=5).text
+                match = re.search(r'^batchline_pending_requests\{model="minilm",version="1"\} (\S+)$', text, re.MULTILINE)
+                return float(match.group(1)) if match else 0.0
+
+            deadline = time.monotonic() + 30
+            while pending() < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert pending() >= 2, "the requests were not in flight"
+            process.send_signal(signal.SIGTERM)
+            for sender in senders:
+                sender.join(timeout=60)
+            # uvicorn re-raises the signal once it has shut down: killed by SIGTERM (143 in a
+            # shell, what Kubernetes and Docker expect of a SIGTERM stop) after the drain.
+            assert process.wait(timeout=45) in (0, -signal.SIGTERM)
+            assert statuses == [200] * 6, f"requests in flight at SIGTERM: {statuses}"
+            log.seek(0)
+            assert "Traceback" not in log.read()
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
