@@ -239,6 +239,10 @@ class OnnxRuntimeOptions(_Strict):
 
 class TorchOptions(_Strict):
     num_threads: int = Field(default=0, ge=0)
+    compile: bool = Field(
+        default=False,
+        description="torch.compile the program once per batch bucket at warm-up (needs batch_buckets).",
+    )
 
 
 class BuildGate(_Strict):
@@ -313,6 +317,13 @@ class ModelConfig(_Strict):
                 raise ValueError(
                     f"the largest batch bucket {self.batch_buckets[-1]} is below max_batch_size {self.max_batch_size}"
                 )
+        if self.engine == "torch" and self.torch.compile:
+            if self.batched and not self.batch_buckets:
+                raise ValueError("torch.compile needs batch_buckets: a fixed ladder, so shapes never recompile")
+            if self.tokenize and not self.tokenize.sequence_buckets:
+                raise ValueError("torch.compile of a text model needs preprocess.tokenize.sequence_buckets")
+            if not self.tokenize and any(-1 in t.dims for t in self.inputs):
+                raise ValueError("torch.compile needs fixed input dims (a variable dim would recompile per shape)")
         if self.dynamic_batching and self.dynamic_batching.max_batch_tokens and not self.tokenize:
             raise ValueError("dynamic_batching.max_batch_tokens needs preprocess.tokenize")
         for tensor in self.outputs:

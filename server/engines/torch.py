@@ -34,6 +34,16 @@ def load_program(path: Path) -> torch.export.ExportedProgram:
         return torch.export.load(str(path))
 
 
+def _compiled(module: torch.nn.Module, config: ModelConfig) -> torch.nn.Module:
+    """torch.compile with static shapes: each batch bucket (and sequence bucket) compiles once,
+    at warm-up, which runs them all; the pipeline pads every batch to a bucket, so serving never
+    meets a new shape. The recompile limit is raised to cover the ladder, no further."""
+    sequences = config.tokenize.sequence_buckets if config.tokenize and config.tokenize.sequence_buckets else [1]
+    shapes = len(config.batch_buckets or [1]) * len(sequences)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes + 1)
+    return torch.compile(module, dynamic=False)
+
+
 class TorchEngine(Engine):
     def __init__(self, config: ModelConfig, version_dir: Path, device: Device) -> None:
         if config.precision not in _DTYPES:
@@ -53,6 +63,9 @@ class TorchEngine(Engine):
         self._module = program.module().to(self._device)
         if self._dtype != torch.float32:
             self._module = self._module.to(self._dtype)
+        self._compiled = config.torch.compile
+        if self._compiled:
+            self._module = _compiled(self._module, config)
         self._input_names = [t.source_name for t in config.inputs]
         self._output_names = [t.source_name for t in config.outputs]
 
@@ -83,6 +96,6 @@ class TorchEngine(Engine):
             engine="torch",
             device=str(self._device),
             precision=self._precision,
-            providers=[f"torch {torch.__version__}"],
+            providers=[f"torch {torch.__version__}" + (" compiled" if self._compiled else "")],
             artifact=str(self._path),
         )

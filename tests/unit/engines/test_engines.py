@@ -138,3 +138,25 @@ def test_torch_bf16_casts_the_program_and_answers_in_fp32() -> None:
     assert bf16.dtype == np.float32 and bf16_engine.describe().precision == "bf16"
     assert (bf16.argmax(1) == fp32.argmax(1)).mean() >= 0.85
     assert np.abs(bf16 - fp32).max() < 0.1
+
+
+def test_compile_needs_a_fixed_ladder() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="batch_buckets"):
+        digits_config(torch={"compile": True})
+
+
+@needs_digits
+def test_compiled_program_answers_as_eager_on_every_bucket() -> None:
+    from server.workers.pipeline import ModelPipeline
+
+    cfg = digits_config(torch={"compile": True, "num_threads": 1}, batch_buckets=[1, 4, 8])
+    engine = create_engine(cfg, DIGITS, Device("CPU"))
+    assert engine.describe().providers[0].endswith("compiled")
+    eager = create_engine(digits_config(), DIGITS, Device("CPU"))
+    images = np.load(DIGITS / "heldout.npz")["images"]
+    pipeline = ModelPipeline(cfg, engine, {})
+    for size in (1, 3, 8):  # 3 is padded to the bucket of 4 by the pipeline
+        got = pipeline.run_batch([{"image": images[:size]}]).outputs[0]["probabilities"]
+        np.testing.assert_allclose(got, eager.run({"image": images[:size]})["probabilities"], atol=1e-5)
