@@ -225,7 +225,7 @@ class Warmup(_Strict):
     batch_sizes: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1])
     text: str = "Batchline warms up this model before it serves."
     profile: bool = False
-    profile_repeats: int = Field(default=3, ge=1)
+    profile_repeats: int = Field(default=5, ge=1)
     tolerance: float = Field(default=0.05, ge=0, lt=1)
     batch_cap: int | None = Field(default=None, gt=0, description="Fix the cap instead of measuring it.")
 
