@@ -20,7 +20,7 @@ from server.protocol.datatypes import DATATYPES
 
 CONFIG_FILENAME = "config.yaml"
 
-EngineName = Literal["onnxruntime", "torch"]
+EngineName = Literal["onnxruntime", "torch", "tensorrt"]
 Precision = Literal["fp32", "fp16", "bf16", "int8"]
 DeviceKind = Literal["CPU", "GPU"]
 

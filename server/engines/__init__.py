@@ -15,6 +15,8 @@ def create_engine(config: ModelConfig, version_dir: Path, device: Device) -> Eng
     try:
         if config.engine == "onnxruntime":
             from server.engines.onnxruntime import OnnxRuntimeEngine as engine_class
+        elif config.engine == "tensorrt":
+            from server.engines.tensorrt import TensorRTEngine as engine_class
         else:
             from server.engines.torch import TorchEngine as engine_class
     except ImportError as exc:

@@ -7,7 +7,7 @@ from typing import Any
 
 from server.config import ModelConfig, TensorConfig
 
-_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch"}
+_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch", "tensorrt": "tensorrt_plan"}
 
 
 def triton_data_type(datatype: str) -> str:

@@ -34,7 +34,8 @@ class Runner:
 
     def __init__(self, config: ModelConfig, version_dir: Path) -> None:
         self.config = config
-        self.engine = create_engine(config, version_dir, Device("CPU"))
+        device = Device("GPU", 0) if config.engine == "tensorrt" else Device("CPU")  # plans run on GPUs only
+        self.engine = create_engine(config, version_dir, device)
         self.tokenizer = TextTokenizer(config.tokenize, version_dir) if config.tokenize else None
         self.output = config.outputs[0].source_name
 

@@ -5,8 +5,9 @@ What is pure (and unit-tested on CPU): the optimization profiles, one per batch 
 capability and TensorRT version it was built with), and the INT8 rule: explicit quantization
 only, i.e. an ONNX graph that already carries Q/DQ nodes (TensorRT 10 deprecates implicit
 calibration). `build_engine` imports tensorrt lazily and fails with a clear message where it
-is not installed. The server has no TensorRT engine to serve a plan file yet, so a `tensorrt`
-build never publishes a version here.
+is not installed. A plan that builds is gated like every build, served by the tensorrt engine
+(server/engines/tensorrt.py) on a GPU instance group. Neither has run on the machines this was
+written on.
 """
 
 from __future__ import annotations
@@ -137,9 +138,15 @@ def build(ctx: BuildContext) -> BuildOutput:
         import onnx
 
         check_int8_graph({n.op_type for n in onnx.load(str(graph), load_external_data=False).graph.node})
-    build_engine(graph, ctx.stage / "model.plan", ctx.source_config, ctx.precision,
-                 workspace_mb=int(ctx.options["workspace_mb"]))
-    raise BuildError("a TensorRT plan was built, but the server has no TensorRT engine to serve it yet")
+    built = build_engine(graph, ctx.stage / "model.plan", ctx.source_config, ctx.precision,
+                         workspace_mb=int(ctx.options["workspace_mb"]))
+    return BuildOutput(
+        "model.plan",
+        "tensorrt",
+        ctx.precision,
+        f"TensorRT plan, {len(built['profiles'])} optimization profiles (one per batch bucket)",
+        [f"engine cache key {built['cache_key']}: valid only on this GPU model and TensorRT version"],
+    )
 
 
 def build_engine(

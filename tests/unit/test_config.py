@@ -129,7 +129,7 @@ def test_wrong_type_dims(tmp_path: Path) -> None:
 
 
 def test_unknown_engine(tmp_path: Path) -> None:
-    path = write_config(tmp_path, config_with(engine="tensorrt"))
+    path = write_config(tmp_path, config_with(engine="openvino"))
     assert_rejected(path, "field 'engine'", "onnxruntime")
 
 
@@ -266,7 +266,7 @@ def test_version_policy_bad_values(tmp_path: Path) -> None:
 
 
 def test_several_errors_all_reported(tmp_path: Path) -> None:
-    path = write_config(tmp_path, config_with(engine="tensorrt", precision="fp64"))
+    path = write_config(tmp_path, config_with(engine="openvino", precision="fp64"))
     assert_rejected(path, "field 'engine'", "field 'precision'")
 
 

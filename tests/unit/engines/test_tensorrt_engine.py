@@ -1,0 +1,86 @@
+"""The TensorRT engine's logic that needs no GPU: profile choice, datatypes, guards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from server.config import BuildSpec, ModelConfig
+from server.devices import Device
+from server.engines import create_engine
+from server.engines.tensorrt import ProfileRange, choose_profile, numpy_dtype
+from server.errors import EngineError
+from server.protocol.triton_config import triton_model_config
+from server.quantize.tensorrt import optimization_profiles
+from server.quantize.variant import derive_config
+
+
+def config(**overrides) -> ModelConfig:
+    return ModelConfig.model_validate(
+        {
+            "name": "digits-tensorrt-fp16",
+            "engine": "tensorrt",
+            "precision": "fp16",
+            "max_batch_size": 64,
+            "batch_buckets": [1, 8, 64],
+            "inputs": [{"name": "image", "datatype": "FP32", "dims": [1, 8, 8]}],
+            "outputs": [{"name": "probabilities", "datatype": "FP32", "dims": [10]}],
+            "instance_group": [{"kind": "GPU"}],
+            **overrides,
+        }
+    )
+
+
+def ranges_of(cfg: ModelConfig) -> list[ProfileRange]:
+    """The batch ranges the builder gives its profiles, as the engine reads them back."""
+    return [
+        ProfileRange(i, p.shapes["image"][0][0], p.shapes["image"][2][0]) for i, p in enumerate(optimization_profiles(cfg))
+    ]
+
+
+@pytest.mark.parametrize(("batch", "profile"), [(1, 0), (2, 1), (8, 1), (9, 2), (64, 2)])
+def test_each_batch_runs_under_the_profile_of_its_bucket(batch: int, profile: int) -> None:
+    assert choose_profile(ranges_of(config()), batch) == profile
+
+
+def test_a_batch_no_profile_takes_is_refused() -> None:
+    with pytest.raises(EngineError, match="no TensorRT profile takes a batch of 65"):
+        choose_profile(ranges_of(config()), 65)
+
+
+def test_overlapping_profiles_prefer_the_narrowest() -> None:
+    assert choose_profile([ProfileRange(0, 1, 64), ProfileRange(1, 5, 8)], 6) == 1
+
+
+def test_tensor_types_map_to_numpy() -> None:
+    assert numpy_dtype("HALF") == np.float16 and numpy_dtype("FLOAT") == np.float32
+    with pytest.raises(EngineError, match="FP8"):
+        numpy_dtype("FP8")
+
+
+def test_the_engine_refuses_a_cpu_instance(tmp_path: Path) -> None:
+    with pytest.raises(EngineError, match="runs on a GPU"):
+        create_engine(config(), tmp_path, Device("CPU"))
+
+
+def test_the_engine_says_when_tensorrt_is_missing(tmp_path: Path) -> None:
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        with pytest.raises(EngineError, match="TensorRT is not installed"):
+            create_engine(config(), tmp_path, Device("GPU", 0))
+    else:
+        pytest.skip("TensorRT is installed here")
+
+
+def test_a_tensorrt_variant_is_placed_on_gpus_and_shown_as_a_plan() -> None:
+    base = config(engine="onnxruntime", precision="fp32", instance_group=[{"count": 2, "kind": "CPU"}]).model_dump(
+        exclude_none=True
+    )
+    spec = BuildSpec(source="digits", engine="tensorrt", precision="fp16")
+    derived = derive_config(base, name="digits-tensorrt-fp16", engine="tensorrt", precision="fp16",
+                            model_filename="model.plan", spec=spec)
+    assert [(g["count"], g["kind"]) for g in derived["instance_group"]] == [(2, "GPU")]
+    assert triton_model_config(ModelConfig.model_validate(derived))["platform"] == "tensorrt_plan"
