@@ -1,13 +1,12 @@
 """The engine alone, no server: items/s and latency per batch size ("the engine ceiling").
 
 The server can never beat its engine, so this is the bar the HTTP numbers are read against.
-The models are loaded the way the server's engines load them (server/engines/, pipeline.py),
-without importing the server, which is being rewritten:
   minilm: ONNX Runtime session on CPUExecutionProvider, graph optimisation "all", plus the
           `tokenizers` Tokenizer of tokenizer.json, truncation 256, padding to the batch's
-          longest text; the tokenization is timed with the run, as the server does it per batch.
-  digits: torch.export.load(...).module(), eager under inference_mode, torch.set_num_threads,
-          cast to the config's precision (fp16/bf16) as the torch engine does; or an ONNX variant.
+          longest text (or, --length-sorted, batches of neighbouring lengths); tokenization is
+          timed with the run. Its own session, since batch formation is what is measured.
+  digits: the server's own engine for the folder's config (server/engines: torch in any
+          precision, or an ONNX Runtime variant), called directly with the given threads.
 A folder is read as the server reads it: its config.yaml, its highest version folder and the
 config's model_filename (so built precision variants, loadtest/variants.py, load too).
 """
@@ -166,45 +165,30 @@ def _image_batches(images: np.ndarray, batch_size: int) -> list[np.ndarray]:
     return [np.ascontiguousarray(images[(np.arange(batch_size) + b * batch_size) % len(images)]) for b in range(8)]
 
 
-def digits_loader(model_dir: Path, threads: int, length_sorted: bool = False) -> Loader:
-    import torch
+def image_loader(model_dir: Path, threads: int, length_sorted: bool = False) -> Loader:
+    """The server's own engine for the model's config (torch, any precision, or ONNX Runtime),
+    with `threads` threads, called directly: exactly what an instance runs, minus the server."""
+    from server.config import load_model_config
+    from server.devices import Device
+    from server.engines import create_engine
 
-    torch.set_num_threads(threads)
-    try:  # INT8 programs (batchline build) call quantized_decomposed ops: register them before load
-        import torch.ao.quantization.fx._decomposed
-    except ImportError:
-        pass
     files = model_files(model_dir)
-    module = torch.export.load(str(files.artifact)).module()
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(files.precision, torch.float32)
-    if dtype != torch.float32:  # as the server's torch engine: weights and float inputs cast
-        module = module.to(dtype)
+    config = load_model_config(model_dir / "config.yaml")
+    config = config.model_copy(
+        update={
+            "onnxruntime": config.onnxruntime.model_copy(update={"intra_op_num_threads": threads, "inter_op_num_threads": 1}),
+            "torch": config.torch.model_copy(update={"num_threads": threads}),
+        }
+    )
+    engine = create_engine(config, files.version_dir, Device("CPU"))
+    name = config.inputs[0].source_name
     images = digits_images(model_dir.parent)
 
     def prepare(batch_size: int) -> Runner:
         batches = _image_batches(images, batch_size)
 
         def run(index: int) -> None:
-            with torch.inference_mode():
-                module(torch.from_numpy(batches[index % len(batches)]).to(dtype)).float().numpy()
-
-        return run
-
-    return prepare
-
-
-def digits_onnx_loader(model_dir: Path, threads: int, length_sorted: bool = False) -> Loader:
-    files = model_files(model_dir)
-    session = _onnx_session(files.artifact, threads)
-    first = session.get_inputs()[0]
-    dtype = ONNX_TYPES.get(first.type, np.float32)
-    images = digits_images(model_dir.parent)
-
-    def prepare(batch_size: int) -> Runner:
-        batches = [b.astype(dtype) for b in _image_batches(images, batch_size)]
-
-        def run(index: int) -> None:
-            session.run(None, {first.name: batches[index % len(batches)]})
+            engine.run({name: batches[index % len(batches)]})
 
         return run
 
@@ -214,8 +198,8 @@ def digits_onnx_loader(model_dir: Path, threads: int, length_sorted: bool = Fals
 # (payload, engine) -> loader: which inputs to feed, and how the server's engine runs the artifact
 LOADERS: dict[tuple[str, str], Callable[[Path, int, bool], Loader]] = {
     ("minilm", "onnxruntime"): minilm_loader,
-    ("digits", "torch"): digits_loader,
-    ("digits", "onnxruntime"): digits_onnx_loader,
+    ("digits", "torch"): image_loader,
+    ("digits", "onnxruntime"): image_loader,
 }
 
 
