@@ -7,7 +7,6 @@ Every config is validated here, and a bad one is reported with its file, field a
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -370,10 +369,6 @@ class ModelConfig(_Strict):
     def api_shape(self, tensor: TensorConfig) -> list[int]:
         """The shape clients see: the batch dim (-1) first when the model batches."""
         return ([-1] if self.batched else []) + list(tensor.dims)
-
-
-def element_count(shape: list[int]) -> int:
-    return math.prod(shape)
 
 
 def load_model_config(path: Path) -> ModelConfig:

@@ -14,6 +14,7 @@ import numpy as np
 
 from server.config import ModelConfig
 from server.devices import Device
+from server.errors import EngineError
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,6 @@ class Engine(ABC):
 
 
 def artifact_path(config: ModelConfig, version_dir: Path, default_filename: str) -> Path:
-    from server.errors import EngineError
-
     path = version_dir / (config.model_filename or default_filename)
     if not path.is_file():
         raise EngineError(f"model artifact {path} is missing (was the model built?)")

@@ -87,15 +87,3 @@ def run_build(args: argparse.Namespace) -> int:
         return 2
     print(result.to_json() if args.json else result.markdown())
     return 0 if result.servable else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (`python -m server.quantize.cli ...`) until server/cli.py wires it in."""
-    parser = argparse.ArgumentParser(prog="batchline")
-    add_build_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.handler(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

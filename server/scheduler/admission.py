@@ -115,7 +115,7 @@ class Admission:
     def _texts(self, arrays: dict[str, np.ndarray]) -> list[str] | None:
         if self._text_input is None:
             return None
-        return [str(t) for t in arrays[self._text_input].reshape(-1)]
+        return list(arrays[self._text_input].reshape(-1))  # decoded to str at validation
 
     def _admitted(
         self,

@@ -64,7 +64,7 @@ class Batcher:
         stats: ModelStatistics,
         clock: Callable[[], int] = time.perf_counter_ns,
     ) -> None:
-        self.policy = policy
+        self._policy = policy
         self._settings = settings
         self._idle: list[BatchRunner] = list(instances)
         self._queues: list[deque[InferenceRequest]] = [deque() for _ in range(settings.levels)]
@@ -76,6 +76,7 @@ class Batcher:
         self._next_sequence = 0
         self._next_release = 0
         self._held: dict[int, Callable[[], None] | None] = {}  # preserve_ordering buffer
+        self._draining = False  # unloading: nothing waits for the delay window any more
 
     @property
     def queue_depth(self) -> int:
@@ -136,7 +137,7 @@ class Batcher:
             items = sum(r.batch_size for r in batch)
             now = self._clock()
             oldest = min(r.arrival_ns for r in batch)
-            decision = self.policy.decide(items, blocked, oldest, now, busy=bool(self._running))
+            decision = self._policy.decide(items, blocked, oldest, now, busy=bool(self._running) and not self._draining)
             if decision.reason is None:
                 assert decision.wake_at_ns is not None
                 delay_s = max(0.0, (decision.wake_at_ns - now) / 1e9)
@@ -171,15 +172,15 @@ class Batcher:
                 if candidate.shape_key != head.shape_key:
                     continue
                 grown = max(longest, candidate.longest)
-                if not self.policy.fits(items + candidate.batch_size, grown):
+                if not self._policy.fits(items + candidate.batch_size, grown):
                     blocked = True
                     break
                 batch.append(candidate)
                 items += candidate.batch_size
                 longest = grown
-                if items >= self.policy.max_batch_size:
+                if items >= self._policy.max_batch_size:
                     break
-            if blocked or items >= self.policy.max_batch_size:
+            if blocked or items >= self._policy.max_batch_size:
                 break
         return batch, blocked
 
@@ -238,22 +239,14 @@ class Batcher:
 
     async def drain(self) -> None:
         """Run everything already queued to completion (the caller stops new submissions)."""
+        self._draining = True
         self._dispatch()
         while self._running or self._queued:
             if not self._running:  # nothing can run any more: no instance left
                 self._fail_queued(Unavailable("the model was unloaded before this request ran"))
                 break
             await asyncio.gather(*list(self._running), return_exceptions=True)
-            self._dispatch_now()
-
-    def _dispatch_now(self) -> None:
-        """Dispatch without waiting for the delay window (used while draining)."""
-        policy = self.policy
-        self.policy = BatchPolicy(policy.max_batch_size, policy.preferred, 0, policy.max_batch_tokens)
-        try:
             self._dispatch()
-        finally:
-            self.policy = policy
 
     def _fail_queued(self, error: BatchlineError) -> None:
         for queue in self._queues:

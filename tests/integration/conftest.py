@@ -72,6 +72,19 @@ def _wait(url: str, process: subprocess.Popen, log, path: str, timeout_s: float 
     raise RuntimeError(f"server not up on {url}{path} after {timeout_s}s:\n{log.read()}")
 
 
+def linked_repository(root: Path, models: tuple[str, ...] = ("digits", "minilm")) -> Path:
+    """A repository of the built models: config copied (free to edit), version 1 and eval/
+    linked, never written."""
+    for name in models:
+        if not (MODELS / name / "1").is_dir():
+            pytest.fail(f"models/{name}/1 is not built; run `make models` (make test does it)")
+        (root / name).mkdir(parents=True)
+        shutil.copyfile(MODELS / name / "config.yaml", root / name / "config.yaml")
+        (root / name / "1").symlink_to(MODELS / name / "1")
+        (root / name / "eval").symlink_to(MODELS / name / "eval")
+    return root
+
+
 def _require_built_models() -> None:
     missing = [p for p in (MODELS / "minilm/1/model.onnx", MODELS / "digits/1/model.pt2") if not p.is_file()]
     if missing:

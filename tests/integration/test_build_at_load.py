@@ -3,7 +3,6 @@ served; a build the gate refuses leaves that model unavailable and the others se
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import httpx
 import numpy as np
 import yaml
 
-from tests.integration.conftest import MODELS, running_server
+from tests.integration.conftest import MODELS, linked_repository, running_server
 
 
 def _variant(root: Path, name: str, **build: object) -> None:
@@ -23,11 +22,7 @@ def _variant(root: Path, name: str, **build: object) -> None:
 
 
 def test_a_declared_build_runs_at_load_and_serves(tmp_path: Path) -> None:
-    root = tmp_path / "models"
-    (root / "digits").mkdir(parents=True)
-    shutil.copyfile(MODELS / "digits" / "config.yaml", root / "digits" / "config.yaml")
-    (root / "digits" / "1").symlink_to(MODELS / "digits" / "1")
-    (root / "digits" / "eval").symlink_to(MODELS / "digits" / "eval")
+    root = linked_repository(tmp_path / "models", ("digits",))
     _variant(root, "digits-int8")
     _variant(root, "digits-int8-strict", options={"calibration": "zeros"})  # calibrated on blank images: fails
     with running_server(root, wait_ready=False) as url:

@@ -3,7 +3,6 @@ FP32 source, loaded by `batchline serve`, and answering over HTTP within the qua
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 from server.quantize import build
 from server.quantize.data import load_eval_data
 from server.quantize.quality import cosines, nearest_neighbours
-from tests.integration.conftest import MODELS, running_server
+from tests.integration.conftest import MODELS, linked_repository, running_server
 
 pytestmark = pytest.mark.integration
 VARIANT = "minilm-onnxruntime-int8"
@@ -23,14 +22,7 @@ DIGITS = "digits-onnxruntime-int8"
 
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("served") / "models"
-    for name in ("minilm", "digits"):
-        if not (MODELS / name / "1").is_dir():
-            pytest.fail(f"models/{name}/1 is not built; run `make models`")
-        (root / name).mkdir(parents=True)
-        shutil.copyfile(MODELS / name / "config.yaml", root / name / "config.yaml")
-        (root / name / "1").symlink_to(MODELS / name / "1")
-        (root / name / "eval").symlink_to(MODELS / name / "eval")
+    root = linked_repository(tmp_path_factory.mktemp("served") / "models")
     for model in ("minilm", "digits"):
         report = build(root, model, "onnxruntime", "int8", benchmark=False, progress=lambda m: None)
         assert report.servable, report.quality

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from server.config import ModelConfig
-from server.devices import Device
 from server.engines.base import Engine, EngineDescription
 from server.preprocess import TextTokenizer
 from server.workers.pipeline import ModelPipeline, paddable_inputs
@@ -82,19 +81,25 @@ def test_unbatched_models_run_the_request_as_given() -> None:
     assert result.outputs[0]["sum"].shape == (2, 1)
 
 
-@pytest.mark.skipif(not (MODELS / "minilm/1/tokenizer.json").is_file(), reason="minilm not built")
-def test_token_tensors_pad_to_their_sequence_bucket() -> None:
-    cfg = ModelConfig.model_validate(
+def text_config(max_length: int, sequence_buckets: list[int], max_batch_tokens: int | None = None) -> ModelConfig:
+    """A text model tokenized with minilm's tokenizer, whose engine just sums its inputs."""
+    batching = {"max_batch_tokens": max_batch_tokens} if max_batch_tokens else {}
+    return ModelConfig.model_validate(
         {
             "name": "text",
             "engine": "onnxruntime",
             "max_batch_size": 8,
             "inputs": [{"name": "text", "datatype": "BYTES", "dims": [1]}],
             "outputs": [{"name": "sum", "datatype": "FP32", "dims": [1], "engine_name": "engine_sum"}],
-            "preprocess": {"tokenize": {"input": "text", "max_length": 16, "sequence_buckets": [8, 16]}},
-            "dynamic_batching": {},
+            "preprocess": {"tokenize": {"input": "text", "max_length": max_length, "sequence_buckets": sequence_buckets}},
+            "dynamic_batching": batching,
         }
     )
+
+
+@pytest.mark.skipif(not (MODELS / "minilm/1/tokenizer.json").is_file(), reason="minilm not built")
+def test_token_tensors_pad_to_their_sequence_bucket() -> None:
+    cfg = text_config(max_length=16, sequence_buckets=[8, 16])
     tokenizer = TextTokenizer(cfg.tokenize, MODELS / "minilm/1")
     short, long = tokenizer.encode(["hi"]), tokenizer.encode(["a much longer sentence than the other one"])
     assert short["input_ids"].shape == (1, 3)  # [CLS] hi [SEP]
@@ -109,17 +114,7 @@ def test_token_tensors_pad_to_their_sequence_bucket() -> None:
 def test_only_texts_of_one_length_bucket_share_a_batch() -> None:
     from server.scheduler.admission import Admission
 
-    cfg = ModelConfig.model_validate(
-        {
-            "name": "text",
-            "engine": "onnxruntime",
-            "max_batch_size": 8,
-            "inputs": [{"name": "text", "datatype": "BYTES", "dims": [1]}],
-            "outputs": [{"name": "sum", "datatype": "FP32", "dims": [1], "engine_name": "engine_sum"}],
-            "preprocess": {"tokenize": {"input": "text", "max_length": 64, "sequence_buckets": [8, 64]}},
-            "dynamic_batching": {"max_batch_tokens": 256},
-        }
-    )
+    cfg = text_config(max_length=64, sequence_buckets=[8, 64], max_batch_tokens=256)
     admission = Admission(cfg, TextTokenizer(cfg.tokenize, MODELS / "minilm/1"))
 
     def admitted(text: str):
