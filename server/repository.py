@@ -69,6 +69,8 @@ class ModelRepository:
                 config = self._with_overrides(load_model_config(path / CONFIG_FILENAME))
                 if config.build is not None:  # a variant built from another model: build or reuse
                     await asyncio.to_thread(ensure_built, self.root, name, config)
+                    # the build publishes the config it serves under (a torch INT8 program takes FP32)
+                    config = self._with_overrides(load_model_config(path / CONFIG_FILENAME))
                 selected = config.version_policy.select(_versions_on_disk(path))
                 if not selected:
                     raise ConfigError(f"{path}: no version folder (e.g. {path}/1) to serve")

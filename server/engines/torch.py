@@ -28,9 +28,9 @@ def load_program(path: Path) -> torch.export.ExportedProgram:
     """torch.export.load, one at a time in the process. INT8 programs (PT2E, `batchline build
     --engine torch --precision int8`) call the quantized_decomposed ops, which torch registers
     only when their module is imported."""
-    import torch.ao.quantization.fx._decomposed  # noqa: F401
-
     with EXPORT_LOCK:
+        import torch.ao.quantization.fx._decomposed  # noqa: F401
+
         return torch.export.load(str(path))
 
 
@@ -60,7 +60,8 @@ class TorchEngine(Engine):
             program = load_program(self._path)
         except Exception as exc:  # torch raises many types for a bad archive
             raise EngineError(f"torch cannot load {self._path}: {exc}") from exc
-        self._module = program.module().to(self._device)
+        with EXPORT_LOCK:  # .module() may import torch.export internals on first use
+            self._module = program.module().to(self._device)
         if self._dtype != torch.float32:
             self._module = self._module.to(self._dtype)
         self._compiled = config.torch.compile

@@ -27,6 +27,7 @@ from server.quantize.builders import BuildContext, resolve_options, select
 from server.quantize.cache import cache_key, file_digest, library_versions
 from server.quantize.data import EvalData, load_eval_data
 from server.quantize.errors import BuildError
+from server.quantize.progress import Track, untracked
 from server.quantize.reporting import (
     CHART_FILE,
     MARKDOWN_FILE,
@@ -58,6 +59,7 @@ def build(
     name: str | None = None,
     force: bool = False,
     progress: Callable[[str], None] = _log,
+    track: Track = untracked,
     options: dict[str, Any] | None = None,
     gate: BuildGate | None = None,
     benchmark: bool = True,
@@ -67,6 +69,7 @@ def build(
 ) -> BuildReport:
     """Build `model` for `engine`/`precision` as the variant `name` (default model-engine-precision).
 
+    `progress` gets a line per step; `track` wraps the long loops (a bar on a terminal).
     Returns the report; `report.servable` says whether a version was published. Raises
     `BuildError` (an EngineError) or `ConfigError` when no build can be made at all.
     """
@@ -109,7 +112,7 @@ def build(
             return _build(
                 repository, variant, variant_dir, source_config, source_version_dir, source_artifact,
                 source_info, engine, precision, builder, given, resolved, gate, data, key, versions,
-                progress, started, benchmark, bench_seconds, bench_batches, sequence_length,
+                progress, track, started, benchmark, bench_seconds, bench_batches, sequence_length,
             )
         except BaseException:
             variants.cleanup_if_empty(variant_dir)
@@ -120,7 +123,7 @@ def _build(
     repository: Path, variant: str, variant_dir: Path, source_config: ModelConfig, source_version_dir: Path,
     source_artifact: Path, source_info: dict[str, Any], engine: str, precision: str, builder: Any,
     given: dict[str, Any], resolved: dict[str, Any], gate: BuildGate, data: EvalData, key: str,
-    versions: dict[str, str], progress: Callable[[str], None], started: float, benchmark: bool,
+    versions: dict[str, str], progress: Callable[[str], None], track: Track, started: float, benchmark: bool,
     bench_seconds: float, bench_batches: list[int] | None, sequence_length: int,
 ) -> BuildReport:
     from server.quantize.quality import judge
@@ -131,7 +134,7 @@ def _build(
         context = BuildContext(
             source_config=source_config, source_version_dir=source_version_dir, source_artifact=source_artifact,
             engine=engine, precision=precision, stage=stage, work=Path(work), options=resolved, data=data,
-            progress=lambda m: progress(f"{variant}: {m}"),
+            progress=lambda m: progress(f"{variant}: {m}"), track=track,
         )
         output = builder.run(context)
         if source_config.tokenize is not None:
@@ -146,8 +149,8 @@ def _build(
         variant_config = ModelConfig.model_validate(derived)
 
         progress(f"{variant}: evaluating against FP32 on {data.kind} held-out data")
-        reference = _reference(source_config, source_version_dir, data, source_info["sha256"])
-        quality = judge(data, reference, evaluate(variant_config, stage, data), gate)
+        reference = _reference(source_config, source_version_dir, data, source_info["sha256"], track)
+        quality = judge(data, reference, evaluate(variant_config, stage, data, track, "evaluating the build: "), gate)
         quality["gate"] = gate.model_dump(mode="json")
         servable = bool(quality["passed"] or not gate.enforce)
         notes = list(output.notes)
@@ -160,16 +163,17 @@ def _build(
         if benchmark:
             progress(f"{variant}: timing the engine alone (1 thread) at each batch size")
             dirs = (repository / source_info["model"], source_version_dir)
-            bench = _time(variant_config, stage, dirs, bench_batches, bench_seconds, sequence_length, Path(work))
+            bench = _time(variant_config, stage, dirs, bench_batches, bench_seconds, sequence_length, Path(work),
+                          track, "timing the build")
             exported = Path(work) / "fp32.onnx"
             if output.engine != source_config.engine and exported.is_file():
                 bench["fp32_same_engine"] = _same_engine_time(
                     variant_config, exported, dirs, [b["batch"] for b in bench["buckets"]], bench_seconds,
-                    sequence_length, Path(work),
+                    sequence_length, Path(work), track,
                 )
             bench["reference"] = _reference_time(
                 source_config, source_version_dir, dirs, bench_batches or [b["batch"] for b in bench["buckets"]],
-                bench_seconds, sequence_length, Path(work), source_info["sha256"],
+                bench_seconds, sequence_length, Path(work), source_info["sha256"], track,
             )
         version = (variants.versions_on_disk(variant_dir) or [0])[-1] + 1
         report = BuildReport(
@@ -241,39 +245,41 @@ def _cached(variant_dir: Path, key: str, gate: BuildGate) -> BuildReport | None:
     return None
 
 
-def _reference(config: ModelConfig, version_dir: Path, data: EvalData, digest: str) -> dict[str, np.ndarray]:
+def _reference(config: ModelConfig, version_dir: Path, data: EvalData, digest: str,
+               track: Track) -> dict[str, np.ndarray]:
     from server.quantize.runner import evaluate
 
     memo = (digest, data.fingerprint)
     if memo not in _reference_outputs:
-        _reference_outputs[memo] = evaluate(config, version_dir, data)
+        _reference_outputs[memo] = evaluate(config, version_dir, data, track, "evaluating FP32: ")
     return _reference_outputs[memo]
 
 
 def _time(config: ModelConfig, version_dir: Path, dirs: tuple[Path, Path], batches: list[int] | None,
-          seconds: float, sequence_length: int, work: Path) -> dict[str, Any]:
+          seconds: float, sequence_length: int, work: Path, track: Track, label: str) -> dict[str, Any]:
     from server.quantize.bench import benchmark
 
     return benchmark(config, version_dir, dirs, batches=batches, seconds=seconds,
-                     sequence_length=sequence_length, workdir=work)
+                     sequence_length=sequence_length, workdir=work, track=track, label=label)
 
 
 def _reference_time(config: ModelConfig, version_dir: Path, dirs: tuple[Path, Path], batches: list[int],
-                    seconds: float, sequence_length: int, work: Path, digest: str) -> dict[str, Any]:
+                    seconds: float, sequence_length: int, work: Path, digest: str, track: Track) -> dict[str, Any]:
     memo = (digest, tuple(batches), seconds, sequence_length)
     if memo not in _reference_bench:
-        _reference_bench[memo] = _time(config, version_dir, dirs, batches, seconds, sequence_length, work)
+        _reference_bench[memo] = _time(config, version_dir, dirs, batches, seconds, sequence_length, work,
+                                       track, "timing FP32")
     return _reference_bench[memo]
 
 
 def _same_engine_time(config: ModelConfig, exported: Path, dirs: tuple[Path, Path], batches: list[int],
-                      seconds: float, sequence_length: int, work: Path) -> dict[str, Any]:
+                      seconds: float, sequence_length: int, work: Path, track: Track) -> dict[str, Any]:
     """The FP32 export in the build's engine: separates the engine's gain from the precision's."""
     folder = work / "fp32-same-engine"
     folder.mkdir(exist_ok=True)
     shutil.copyfile(exported, folder / "model.onnx")
     fp32 = config.model_copy(update={"precision": "fp32", "build": None, "model_filename": None})
-    return _time(fp32, folder, dirs, batches, seconds, sequence_length, work)
+    return _time(fp32, folder, dirs, batches, seconds, sequence_length, work, track, "timing FP32 in the build's engine")
 
 
 def _write_report(report: BuildReport, folder: Path, repository: Path) -> None:

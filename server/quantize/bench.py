@@ -15,11 +15,13 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from server.config import ModelConfig
+from server.quantize.progress import Track, untracked
 
 DEFAULT_BATCHES = (1, 8, 32)
 WARMUP_RUNS = 3
@@ -45,8 +47,12 @@ def benchmark(
     threads: int = 1,
     sequence_length: int | None = 32,
     workdir: Path,
+    track: Track = untracked,
+    label: str = "timing",
 ) -> dict[str, Any]:
-    """Time `config`'s engine over `version_dir` in a child process; returns the figures."""
+    """Time `config`'s engine over `version_dir` in a child process; returns the figures.
+
+    The child prints a line as each batch size is done (the bar's steps), then the figures."""
     request = {
         "config": config.model_dump(mode="json"),
         "version_dir": str(version_dir),
@@ -61,14 +67,20 @@ def benchmark(
     path.write_text(json.dumps(request))
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run(
-        [sys.executable, "-m", "server.quantize.bench", str(path)], capture_output=True, text=True, env=env, cwd=root, check=False
-    )
-    if done.returncode != 0:
+    with tempfile.TemporaryFile("w+") as errors, subprocess.Popen(
+        [sys.executable, "-m", "server.quantize.bench", str(path)],
+        stdout=subprocess.PIPE, stderr=errors, text=True, env=env, cwd=root,
+    ) as child:
+        assert child.stdout is not None
+        lines = list(track(child.stdout, label, len(request["batches"]) + 1))
+        code = child.wait()
+        errors.seek(0)
+        stderr = errors.read()
+    if code != 0 or not lines:
         from server.quantize.errors import BuildError
 
-        raise BuildError(f"the benchmark failed: {done.stderr.strip()[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        raise BuildError(f"the benchmark failed: {stderr.strip()[-2000:]}")
+    return json.loads(lines[-1])
 
 
 def _child(request_path: Path) -> dict[str, Any]:
@@ -99,6 +111,7 @@ def _child(request_path: Path) -> dict[str, Any]:
             "throughput": batch / mean,
             "runs": len(timings),
         })
+        print(json.dumps({"timed_batch": batch}), flush=True)
     runner.close()
     return {
         "threads": request["threads"],

@@ -15,6 +15,7 @@ from typing import Any
 from server.config import ModelConfig
 from server.quantize.data import EvalData
 from server.quantize.errors import BuildError
+from server.quantize.progress import Track
 
 Options = dict[str, Any]
 
@@ -31,6 +32,7 @@ class BuildContext:
     options: Options
     data: EvalData
     progress: Callable[[str], None]
+    track: Track  # long loops (calibration): a bar on a terminal
 
 
 @dataclass

@@ -34,7 +34,7 @@ def add_build_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser.add_argument("--report", action="store_true", help="print the variant's latest report; build nothing")
     parser.add_argument(
         "--option", action="append", default=[], metavar="KEY=VALUE",
-        help="builder option, e.g. per_channel=false, mode=static, keep_io_types=true (repeatable)",
+        help="builder option, e.g. per_channel=false, mode=static, scheme=weight_only, keep_io_types=true (repeatable)",
     )
     parser.add_argument("--no-benchmark", action="store_true", help="skip the speed measurements")
     parser.add_argument("--bench-seconds", type=float, default=1.0, help="timed seconds per batch size (default 1)")
@@ -66,6 +66,7 @@ def parse_option(text: str) -> tuple[str, bool | int | float | str]:
 def run_build(args: argparse.Namespace) -> int:
     from server.errors import BatchlineError
     from server.quantize.api import build
+    from server.quantize.progress import bars
     from server.quantize.reporting import report
     from server.quantize.variant import variant_name
 
@@ -80,7 +81,7 @@ def run_build(args: argparse.Namespace) -> int:
             repository, args.model, args.engine, args.precision, name=args.name, force=args.force,
             options=options, benchmark=not args.no_benchmark, bench_seconds=args.bench_seconds,
             sequence_length=args.sequence_length,
-            progress=lambda message: print(message, file=sys.stderr, flush=True),
+            progress=lambda message: print(message, file=sys.stderr, flush=True), track=bars(sys.stderr),
         )
     except (BatchlineError, ValueError) as exc:
         print(f"batchline build: {getattr(exc, 'message', exc)}", file=sys.stderr)

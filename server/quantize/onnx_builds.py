@@ -27,6 +27,7 @@ from server.config import ModelConfig
 from server.quantize.builders import BuildContext, BuildOutput, Options
 from server.quantize.data import ClassificationData, EvalData
 from server.quantize.errors import BuildError
+from server.quantize.progress import Track
 
 ARTIFACT = "model.onnx"
 
@@ -232,8 +233,9 @@ def _dynamic(prepared: Path, ctx: BuildContext, notes: list[str]) -> BuildOutput
 class _Calibration:
     """onnxruntime's CalibrationDataReader over the calibration images, in small batches."""
 
-    def __init__(self, name: str, images: np.ndarray, batch: int = 32) -> None:
-        self._batches = iter([{name: images[i : i + batch]} for i in range(0, len(images), batch)])
+    def __init__(self, name: str, images: np.ndarray, track: Track, batch: int = 32) -> None:
+        batches = [{name: images[i : i + batch]} for i in range(0, len(images), batch)]
+        self._batches = iter(track(batches, "calibrating", len(batches)))
 
     def get_next(self) -> dict[str, np.ndarray] | None:
         return next(self._batches, None)
@@ -254,7 +256,7 @@ def _static(prepared: Path, ctx: BuildContext, notes: list[str]) -> BuildOutput:
     if calibration != "train":
         notes.append(f"DELIBERATELY BROKEN calibration {calibration!r} (gate test)")
     ctx.progress(f"static INT8 QDQ quantization, calibrated ({method}) on {len(data.calibration)} training images")
-    reader = _Calibration(ctx.source_config.inputs[0].source_name, data.calibration)
+    reader = _Calibration(ctx.source_config.inputs[0].source_name, data.calibration, ctx.track)
     quantize_static(
         str(prepared),
         str(ctx.stage / ARTIFACT),

@@ -15,6 +15,7 @@ from server.devices import Device
 from server.engines import create_engine
 from server.preprocess import TextTokenizer
 from server.quantize.data import ClassificationData, EmbeddingData, EvalData
+from server.quantize.progress import Track, untracked
 
 
 def with_threads(config: ModelConfig, threads: int) -> ModelConfig:
@@ -54,17 +55,17 @@ class Runner:
         texts = [data.sentences[i % len(data.sentences)] for i in range(batch)]
         return self._tokens(texts, sequence_length)
 
-    def outputs(self, data: EvalData, texts: list[str] | None = None, batch: int = 16) -> np.ndarray:
+    def outputs(self, data: EvalData, texts: list[str] | None = None, batch: int = 16,
+                track: Track = untracked, description: str = "evaluating") -> np.ndarray:
         """The model's outputs for every evaluation item (or `texts`), in order."""
         if isinstance(data, ClassificationData):
-            parts = [
-                self.run({self._input_name(): data.images[i : i + 64]}) for i in range(0, len(data.images), 64)
-            ]
+            starts = range(0, len(data.images), 64)
+            parts = [self.run({self._input_name(): data.images[i : i + 64]}) for i in track(starts, description)]
             return np.concatenate(parts)
         items = texts if texts is not None else data.sentences
         order = sorted(range(len(items)), key=lambda i: len(items[i]))  # like lengths share a batch
         result = np.empty((len(items), self.config.outputs[0].dims[-1]), dtype=np.float32)
-        for start in range(0, len(order), batch):
+        for start in track(range(0, len(order), batch), description):
             chosen = order[start : start + batch]
             result[chosen] = self.run(self._tokens([items[i] for i in chosen]))
         return result
@@ -88,12 +89,16 @@ class Runner:
         return fixed
 
 
-def evaluate(config: ModelConfig, version_dir: Path, data: EvalData) -> dict[str, np.ndarray]:
+def evaluate(config: ModelConfig, version_dir: Path, data: EvalData, track: Track = untracked,
+             label: str = "") -> dict[str, np.ndarray]:
     """Every output the quality gate needs from one model version."""
     runner = Runner(config, version_dir)
     try:
         if isinstance(data, EmbeddingData):
-            return {"sentences": runner.outputs(data), "triplets": runner.outputs(data, data.triplet_texts)}
-        return {"probabilities": runner.outputs(data)}
+            return {
+                "sentences": runner.outputs(data, track=track, description=f"{label}sentences"),
+                "triplets": runner.outputs(data, data.triplet_texts, track=track, description=f"{label}triplets"),
+            }
+        return {"probabilities": runner.outputs(data, track=track, description=f"{label}held-out images")}
     finally:
         runner.close()

@@ -1,14 +1,18 @@
-"""PyTorch builds: FP16/BF16 by cast at load, INT8 by PT2E static quantization (torchao).
+"""PyTorch builds: FP16/BF16 by cast at load, INT8 by torchao.
 
 - FP16/BF16: the torch engine already casts the program and its floating inputs to the config's
   precision at load, so the build is the same program under a variant config, plus the gate.
-- INT8: the exported program is quantized with PT2E (torchao's prepare_pt2e/convert_pt2e and
-  the X86 Inductor quantizer: INT8 per-channel weights, INT8 activations), calibrated on the
-  training split, and saved again with torch.export (never a pickle). Run eagerly, its Q/DQ
-  operators are *simulated* in FP32, so it is slower than FP32; the speed comes only when
-  Inductor (`torch.compile`) lowers the Q/DQ pattern to INT8 kernels, which the server's
-  eager engine does not do. Its config says precision fp32 (inputs stay FP32; the engine must
-  not cast), and the build block records int8.
+- INT8, option `scheme`:
+  - `dynamic` (default): torchao `Int8DynamicActivationInt8WeightConfig`: INT8 per-channel
+    weights; activations quantized per row at run time; INT8 matmul (`_int_mm`).
+  - `weight_only`: torchao `Int8WeightOnlyConfig`: INT8 weights, FP32 compute (memory, not speed).
+  - `static`: PT2E (torchao's prepare_pt2e/convert_pt2e, X86 Inductor quantizer) calibrated on
+    the training split; it also quantizes convolutions. Run eagerly its Q/DQ operators are
+    *simulated* in FP32, so it is slower than FP32 until Inductor (`torch: {compile: true}`)
+    lowers the pattern to INT8 kernels.
+  Every INT8 program is saved again with torch.export (never a pickle). Its config says precision
+  fp32 (inputs stay FP32; the engine must not cast), and the build block records int8. The
+  deprecated `torch.ao.quantization` flow is not used.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import logging
 import shutil
 import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,6 +28,9 @@ from server.config import ModelConfig
 from server.quantize.builders import BuildContext, BuildOutput, Options
 from server.quantize.data import ClassificationData, EvalData
 from server.quantize.errors import BuildError
+
+if TYPE_CHECKING:
+    import torch
 
 ARTIFACT = "model.pt2"
 MAX_BATCH = 4096
@@ -45,41 +53,91 @@ def cast(ctx: BuildContext) -> BuildOutput:
     )
 
 
+SCHEMES = ("dynamic", "weight_only", "static")
+
+
 def int8_defaults(source: ModelConfig, data: EvalData) -> Options:
-    return {"calibration": "train"}
+    return {"scheme": "dynamic", "calibration": "train"}
 
 
 def int8(ctx: BuildContext) -> BuildOutput:
-    try:
-        import torch
-        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-        from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
-            X86InductorQuantizer,
-            get_default_x86_inductor_quantization_config,
-        )
-    except ImportError as exc:
-        raise BuildError(f"torch INT8 builds need torchao (pip install torchao==0.18.0): {exc}") from exc
-    data = ctx.data
-    if not isinstance(data, ClassificationData):
-        raise BuildError("torch INT8 builds are supported for image classifiers (calibration images) only")
-    ctx.progress(f"PT2E INT8 quantization, calibrated on {len(data.calibration)} training images")
-    from server.engines.torch import EXPORT_LOCK, load_program
+    """INT8 by torchao: `dynamic` (INT8 weights, activations quantized per batch at run time),
+    `weight_only` (INT8 weights, FP32 compute), or `static` (PT2E, calibrated Q/DQ)."""
+    scheme = ctx.options["scheme"]
+    if scheme not in SCHEMES:
+        raise BuildError(f"scheme must be one of {list(SCHEMES)}, got {scheme!r}")
+    if scheme != "static" and ctx.options["calibration"] != "train":
+        raise BuildError(f"the {scheme} scheme is not calibrated; calibration applies to scheme=static")
+    from server.engines.torch import EXPORT_LOCK
 
+    # torchao's first import pulls in torch._dynamo and torch.export: under the lock, so a model
+    # loading in another thread never meets those modules half-initialized.
     with EXPORT_LOCK, warnings.catch_warnings():
+        try:
+            import torchao  # noqa: F401
+        except ImportError as exc:
+            raise BuildError(f"torch INT8 builds need torchao (pip install torchao==0.18.0): {exc}") from exc
         warnings.simplefilter("ignore")
         logging.getLogger("torch").setLevel(logging.ERROR)
-        program = load_program(ctx.source_artifact)
-        quantizer = X86InductorQuantizer()
-        quantizer.set_global(get_default_x86_inductor_quantization_config())
-        prepared = prepare_pt2e(program.module(), quantizer)
-        with torch.no_grad():
-            for start in range(0, len(data.calibration), 32):
-                prepared(torch.from_numpy(np.ascontiguousarray(data.calibration[start : start + 32])))
-        converted = convert_pt2e(prepared)
-        example = torch.from_numpy(np.ascontiguousarray(data.images[:8]))
-        batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
-        exported = torch.export.export(converted, (example,), dynamic_shapes=({0: batch},))
-        torch.export.save(exported, str(ctx.stage / ARTIFACT))
+        return _static(ctx) if scheme == "static" else _module_swap(ctx, scheme)
+
+
+def _module_swap(ctx: BuildContext, scheme: str) -> BuildOutput:
+    """torchao `quantize_` on the program's linear layers (lifted back into modules first)."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
+
+    from server.engines.torch import load_program
+    from server.quantize.torch_graph import lift_linear_layers
+
+    module = load_program(ctx.source_artifact).module()
+    lifted = lift_linear_layers(module)
+    if not lifted:
+        raise BuildError(
+            f"the program has no linear layers on constant weights for torchao's {scheme} INT8; "
+            "try scheme=static (PT2E also quantizes convolutions)"
+        )
+    ctx.progress(f"torchao {scheme} INT8 on {lifted} linear layer(s)")
+    # set_inductor_config=False: a build at model load must not retune the serving process's Inductor
+    config = (Int8DynamicActivationInt8WeightConfig(set_inductor_config=False) if scheme == "dynamic"
+              else Int8WeightOnlyConfig(set_inductor_config=False))
+    quantize_(module, config)
+    _export(module, ctx)
+    kinds = {
+        "dynamic": "INT8 per-channel weights, activations quantized per row at run time, INT8 matmul",
+        "weight_only": "INT8 per-channel weights, dequantized into the FP32 matmul",
+    }
+    return BuildOutput(
+        ARTIFACT,
+        "torch",
+        "fp32",
+        f"torchao {type(config).__name__} on {lifted} linear layer(s): {kinds[scheme]};"
+        " other layers stay FP32; re-exported with torch.export",
+        ["torchao swaps nn.Linear weights only: convolutions stay FP32 (scheme=static quantizes them too)"],
+    )
+
+
+def _static(ctx: BuildContext) -> BuildOutput:
+    import torch
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+        X86InductorQuantizer,
+        get_default_x86_inductor_quantization_config,
+    )
+
+    from server.engines.torch import load_program
+
+    data = ctx.data
+    if not isinstance(data, ClassificationData):
+        raise BuildError("static torch INT8 needs calibration images; use scheme=dynamic for other models")
+    ctx.progress(f"PT2E INT8 quantization, calibrated on {len(data.calibration)} training images")
+    program = load_program(ctx.source_artifact)
+    quantizer = X86InductorQuantizer()
+    quantizer.set_global(get_default_x86_inductor_quantization_config())
+    prepared = prepare_pt2e(program.module(), quantizer)
+    with torch.no_grad():
+        for start in ctx.track(range(0, len(data.calibration), 32), "calibrating"):
+            prepared(torch.from_numpy(np.ascontiguousarray(data.calibration[start : start + 32])))
+    _export(convert_pt2e(prepared), ctx)
     notes = [
         "eager PyTorch simulates Q/DQ in FP32: slower than FP32 until torch.compile (Inductor) lowers it",
     ]
@@ -93,3 +151,22 @@ def int8(ctx: BuildContext) -> BuildOutput:
         " re-exported with torch.export",
         notes,
     )
+
+
+def _export(module: torch.nn.Module, ctx: BuildContext) -> None:
+    """torch.export with a dynamic batch, saved into the stage (an archive, never a pickle)."""
+    import torch
+
+    example = _example(ctx)
+    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+    exported = torch.export.export(module, (example,), dynamic_shapes=({0: batch},))
+    torch.export.save(exported, str(ctx.stage / ARTIFACT))
+
+
+def _example(ctx: BuildContext) -> torch.Tensor:
+    import torch
+
+    data = ctx.data
+    if isinstance(data, ClassificationData):
+        return torch.from_numpy(np.ascontiguousarray(data.images[:8]))
+    raise BuildError("torch builds export with example images; this model's evaluation data has none")

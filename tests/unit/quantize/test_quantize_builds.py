@@ -79,15 +79,57 @@ def test_report_reprints_the_build(digits_int8, shared_repository: Path) -> None
 
 
 @pytest.mark.parametrize(
-    "model, engine, precision",
-    [("digits", "onnxruntime", "fp16"), ("digits", "torch", "fp16"), ("digits", "torch", "bf16"),
-     ("digits", "torch", "int8"), ("minilm", "onnxruntime", "fp16")],
+    "model, engine, precision, options",
+    [("digits", "onnxruntime", "fp16", {}), ("digits", "torch", "fp16", {}), ("digits", "torch", "bf16", {}),
+     ("digits", "torch", "int8", {"scheme": "dynamic"}), ("digits", "torch", "int8", {"scheme": "weight_only"}),
+     ("digits", "torch", "int8", {"scheme": "static"}), ("minilm", "onnxruntime", "fp16", {}),
+     ("minilm", "onnxruntime", "fp32", {})],
 )
-def test_every_cpu_precision_builds_and_passes(shared_repository: Path, model: str, engine: str, precision: str) -> None:
-    result = build(shared_repository, model, engine, precision, progress=quiet, benchmark=False)
+def test_every_cpu_precision_builds_and_passes(shared_repository: Path, model: str, engine: str, precision: str,
+                                               options: dict[str, str]) -> None:
+    name = "-".join([model, engine, precision, *options.values()])
+    result = build(shared_repository, model, engine, precision, name=name, options=options, progress=quiet,
+                   benchmark=False)
     assert result.servable and result.quality["passed"], result.quality
     config = load_model_config(shared_repository / result.variant / "config.yaml")
     assert config.engine == engine and config.build.precision == precision
+
+
+def test_torchao_schemes_quantize_the_linear_weights(shared_repository: Path) -> None:
+    import torch
+
+    from server.engines.torch import load_program
+
+    sizes = {}
+    for scheme in ("dynamic", "weight_only"):
+        result = build(shared_repository, "digits", "torch", "int8", name=f"digits-torchao-{scheme}",
+                       options={"scheme": scheme}, progress=quiet, benchmark=False)
+        assert result.servable and "torchao" in result.method
+        program = load_program(shared_repository / result.variant / "1" / "model.pt2")
+        dtypes = {t.dtype for t in program.state_dict.values()} | {
+            t.dtype for p in program.state_dict.values() for t in _inner(p)}
+        assert torch.int8 in dtypes, dtypes
+        sizes[scheme] = result.artifact["size_bytes"]
+    assert max(sizes.values()) < result.source["size_bytes"]  # INT8 weights: a smaller program
+
+
+def _inner(tensor: object) -> list:
+    """The plain tensors inside a torchao tensor subclass (qdata, scale), or none."""
+    names = getattr(tensor, "__tensor_flatten__", lambda: ([], None))()[0]
+    return [getattr(tensor, name) for name in names]
+
+
+def test_torch_int8_options_are_checked(repository: Path) -> None:
+    with pytest.raises(BuildError, match="not calibrated"):
+        build(repository, "digits", "torch", "int8", options={"calibration": "zeros"}, progress=quiet)
+    with pytest.raises(BuildError, match="scheme must be one of"):
+        build(repository, "digits", "torch", "int8", options={"scheme": "int4"}, progress=quiet)
+
+
+def test_torch_static_int8_with_broken_calibration_fails_its_gate(repository: Path) -> None:
+    broken = build(repository, "digits", "torch", "int8", options={"scheme": "static", "calibration": "zeros"},
+                   progress=quiet, benchmark=False)
+    assert not broken.servable and not broken.quality["passed"]
 
 
 def test_broken_calibration_fails_and_the_model_stays_on_its_good_version(repository: Path) -> None:
