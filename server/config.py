@@ -259,6 +259,10 @@ class BuildSpec(_Strict):
     source: str = Field(min_length=1, description="The model this variant is built from, in the same repository.")
     engine: Literal["onnxruntime", "torch", "tensorrt"]
     precision: Precision
+    device: Literal["cpu", "gpu"] = Field(
+        default="cpu",
+        description="Where the build is evaluated and timed, and so where it serves (gpu: GPU 0, GPU instances).",
+    )
     options: dict[str, bool | int | float | str] = Field(default_factory=dict)
     gate: BuildGate = Field(default_factory=BuildGate)
 

@@ -67,3 +67,19 @@ def read_gpus() -> list[GpuReading]:
             )
         )
     return readings
+
+
+def process_memory_bytes(index: int, pid: int) -> int | None:
+    """GPU memory that process `pid` holds on GPU `index`, as NVML sees it (every engine's
+    allocations, not only torch's); None without NVML, or when NVML cannot see the process
+    (another PID namespace, or no rights to the counter)."""
+    nvml = _nvml()
+    if nvml is None:
+        return None
+    try:
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except nvml.NVMLError:
+        return None
+    used = [p.usedGpuMemory for p in processes if p.pid == pid and p.usedGpuMemory is not None]
+    return sum(used) if used else None

@@ -16,6 +16,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ def build(
     force: bool = False,
     progress: Callable[[str], None] = _log,
     track: Track = untracked,
+    device: str | None = None,
     options: dict[str, Any] | None = None,
     gate: BuildGate | None = None,
     benchmark: bool = True,
@@ -70,6 +72,8 @@ def build(
     """Build `model` for `engine`/`precision` as the variant `name` (default model-engine-precision).
 
     `progress` gets a line per step; `track` wraps the long loops (a bar on a terminal).
+    `device` ("cpu" or "gpu", default the variant's earlier build's or "cpu") is where the build
+    is evaluated and timed, against FP32 on the same device, and where the variant serves.
     Returns the report; `report.servable` says whether a version was published. Raises
     `BuildError` (an EngineError) or `ConfigError` when no build can be made at all.
     """
@@ -87,6 +91,7 @@ def build(
     data = load_eval_data(repository / model, source_version_dir, calibration=str(given.get("calibration", "train")))
     resolved = resolve_options(builder, source_config, data, given)
     gate = gate or (existing.build.gate if existing and existing.build else BuildGate())
+    device = _device(engine, device or (existing.build.device if existing and existing.build else "cpu"))
     versions = library_versions()
     source_digest = file_digest(source_artifact)
     key = cache_key(
@@ -94,6 +99,7 @@ def build(
         source_config=source_config.model_dump(mode="json", exclude={"name"}),
         engine=engine,
         precision=precision,
+        device=device,
         options=resolved,
         data_fingerprint=data.fingerprint,
         versions=versions,
@@ -111,7 +117,7 @@ def build(
         try:
             return _build(
                 repository, variant, variant_dir, source_config, source_version_dir, source_artifact,
-                source_info, engine, precision, builder, given, resolved, gate, data, key, versions,
+                source_info, engine, precision, device, builder, given, resolved, gate, data, key, versions,
                 progress, track, started, benchmark, bench_seconds, bench_batches, sequence_length,
             )
         except BaseException:
@@ -121,7 +127,7 @@ def build(
 
 def _build(
     repository: Path, variant: str, variant_dir: Path, source_config: ModelConfig, source_version_dir: Path,
-    source_artifact: Path, source_info: dict[str, Any], engine: str, precision: str, builder: Any,
+    source_artifact: Path, source_info: dict[str, Any], engine: str, precision: str, device: str, builder: Any,
     given: dict[str, Any], resolved: dict[str, Any], gate: BuildGate, data: EvalData, key: str,
     versions: dict[str, str], progress: Callable[[str], None], track: Track, started: float, benchmark: bool,
     bench_seconds: float, bench_batches: list[int] | None, sequence_length: int,
@@ -141,7 +147,8 @@ def _build(
             tokenizer = source_config.tokenize.tokenizer
             shutil.copyfile(source_version_dir / tokenizer, stage / tokenizer)
         base = variants.read_raw_config(variant_dir if (variant_dir / CONFIG_FILENAME).is_file() else repository / source_info["model"])
-        spec = BuildSpec(source=source_info["model"], engine=engine, precision=precision, options=given, gate=gate)
+        spec = BuildSpec(source=source_info["model"], engine=engine, precision=precision, device=device,
+                         options=given, gate=gate)
         filename = None if output.artifact == DEFAULT_ARTIFACTS.get(output.engine) else output.artifact
         derived = variants.derive_config(
             base, name=variant, engine=output.engine, precision=output.precision, model_filename=filename, spec=spec
@@ -149,8 +156,9 @@ def _build(
         variant_config = ModelConfig.model_validate(derived)
 
         progress(f"{variant}: evaluating against FP32 on {data.kind} held-out data")
-        reference = _reference(source_config, source_version_dir, data, source_info["sha256"], track)
-        quality = judge(data, reference, evaluate(variant_config, stage, data, track, "evaluating the build: "), gate)
+        reference = _reference(source_config, source_version_dir, data, source_info["sha256"], track, device)
+        outputs = evaluate(variant_config, stage, data, track, "evaluating the build: ", device)
+        quality = judge(data, reference, outputs, gate)
         quality["gate"] = gate.model_dump(mode="json")
         servable = bool(quality["passed"] or not gate.enforce)
         notes = list(output.notes)
@@ -163,22 +171,21 @@ def _build(
         if benchmark:
             progress(f"{variant}: timing the engine alone (1 thread) at each batch size")
             dirs = (repository / source_info["model"], source_version_dir)
-            bench = _time(variant_config, stage, dirs, bench_batches, bench_seconds, sequence_length, Path(work),
-                          track, "timing the build")
+            timing = _Timing(dirs, bench_seconds, sequence_length, Path(work), track, device)
+            bench = timing.run(variant_config, stage, bench_batches, "timing the build")
             exported = Path(work) / "fp32.onnx"
             if output.engine != source_config.engine and exported.is_file():
                 bench["fp32_same_engine"] = _same_engine_time(
-                    variant_config, exported, dirs, [b["batch"] for b in bench["buckets"]], bench_seconds,
-                    sequence_length, Path(work), track,
+                    timing, variant_config, exported, [b["batch"] for b in bench["buckets"]]
                 )
             bench["reference"] = _reference_time(
-                source_config, source_version_dir, dirs, bench_batches or [b["batch"] for b in bench["buckets"]],
-                bench_seconds, sequence_length, Path(work), source_info["sha256"], track,
+                timing, source_config, source_version_dir, bench_batches or [b["batch"] for b in bench["buckets"]],
+                source_info["sha256"],
             )
         version = (variants.versions_on_disk(variant_dir) or [0])[-1] + 1
         report = BuildReport(
             variant=variant, source=source_info, engine=engine, precision=precision, options=resolved,
-            cache_key=key, method=output.method, notes=notes,
+            cache_key=key, device=device, method=output.method, notes=notes,
             version=version if servable else None,
             location=f"{variant}/{version}" if servable else f"{variant}/{REJECTED_DIR}/{key[:16]}",
             servable=servable, library_versions=versions,
@@ -245,41 +252,63 @@ def _cached(variant_dir: Path, key: str, gate: BuildGate) -> BuildReport | None:
     return None
 
 
+def _device(engine: str, device: str) -> str:
+    """"cpu" or "gpu"; a GPU build needs a GPU, and a TensorRT plan runs nowhere else."""
+    from server.devices import visible_gpu_count
+
+    if device not in ("cpu", "gpu"):
+        raise BuildError(f"device must be cpu or gpu, not {device!r}")
+    if engine == "tensorrt":
+        return "gpu"  # its builder says when TensorRT or the GPU is missing
+    if device == "gpu" and visible_gpu_count() == 0:
+        raise BuildError(f"a {engine} build for the GPU needs one; no GPU is visible on this machine (NVML)")
+    return device
+
+
 def _reference(config: ModelConfig, version_dir: Path, data: EvalData, digest: str,
-               track: Track) -> dict[str, np.ndarray]:
+               track: Track, device: str) -> dict[str, np.ndarray]:
     from server.quantize.runner import evaluate
 
-    memo = (digest, data.fingerprint)
+    memo = (digest, data.fingerprint, device)
     if memo not in _reference_outputs:
-        _reference_outputs[memo] = evaluate(config, version_dir, data, track, "evaluating FP32: ")
+        _reference_outputs[memo] = evaluate(config, version_dir, data, track, "evaluating FP32: ", device)
     return _reference_outputs[memo]
 
 
-def _time(config: ModelConfig, version_dir: Path, dirs: tuple[Path, Path], batches: list[int] | None,
-          seconds: float, sequence_length: int, work: Path, track: Track, label: str) -> dict[str, Any]:
-    from server.quantize.bench import benchmark
+@dataclass(frozen=True)
+class _Timing:
+    """How every timing of one build runs: same data, seconds, sequence length and device."""
 
-    return benchmark(config, version_dir, dirs, batches=batches, seconds=seconds,
-                     sequence_length=sequence_length, workdir=work, track=track, label=label)
+    dirs: tuple[Path, Path]  # the source's model folder and version folder (its evaluation data)
+    seconds: float
+    sequence_length: int
+    work: Path
+    track: Track
+    device: str
+
+    def run(self, config: ModelConfig, version_dir: Path, batches: list[int] | None, label: str) -> dict[str, Any]:
+        from server.quantize.bench import benchmark
+
+        return benchmark(config, version_dir, self.dirs, batches=batches, seconds=self.seconds,
+                         sequence_length=self.sequence_length, workdir=self.work, track=self.track,
+                         label=label, device=self.device)
 
 
-def _reference_time(config: ModelConfig, version_dir: Path, dirs: tuple[Path, Path], batches: list[int],
-                    seconds: float, sequence_length: int, work: Path, digest: str, track: Track) -> dict[str, Any]:
-    memo = (digest, tuple(batches), seconds, sequence_length)
+def _reference_time(timing: _Timing, config: ModelConfig, version_dir: Path, batches: list[int],
+                    digest: str) -> dict[str, Any]:
+    memo = (digest, tuple(batches), timing.seconds, timing.sequence_length, timing.device)
     if memo not in _reference_bench:
-        _reference_bench[memo] = _time(config, version_dir, dirs, batches, seconds, sequence_length, work,
-                                       track, "timing FP32")
+        _reference_bench[memo] = timing.run(config, version_dir, batches, "timing FP32")
     return _reference_bench[memo]
 
 
-def _same_engine_time(config: ModelConfig, exported: Path, dirs: tuple[Path, Path], batches: list[int],
-                      seconds: float, sequence_length: int, work: Path, track: Track) -> dict[str, Any]:
+def _same_engine_time(timing: _Timing, config: ModelConfig, exported: Path, batches: list[int]) -> dict[str, Any]:
     """The FP32 export in the build's engine: separates the engine's gain from the precision's."""
-    folder = work / "fp32-same-engine"
+    folder = timing.work / "fp32-same-engine"
     folder.mkdir(exist_ok=True)
     shutil.copyfile(exported, folder / "model.onnx")
     fp32 = config.model_copy(update={"precision": "fp32", "build": None, "model_filename": None})
-    return _time(fp32, folder, dirs, batches, seconds, sequence_length, work, track, "timing FP32 in the build's engine")
+    return timing.run(fp32, folder, batches, "timing FP32 in the build's engine")
 
 
 def _write_report(report: BuildReport, folder: Path, repository: Path) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from server.config import ModelConfig
+from server.devices import Device
 from server.quantize.progress import Track, untracked
 
 DEFAULT_BATCHES = (1, 8, 32)
@@ -49,6 +50,7 @@ def benchmark(
     workdir: Path,
     track: Track = untracked,
     label: str = "timing",
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Time `config`'s engine over `version_dir` in a child process; returns the figures.
 
@@ -62,6 +64,7 @@ def benchmark(
         "seconds": seconds,
         "threads": threads,
         "sequence_length": sequence_length if config.tokenize else None,
+        "device": device,
     }
     path = workdir / f"bench-{os.getpid()}-{time.monotonic_ns()}.json"
     path.write_text(json.dumps(request))
@@ -91,7 +94,7 @@ def _child(request_path: Path) -> dict[str, Any]:
     config = with_threads(ModelConfig.model_validate(request["config"]), request["threads"])
     data = load_eval_data(Path(request["model_dir"]), Path(request["data_version_dir"]))
     rss_before = _rss_mb()
-    runner = Runner(config, Path(request["version_dir"]))
+    runner = Runner(config, Path(request["version_dir"]), request["device"])
     rows = []
     for batch in request["batches"]:
         feed = runner.feed(data, batch, request["sequence_length"])
@@ -112,6 +115,7 @@ def _child(request_path: Path) -> dict[str, Any]:
             "runs": len(timings),
         })
         print(json.dumps({"timed_batch": batch}), flush=True)
+    gpu_memory = _gpu_memory_mb(runner.device)
     runner.close()
     return {
         "threads": request["threads"],
@@ -120,8 +124,19 @@ def _child(request_path: Path) -> dict[str, Any]:
         "buckets": rows,
         "rss_before_load_mb": rss_before,
         "peak_rss_mb": _rss_mb(),
-        "gpu_memory_mb": None,  # CPU only: the server's GPU engines are not timed here
+        "device": str(runner.device),
+        "gpu_memory_mb": gpu_memory,
     }
+
+
+def _gpu_memory_mb(device: Device) -> float | None:
+    """What this process holds on the build's GPU after timing (engine, workspace, buffers)."""
+    if device.kind != "GPU":
+        return None
+    from server.gpu import process_memory_bytes
+
+    used = process_memory_bytes(device.index, os.getpid())
+    return round(used / 2**20, 1) if used is not None else None
 
 
 def _rss_mb() -> float:

@@ -30,6 +30,11 @@ def add_build_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser.add_argument("--engine", required=True, choices=ENGINES)
     parser.add_argument("--precision", required=True, choices=PRECISIONS)
     parser.add_argument("--name", help="the variant's name (default MODEL-ENGINE-PRECISION)")
+    parser.add_argument(
+        "--device", choices=("cpu", "gpu"), default=None,
+        help="evaluate and time the build (and FP32) on the CPU or on GPU 0, and serve the variant there "
+        "(default: the variant's earlier build's, else cpu; tensorrt: always gpu)",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even when the cache has this build")
     parser.add_argument("--report", action="store_true", help="print the variant's latest report; build nothing")
     parser.add_argument(
@@ -78,7 +83,7 @@ def run_build(args: argparse.Namespace) -> int:
             return 0
         options = dict(parse_option(o) for o in args.option) if args.option else None
         result = build(
-            repository, args.model, args.engine, args.precision, name=args.name, force=args.force,
+            repository, args.model, args.engine, args.precision, name=args.name, force=args.force, device=args.device,
             options=options, benchmark=not args.no_benchmark, bench_seconds=args.bench_seconds,
             sequence_length=args.sequence_length,
             progress=lambda message: print(message, file=sys.stderr, flush=True), track=bars(sys.stderr),

@@ -35,7 +35,7 @@ def ensure_built(repository: Path, model_name: str, config: ModelConfig, *, benc
         raise ConfigError(f"{model_name}: build.source '{spec.source}' is not in the repository")
     try:
         report = build(
-            Path(repository), spec.source, spec.engine, spec.precision, name=model_name,
+            Path(repository), spec.source, spec.engine, spec.precision, name=model_name, device=spec.device,
             options=dict(spec.options), gate=spec.gate, benchmark=benchmark,
             progress=lambda message: logger.info("%s", message),
         )

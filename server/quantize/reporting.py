@@ -29,6 +29,7 @@ class BuildReport:
     precision: str
     options: dict[str, Any]
     cache_key: str
+    device: str = "cpu"  # where it was evaluated and timed
     method: str = ""
     notes: list[str] = field(default_factory=list)
     version: int | None = None
@@ -76,7 +77,7 @@ class BuildReport:
             f"# Build {self.variant}" + (f" version {self.version}" if self.version is not None else ""),
             "",
             f"- {self.summary()}",
-            f"- source: `{src.get('model')}` version {src.get('version')} ({src.get('engine')}, fp32),"
+            f"- built for the {self.device.upper()}; source: `{src.get('model')}` version {src.get('version')} ({src.get('engine')}, fp32),"
             f" {_mb(src.get('size_bytes'))} -> {_mb(self.artifact.get('size_bytes'))}"
             f" ({self.artifact.get('file', '?')})",
             f"- engine {self.engine}, precision {self.precision}: {self.method}",
@@ -101,7 +102,7 @@ class BuildReport:
         bench = self.benchmark
         if bench:
             lines += [
-                "## Speed (engine alone, "
+                f"## Speed (engine alone on {bench.get('device', 'cpu')}, "
                 f"{bench.get('threads')} thread, {bench.get('seconds')}s per batch size"
                 + (f", sequence length {bench['sequence_length']}" if bench.get("sequence_length") else "")
                 + ")",
@@ -131,10 +132,15 @@ class BuildReport:
                 lines += ["", f"The FP32 export in {self.engine} itself (the precision's share of the gain):", "",
                           "| batch | FP32 latency ms | FP32 items/s | build speedup over it |", "|---|---|---|---|",
                           *same_lines]
-            ref_rss = (bench.get("reference") or {}).get("peak_rss_mb")
+            reference = bench.get("reference") or {}
+            ref_rss, ref_gpu = reference.get("peak_rss_mb"), reference.get("gpu_memory_mb")
+            gpu = bench.get("gpu_memory_mb")
+            gpu_text = "none (CPU)" if str(bench.get("device", "cpu")) == "cpu" else "not readable (NVML)"
+            if gpu is not None:
+                gpu_text = f"{gpu:.0f} MB" + (f" (FP32: {ref_gpu:.0f} MB)" if ref_gpu is not None else "")
             lines += ["", f"Peak RSS serving the build: {bench.get('peak_rss_mb', 0):.0f} MB"
                       + (f" (FP32: {ref_rss:.0f} MB)" if ref_rss else "")
-                      + f"; GPU memory: {bench.get('gpu_memory_mb') or 'none (CPU)'}.", ""]
+                      + f"; GPU memory: {gpu_text}.", ""]
         else:
             lines += ["Speed: not measured for this build.", ""]
         if self.notes:

@@ -30,13 +30,18 @@ def with_threads(config: ModelConfig, threads: int) -> ModelConfig:
     )
 
 
-class Runner:
-    """One engine instance on the CPU plus the model's tokenizer, if it has one."""
+def build_device(engine: str, device: str) -> Device:
+    """Where a build runs: GPU 0 for `gpu` and for TensorRT plans (they run on GPUs only), else the CPU."""
+    return Device("GPU", 0) if device == "gpu" or engine == "tensorrt" else Device("CPU")
 
-    def __init__(self, config: ModelConfig, version_dir: Path) -> None:
+
+class Runner:
+    """One engine instance on the build's device plus the model's tokenizer, if it has one."""
+
+    def __init__(self, config: ModelConfig, version_dir: Path, device: str = "cpu") -> None:
         self.config = config
-        device = Device("GPU", 0) if config.engine == "tensorrt" else Device("CPU")  # plans run on GPUs only
-        self.engine = create_engine(config, version_dir, device)
+        self.device = build_device(config.engine, device)
+        self.engine = create_engine(config, version_dir, self.device)
         self.tokenizer = TextTokenizer(config.tokenize, version_dir) if config.tokenize else None
         self.output = config.outputs[0].source_name
 
@@ -90,9 +95,9 @@ class Runner:
 
 
 def evaluate(config: ModelConfig, version_dir: Path, data: EvalData, track: Track = untracked,
-             label: str = "") -> dict[str, np.ndarray]:
+             label: str = "", device: str = "cpu") -> dict[str, np.ndarray]:
     """Every output the quality gate needs from one model version."""
-    runner = Runner(config, version_dir)
+    runner = Runner(config, version_dir, device)
     try:
         if isinstance(data, EmbeddingData):
             return {

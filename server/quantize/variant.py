@@ -56,7 +56,7 @@ def derive_config(
     if model_filename:
         derived["model_filename"] = model_filename
     derived.update(raw)
-    if engine == "tensorrt":  # a plan runs on a GPU only
+    if engine == "tensorrt" or spec.device == "gpu":  # built and judged on a GPU: served there
         groups = derived.get("instance_group") or [{"count": 1}]
         derived["instance_group"] = [{**group, "kind": "GPU"} for group in groups]
     derived["build"] = spec.model_dump(mode="json")

@@ -76,12 +76,12 @@ def test_cache_key_covers_every_input(tmp_path: Path) -> None:
     artifact = tmp_path / "m.onnx"
     artifact.write_bytes(b"weights")
     base = dict(source_digest=file_digest(artifact), source_config=SOURCE, engine="onnxruntime", precision="int8",
-                options={"per_channel": True}, data_fingerprint="d", versions={"onnxruntime": "1.0"})
+                device="cpu", options={"per_channel": True}, data_fingerprint="d", versions={"onnxruntime": "1.0"})
     key = cache_key(**base)
     assert key == cache_key(**base)
     artifact.write_bytes(b"weightz")
     assert cache_key(**{**base, "source_digest": file_digest(artifact)}) != key
-    for change in ({"engine": "torch"}, {"precision": "fp16"}, {"options": {"per_channel": False}},
+    for change in ({"engine": "torch"}, {"precision": "fp16"}, {"device": "gpu"}, {"options": {"per_channel": False}},
                    {"data_fingerprint": "e"}, {"versions": {"onnxruntime": "1.1"}}):
         assert cache_key(**{**base, **change}) != key
 
@@ -98,3 +98,12 @@ def test_yaml_round_trip_of_generated_config(tmp_path: Path) -> None:
     derived = variant.derive_config(SOURCE, name="v", engine="onnxruntime", precision="int8",
                                     model_filename=None, spec=SPEC)
     assert yaml.safe_load(yaml.safe_dump(derived)) == derived
+
+
+def test_a_gpu_build_serves_on_gpu_instances() -> None:
+    derived = variant.derive_config(SOURCE, name="digits-gpu", engine="torch", precision="fp16",
+                                    model_filename=None, spec=SPEC.model_copy(update={"device": "gpu"}))
+    assert [g["kind"] for g in derived["instance_group"]] == ["GPU"] and derived["build"]["device"] == "gpu"
+    cpu = variant.derive_config(SOURCE, name="digits-cpu", engine="torch", precision="fp16",
+                                model_filename=None, spec=SPEC)
+    assert "instance_group" not in cpu  # the source's placement (the default, CPU) is kept

@@ -1,0 +1,68 @@
+"""Builds for the GPU: refused clearly where there is none; the GPU memory a build holds is read
+from NVML for its own process only (tested with a fake NVML: no GPU here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from server import gpu
+from server.devices import Device, visible_gpu_count
+from server.quantize import BuildError, build
+from server.quantize.bench import _gpu_memory_mb
+from server.quantize.runner import build_device
+
+
+def test_build_device_follows_the_request_and_tensorrt_always_wants_a_gpu() -> None:
+    assert build_device("onnxruntime", "cpu") == Device("CPU")
+    assert build_device("torch", "gpu") == Device("GPU", 0)
+    assert build_device("tensorrt", "cpu") == Device("GPU", 0)
+
+
+def test_a_gpu_build_without_a_gpu_is_refused_before_building(repository: Path) -> None:
+    if visible_gpu_count():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(BuildError, match="no GPU is visible"):
+        build(repository, "digits", "torch", "fp16", device="gpu", progress=lambda _: None)
+    with pytest.raises(BuildError, match="device must be cpu or gpu"):
+        build(repository, "digits", "torch", "fp16", device="tpu", progress=lambda _: None)
+    assert not (repository / "digits-torch-fp16").exists()
+
+
+class FakeNvml:
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, processes: list[SimpleNamespace] | None) -> None:
+        self.processes = processes
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        return index
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[SimpleNamespace]:
+        if self.processes is None:
+            raise self.NVMLError("no permission")
+        return self.processes
+
+
+def test_process_gpu_memory_counts_only_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    mine, other = SimpleNamespace(pid=10, usedGpuMemory=300 << 20), SimpleNamespace(pid=11, usedGpuMemory=5 << 30)
+    monkeypatch.setattr(gpu, "_nvml", lambda: FakeNvml([mine, other]))
+    assert gpu.process_memory_bytes(0, 10) == 300 << 20
+    assert gpu.process_memory_bytes(0, 12) is None  # not visible (another PID namespace)
+    monkeypatch.setattr(gpu, "_nvml", lambda: FakeNvml([SimpleNamespace(pid=10, usedGpuMemory=None)]))
+    assert gpu.process_memory_bytes(0, 10) is None  # NVML without the rights to the counter
+    monkeypatch.setattr(gpu, "_nvml", lambda: FakeNvml(None))
+    assert gpu.process_memory_bytes(0, 10) is None
+    monkeypatch.setattr(gpu, "_nvml", lambda: None)
+    assert gpu.process_memory_bytes(0, 10) is None
+
+
+def test_the_bench_reads_gpu_memory_on_the_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.setattr(gpu, "_nvml", lambda: FakeNvml([SimpleNamespace(pid=os.getpid(), usedGpuMemory=512 << 20)]))
+    assert _gpu_memory_mb(Device("GPU", 0)) == 512.0
+    assert _gpu_memory_mb(Device("CPU")) is None
