@@ -229,8 +229,33 @@ class Warmup(_Strict):
     batch_cap: int | None = Field(default=None, gt=0, description="Fix the cap instead of measuring it.")
 
 
+class OrtTensorrtOptions(_Strict):
+    """ONNX Runtime's TensorRT execution provider: TensorRT without a separate plan build.
+
+    Used when `execution_providers` lists TensorrtExecutionProvider on a GPU instance. TensorRT
+    builds its engines when the session starts (warm-up), one optimization profile per batch
+    bucket, and caches them under $BATCHLINE_TENSORRT_CACHE/ort.
+    """
+
+    fp16: bool = Field(default=False, description="trt_fp16_enable: TensorRT may pick FP16 kernels.")
+    int8: bool = Field(
+        default=False,
+        description="trt_int8_enable, for a graph with Q/DQ nodes (an onnxruntime int8 static build):"
+        " explicit quantization, no calibration table.",
+    )
+    workspace_mb: int = Field(default=4096, gt=0)
+    engine_cache: bool = Field(default=True, description="Reuse engines across restarts.")
+    timing_cache: bool = Field(default=True, description="Reuse kernel timings across engine builds.")
+    explicit_profiles: bool = Field(
+        default=True,
+        description="One profile per batch bucket (trt_profile_*_shapes); false lets TensorRT derive"
+        " profiles from the shapes it meets, rebuilding engines as new ones arrive.",
+    )
+
+
 class OnnxRuntimeOptions(_Strict):
     execution_providers: list[str] = Field(default_factory=lambda: ["CPUExecutionProvider"])
+    tensorrt: OrtTensorrtOptions = Field(default_factory=OrtTensorrtOptions)
     intra_op_num_threads: int = Field(default=0, ge=0)
     inter_op_num_threads: int = Field(default=0, ge=0)
     graph_optimization_level: Literal["disable", "basic", "extended", "all"] = "all"

@@ -83,3 +83,18 @@ def process_memory_bytes(index: int, pid: int) -> int | None:
         return None
     used = [p.usedGpuMemory for p in processes if p.pid == pid and p.usedGpuMemory is not None]
     return sum(used) if used else None
+
+
+def identity(index: int) -> str | None:
+    """GPU `index`'s model and compute capability, e.g. "NVIDIA H200 sm90": what a build measured
+    on it (and a TensorRT plan built on it) is valid for. None without NVML."""
+    nvml = _nvml()
+    if nvml is None:
+        return None
+    try:
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        name = nvml.nvmlDeviceGetName(handle)
+        major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+    except nvml.NVMLError:
+        return None
+    return f"{name.decode() if isinstance(name, bytes) else name} sm{major}{minor}"

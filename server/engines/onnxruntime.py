@@ -7,12 +7,14 @@ the CPU, so the providers that took are read back from the session and checked a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
 from server.config import ModelConfig
 from server.engines.base import Engine, EngineDescription, artifact_path
+from server.engines.profiles import cache_root, optimization_profiles, provider_shapes
 from server.errors import EngineError
 from server.devices import Device
 
@@ -26,7 +28,8 @@ _GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 
 
 def requested_providers(config: ModelConfig, device: Device) -> list[str | tuple[str, dict]]:
-    """The provider list for a session on `device`, GPU providers pinned to its index."""
+    """The provider list for a session on `device`, GPU providers pinned to its index, the
+    TensorRT provider with the options of `onnxruntime.tensorrt`."""
     names = list(config.onnxruntime.execution_providers)
     if device.kind == "GPU":
         if not any(n in _GPU_PROVIDERS for n in names):
@@ -36,8 +39,32 @@ def requested_providers(config: ModelConfig, device: Device) -> list[str | tuple
     if "CPUExecutionProvider" not in names:
         names.append("CPUExecutionProvider")
     return [
-        (n, {"device_id": device.index}) if n in _GPU_PROVIDERS else n for n in names
+        (n, tensorrt_provider_options(config, device) if n == "TensorrtExecutionProvider" else {"device_id": device.index})
+        if n in _GPU_PROVIDERS else n
+        for n in names
     ]
+
+
+def tensorrt_provider_options(config: ModelConfig, device: Device) -> dict[str, Any]:
+    """ORT's TensorRT EP options: precision flags, workspace, engine and timing caches (a folder
+    per model: ORT keys the files by graph, GPU and TensorRT), and one profile per batch bucket."""
+    trt = config.onnxruntime.tensorrt
+    cache = cache_root() / "ort" / config.name
+    options: dict[str, Any] = {
+        "device_id": device.index,
+        "trt_fp16_enable": trt.fp16,
+        "trt_int8_enable": trt.int8,
+        "trt_max_workspace_size": trt.workspace_mb << 20,
+        "trt_engine_cache_enable": trt.engine_cache,
+        "trt_timing_cache_enable": trt.timing_cache,
+    }
+    if trt.engine_cache:
+        options["trt_engine_cache_path"] = str(cache)
+    if trt.timing_cache:
+        options["trt_timing_cache_path"] = str(cache)
+    if trt.explicit_profiles:
+        options.update(provider_shapes(optimization_profiles(config)))
+    return options
 
 
 def check_providers(requested: list[str | tuple[str, dict]], taken: list[str]) -> None:

@@ -1,6 +1,6 @@
 """TensorRT engine: serves a plan built by `batchline build --engine tensorrt`, on a GPU.
 
-The plan holds one optimization profile per batch bucket (server/quantize/tensorrt.py); each
+The plan holds one optimization profile per batch bucket (server/engines/profiles.py); each
 batch runs under the profile whose batch range holds it. Device buffers are torch CUDA tensors,
 so no extra CUDA binding is needed. What can be checked without a GPU (profile choice, datatype
 mapping, the guards) is pure and unit-tested; the run itself needs TensorRT and a GPU and has not

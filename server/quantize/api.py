@@ -99,7 +99,7 @@ def build(
         source_config=source_config.model_dump(mode="json", exclude={"name"}),
         engine=engine,
         precision=precision,
-        device=device,
+        device=_device_identity(device),
         options=resolved,
         data_fingerprint=data.fingerprint,
         versions=versions,
@@ -263,6 +263,15 @@ def _device(engine: str, device: str) -> str:
     if device == "gpu" and visible_gpu_count() == 0:
         raise BuildError(f"a {engine} build for the GPU needs one; no GPU is visible on this machine (NVML)")
     return device
+
+
+def _device_identity(device: str) -> str:
+    """What the cache key records of the device: a GPU build is redone on another GPU model."""
+    if device == "cpu":
+        return "cpu"
+    from server.gpu import identity
+
+    return f"gpu {identity(0) or 'unknown'}"
 
 
 def _reference(config: ModelConfig, version_dir: Path, data: EvalData, digest: str,

@@ -1,11 +1,12 @@
 """TensorRT engine builds: the logic that can be checked anywhere, the build only on a GPU.
 
 What is pure (and unit-tested on CPU): the optimization profiles, one per batch bucket
-(min/opt/max shapes), the engine-cache key (an engine is only valid for the GPU model, compute
-capability and TensorRT version it was built with), and the INT8 rule: explicit quantization
-only, i.e. an ONNX graph that already carries Q/DQ nodes (TensorRT 10 deprecates implicit
-calibration). `build_engine` imports tensorrt lazily and fails with a clear message where it
-is not installed. A plan that builds is gated like every build, served by the tensorrt engine
+(min/opt/max shapes, server/engines/profiles.py), the engine-cache key (an engine is only valid
+for the GPU model, compute capability and TensorRT version it was built with), the timing-cache
+name (per GPU model and TensorRT version), and the INT8 rule: explicit quantization only, i.e. an
+ONNX graph that already carries Q/DQ nodes (TensorRT 10 deprecates implicit calibration).
+`build_engine` imports tensorrt lazily and fails with a clear message where it is not installed;
+its call sequence (profiles, flags, timing cache, engine cache) is tested against a fake. A plan that builds is gated like every build, served by the tensorrt engine
 (server/engines/tensorrt.py) on a GPU instance group. Neither has run on the machines this was
 written on.
 """
@@ -14,11 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import os
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 from server.config import ModelConfig
+from server.engines.profiles import Profile, cache_root, optimization_profiles
 from server.quantize.builders import BuildContext, BuildOutput, Options
 from server.quantize.data import EvalData
 from server.quantize.errors import BuildError
@@ -28,67 +32,6 @@ NOT_INSTALLED = (
     " with CUDA); build the onnxruntime variant instead"
 )
 QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
-
-
-@dataclass(frozen=True)
-class Profile:
-    """One optimization profile: per engine input, the min/opt/max shapes TensorRT tunes for."""
-
-    batch: int
-    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"batch": self.batch, "shapes": {k: [list(s) for s in v] for k, v in self.shapes.items()}}
-
-
-def engine_inputs(config: ModelConfig) -> dict[str, list[int]]:
-    """Engine input name -> dims without batch (-1 variable), tokenizer outputs included."""
-    tokenize = config.tokenize
-    inputs = {t.source_name: list(t.dims) for t in config.inputs if not (tokenize and t.name == tokenize.input)}
-    if tokenize:
-        for name in (tokenize.input_ids, tokenize.attention_mask, tokenize.token_type_ids):
-            if name:
-                inputs[name] = [-1]
-    return inputs
-
-
-def batch_buckets(config: ModelConfig) -> list[int]:
-    """The batch sizes to build for: the config's batch_buckets, else its batch ladder."""
-    if not config.batched:
-        return [1]
-    return list(config.batch_buckets) if config.batch_buckets else config.batch_ladder()
-
-
-def optimization_profiles(config: ModelConfig) -> list[Profile]:
-    """One profile per batch bucket: batches (previous bucket, bucket] tuned at the bucket.
-
-    Variable non-batch dims are the sequence of a text model: 1..max_length, tuned at the
-    middle sequence bucket. Any other variable dim has no known bound and is refused.
-    """
-    tokenize = config.tokenize
-    profiles, previous = [], 0
-    for bucket in batch_buckets(config):
-        shapes = {}
-        for name, dims in engine_inputs(config).items():
-            low, opt, high = [], [], []
-            for dim in dims:
-                if dim > 0:
-                    bounds = (dim, dim, dim)
-                elif tokenize is not None:
-                    buckets = tokenize.sequence_buckets or [tokenize.max_length]
-                    bounds = (1, buckets[len(buckets) // 2], tokenize.max_length)
-                else:
-                    raise BuildError(f"input {name!r} has a variable dim with no known bound for TensorRT")
-                low.append(bounds[0])
-                opt.append(bounds[1])
-                high.append(bounds[2])
-            if config.batched:
-                shapes[name] = ((previous + 1, *low), (bucket, *opt), (bucket, *high))
-            else:
-                shapes[name] = (tuple(low), tuple(opt), tuple(high))
-        profiles.append(Profile(bucket, shapes))
-        previous = bucket
-    return profiles
 
 
 def engine_cache_key(
@@ -145,23 +88,52 @@ def build(ctx: BuildContext) -> BuildOutput:
         "tensorrt",
         ctx.precision,
         f"TensorRT plan, {len(built['profiles'])} optimization profiles (one per batch bucket)",
-        [f"engine cache key {built['cache_key']}: valid only on this GPU model and TensorRT version"],
+        [f"for {built['gpu']} (sm {built['compute_capability'][0]}{built['compute_capability'][1]}), TensorRT"
+         f" {built['tensorrt']}: a plan runs only there; engine cache key {built['cache_key'][:16]}"
+         + (" (engine cache hit: not rebuilt)" if built["engine_cache_hit"] else "")],
     )
 
 
+def timing_cache_name(gpu_name: str, compute_capability: tuple[int, int], tensorrt_version: str) -> str:
+    """Kernel timings are only valid for one GPU model and TensorRT version."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu_name).strip("-").lower()
+    return f"timing-{slug}-sm{compute_capability[0]}{compute_capability[1]}-trt{tensorrt_version}.cache"
+
+
 def build_engine(
-    onnx_path: Path, plan_path: Path, config: ModelConfig, precision: str, *, workspace_mb: int = 4096
+    onnx_path: Path, plan_path: Path, config: ModelConfig, precision: str, *, workspace_mb: int = 4096,
+    cache: Path | None = None,
 ) -> dict[str, Any]:
     """Parse the ONNX graph, add one profile per batch bucket, build and save the plan.
 
-    Written against the TensorRT 10 Python API; it has NOT been run (no TensorRT on the
-    machines this was written on). Returns the cache-key material of the engine built.
+    A plan already in the engine cache under the same key (GPU model, compute capability,
+    TensorRT version, graph, precision, profiles) is copied instead of rebuilt; a new build
+    reads and then extends the timing cache of this GPU model and TensorRT version. Written
+    against the TensorRT 10 Python API; it has NOT been run (no TensorRT on the machines this
+    was written on). Returns the cache key, the profiles and whether the engine cache had it.
     """
     try:
         import tensorrt as trt
     except ImportError as exc:
         raise BuildError(NOT_INSTALLED) from exc
+    import torch
+
     from server.quantize.cache import file_digest
+
+    cache = cache or cache_root()
+    profiles = optimization_profiles(config)
+    props = torch.cuda.get_device_properties(0)
+    gpu = (props.name, (props.major, props.minor), trt.__version__)
+    key = engine_cache_key(
+        gpu_name=gpu[0], compute_capability=gpu[1], tensorrt_version=gpu[2],
+        source_digest=file_digest(onnx_path), precision=precision, profiles=profiles,
+    )
+    result = {"cache_key": key, "profiles": [p.as_dict() for p in profiles], "gpu": gpu[0],
+              "compute_capability": list(gpu[1]), "tensorrt": gpu[2]}
+    cached_plan = cache / "engines" / f"{key}.plan"
+    if cached_plan.is_file():
+        shutil.copyfile(cached_plan, plan_path)
+        return {**result, "engine_cache_hit": True}
 
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -174,7 +146,9 @@ def build_engine(
     build_config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_mb << 20)
     for flag in precision_flags(precision):
         build_config.set_flag(getattr(trt.BuilderFlag, flag))
-    profiles = optimization_profiles(config)
+    timing_path = cache / timing_cache_name(*gpu)
+    timing = build_config.create_timing_cache(timing_path.read_bytes() if timing_path.is_file() else b"")
+    build_config.set_timing_cache(timing, ignore_mismatch=False)
     for profile in profiles:
         optimization = builder.create_optimization_profile()
         for name, (low, opt, high) in profile.shapes.items():
@@ -184,11 +158,14 @@ def build_engine(
     if plan is None:
         raise BuildError("TensorRT failed to build the engine (see its log above)")
     plan_path.write_bytes(bytes(plan))
-    import torch
+    _write_atomically(timing_path, bytes(build_config.get_timing_cache().serialize()))
+    _write_atomically(cached_plan, bytes(plan))
+    return {**result, "engine_cache_hit": False}
 
-    props = torch.cuda.get_device_properties(0)
-    key = engine_cache_key(
-        gpu_name=props.name, compute_capability=(props.major, props.minor), tensorrt_version=trt.__version__,
-        source_digest=file_digest(onnx_path), precision=precision, profiles=profiles,
-    )
-    return {"cache_key": key, "profiles": [p.as_dict() for p in profiles]}
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Readers (another build) see the old file or the whole new one, never half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_bytes(data)
+    partial.replace(path)

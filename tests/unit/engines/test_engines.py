@@ -54,11 +54,31 @@ def test_gpu_instances_pin_their_device_and_keep_a_cpu_fallback() -> None:
         "CPUExecutionProvider",
     ]
     trt = config(onnxruntime={"execution_providers": ["TensorrtExecutionProvider", "CUDAExecutionProvider"]})
-    assert requested_providers(trt, Device("GPU", 0)) == [
-        ("TensorrtExecutionProvider", {"device_id": 0}),
-        ("CUDAExecutionProvider", {"device_id": 0}),
-        "CPUExecutionProvider",
-    ]
+    providers = requested_providers(trt, Device("GPU", 0))
+    assert [p[0] if isinstance(p, tuple) else p for p in providers] == [
+        "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert providers[0][1]["device_id"] == 0 and providers[1] == ("CUDAExecutionProvider", {"device_id": 0})
+
+
+def test_the_tensorrt_provider_gets_a_profile_per_bucket_and_caches(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    monkeypatch.setenv("BATCHLINE_TENSORRT_CACHE", str(tmp_path))
+    trt = config(batch_buckets=[1, 4], onnxruntime={
+        "execution_providers": ["TensorrtExecutionProvider"], "tensorrt": {"fp16": True, "workspace_mb": 512}})
+    (name, options), *_ = requested_providers(trt, Device("GPU", 1))
+    assert name == "TensorrtExecutionProvider" and options["device_id"] == 1
+    assert options["trt_fp16_enable"] and not options["trt_int8_enable"]
+    assert options["trt_max_workspace_size"] == 512 << 20
+    assert options["trt_engine_cache_path"] == options["trt_timing_cache_path"] == str(tmp_path / "ort" / "double")
+    # two profiles: batch 1, then 2..4 tuned at 4 (ORT reads a repeated input name as the next profile)
+    assert options["trt_profile_min_shapes"] == "x:1x2,x:2x2"
+    assert options["trt_profile_opt_shapes"] == "x:1x2,x:4x2"
+    assert options["trt_profile_max_shapes"] == "x:1x2,x:4x2"
+    derived = config(onnxruntime={"execution_providers": ["TensorrtExecutionProvider"],
+                                  "tensorrt": {"explicit_profiles": False, "engine_cache": False}})
+    (_, options), *_ = requested_providers(derived, Device("GPU", 0))
+    assert "trt_profile_min_shapes" not in options and "trt_engine_cache_path" not in options
+    assert requested_providers(trt, Device("CPU")) == ["CPUExecutionProvider"]
 
 
 def test_a_session_that_fell_back_to_the_cpu_is_refused() -> None:

@@ -13,7 +13,7 @@ from server.engines import create_engine
 from server.engines.tensorrt import ProfileRange, choose_profile, numpy_dtype
 from server.errors import EngineError
 from server.protocol.triton_config import triton_model_config
-from server.quantize.tensorrt import optimization_profiles
+from server.engines.profiles import optimization_profiles
 from server.quantize.variant import derive_config
 
 

@@ -66,3 +66,17 @@ def test_the_bench_reads_gpu_memory_on_the_gpu_only(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(gpu, "_nvml", lambda: FakeNvml([SimpleNamespace(pid=os.getpid(), usedGpuMemory=512 << 20)]))
     assert _gpu_memory_mb(Device("GPU", 0)) == 512.0
     assert _gpu_memory_mb(Device("CPU")) is None
+
+
+def test_gpu_identity_names_the_model_and_compute_capability(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Named(FakeNvml):
+        def nvmlDeviceGetName(self, handle: int) -> bytes:
+            return b"NVIDIA H200"
+
+        def nvmlDeviceGetCudaComputeCapability(self, handle: int) -> tuple[int, int]:
+            return (9, 0)
+
+    monkeypatch.setattr(gpu, "_nvml", lambda: Named([]))
+    assert gpu.identity(0) == "NVIDIA H200 sm90"
+    monkeypatch.setattr(gpu, "_nvml", lambda: None)
+    assert gpu.identity(0) is None

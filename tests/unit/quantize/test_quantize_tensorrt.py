@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from server.config import ModelConfig
+from server.engines.profiles import optimization_profiles
+from server.errors import EngineError
 from server.quantize import tensorrt
 from server.quantize.errors import BuildError
 
@@ -25,14 +27,14 @@ TEXT = {
 
 
 def test_one_profile_per_batch_bucket() -> None:
-    profiles = tensorrt.optimization_profiles(ModelConfig.model_validate(IMAGE))
+    profiles = optimization_profiles(ModelConfig.model_validate(IMAGE))
     assert [p.batch for p in profiles] == [1, 8, 64]
     assert profiles[1].shapes["image"] == ((2, 1, 8, 8), (8, 1, 8, 8), (8, 1, 8, 8))
     assert profiles[2].shapes["image"][0][0] == 9
 
 
 def test_text_profiles_cover_the_sequence_window() -> None:
-    profiles = tensorrt.optimization_profiles(ModelConfig.model_validate(TEXT))
+    profiles = optimization_profiles(ModelConfig.model_validate(TEXT))
     assert [p.batch for p in profiles] == [1, 2, 4, 8, 16, 32]  # the batch ladder without buckets
     assert set(profiles[0].shapes) == {"input_ids", "attention_mask", "token_type_ids"}
     assert profiles[-1].shapes["input_ids"] == ((17, 1), (32, 64), (32, 256))
@@ -40,12 +42,12 @@ def test_text_profiles_cover_the_sequence_window() -> None:
 
 def test_unbounded_variable_dim_is_refused() -> None:
     config = dict(IMAGE, inputs=[{"name": "image", "datatype": "FP32", "dims": [1, -1, 8]}])
-    with pytest.raises(BuildError, match="no known bound"):
-        tensorrt.optimization_profiles(ModelConfig.model_validate(config))
+    with pytest.raises(EngineError, match="no known bound"):
+        optimization_profiles(ModelConfig.model_validate(config))
 
 
 def test_engine_cache_key_depends_on_gpu_and_version() -> None:
-    profiles = tensorrt.optimization_profiles(ModelConfig.model_validate(IMAGE))
+    profiles = optimization_profiles(ModelConfig.model_validate(IMAGE))
     base = dict(gpu_name="NVIDIA H100", compute_capability=(9, 0), tensorrt_version="10.3.0",
                 source_digest="abc", precision="fp16", profiles=profiles)
     key = tensorrt.engine_cache_key(**base)
@@ -112,6 +114,19 @@ def test_build_engine_with_a_fake_tensorrt(monkeypatch: pytest.MonkeyPatch, tmp_
 
                     def add_optimization_profile(self, profile):
                         calls.append(("profile", dict(profile.shapes)))
+
+                    def create_timing_cache(self, data):
+                        calls.append(("timing cache read", bytes(data)))
+                        return "timing"
+
+                    def set_timing_cache(self, cache, ignore_mismatch):
+                        calls.append(("timing cache set", cache, ignore_mismatch))
+
+                    def get_timing_cache(self):
+                        class Timing:
+                            def serialize(self):
+                                return b"TIMINGS"
+                        return Timing()
                 return Config()
 
             def create_optimization_profile(self):
@@ -126,6 +141,7 @@ def test_build_engine_with_a_fake_tensorrt(monkeypatch: pytest.MonkeyPatch, tmp_
                 return Profile()
 
             def build_serialized_network(self, network, config):
+                calls.append(("build",))
                 return b"PLAN"
 
     class FakeTorch:
@@ -140,9 +156,30 @@ def test_build_engine_with_a_fake_tensorrt(monkeypatch: pytest.MonkeyPatch, tmp_
     monkeypatch.setitem(sys.modules, "torch", FakeTorch)
     onnx_path = tmp_path / "m.onnx"
     onnx_path.write_bytes(b"graph")
-    result = tensorrt.build_engine(onnx_path, tmp_path / "m.plan", ModelConfig.model_validate(IMAGE), "fp16",
-                                   workspace_mb=16)
-    assert (tmp_path / "m.plan").read_bytes() == b"PLAN"
+    cache = tmp_path / "cache"
+    config = ModelConfig.model_validate(IMAGE)
+    result = tensorrt.build_engine(onnx_path, tmp_path / "m.plan", config, "fp16", workspace_mb=16, cache=cache)
+    assert (tmp_path / "m.plan").read_bytes() == b"PLAN" and not result["engine_cache_hit"]
     assert ("flag", "FP16") in calls and ("pool", 16 << 20) in calls
     assert [c for c in calls if c[0] == "profile"][1][1]["image"] == ((2, 1, 8, 8), (8, 1, 8, 8), (8, 1, 8, 8))
     assert len(result["cache_key"]) == 64 and len(result["profiles"]) == 3
+    assert ("timing cache read", b"") in calls and ("timing cache set", "timing", False) in calls
+    timing = cache / tensorrt.timing_cache_name("Fake GPU", (9, 0), "10.0-fake")
+    assert timing.read_bytes() == b"TIMINGS" and timing.name == "timing-fake-gpu-sm90-trt10.0-fake.cache"
+    assert (cache / "engines" / f"{result['cache_key']}.plan").read_bytes() == b"PLAN"
+
+    calls.clear()  # the same graph, precision and profiles on the same GPU: the engine cache has it
+    again = tensorrt.build_engine(onnx_path, tmp_path / "again.plan", config, "fp16", cache=cache)
+    assert again["engine_cache_hit"] and again["cache_key"] == result["cache_key"]
+    assert (tmp_path / "again.plan").read_bytes() == b"PLAN" and ("build",) not in calls
+
+    calls.clear()  # another precision: built, reading the timings the first build left
+    other = tensorrt.build_engine(onnx_path, tmp_path / "int8.plan", config, "int8", cache=cache)
+    assert not other["engine_cache_hit"] and ("timing cache read", b"TIMINGS") in calls
+
+
+def test_the_tensorrt_cache_root_is_configurable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("BATCHLINE_TENSORRT_CACHE", str(tmp_path))
+    assert tensorrt.cache_root() == tmp_path
+    monkeypatch.delenv("BATCHLINE_TENSORRT_CACHE")
+    assert tensorrt.cache_root() == Path.home() / ".cache" / "batchline" / "tensorrt"
