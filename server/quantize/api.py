@@ -151,7 +151,8 @@ def _build(
                          options=given, gate=gate)
         filename = None if output.artifact == DEFAULT_ARTIFACTS.get(output.engine) else output.artifact
         derived = variants.derive_config(
-            base, name=variant, engine=output.engine, precision=output.precision, model_filename=filename, spec=spec
+            base, name=variant, engine=output.engine, precision=output.precision, model_filename=filename, spec=spec,
+            datatypes=output.datatypes,
         )
         variant_config = ModelConfig.model_validate(derived)
 

@@ -42,6 +42,7 @@ class BuildOutput:
     precision: str  # the variant config's `precision` (what the serving engine is told)
     method: str
     notes: list[str] = field(default_factory=list)
+    datatypes: dict[str, str] = field(default_factory=dict)  # config tensor name -> datatype it now has
 
 
 @dataclass(frozen=True)

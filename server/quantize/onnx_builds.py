@@ -107,21 +107,24 @@ def fp16(ctx: BuildContext) -> BuildOutput:
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     keep_io = bool(ctx.options["keep_io_types"])
-    if not keep_io:
-        raise BuildError(
-            "keep_io_types: false would make the model's inputs/outputs FP16; the variant keeps the"
-            " source's FP32 tensors, so only keep_io_types: true is supported"
-        )
-    ctx.progress("converting weights and compute to FP16 (inputs/outputs stay FP32)")
-    model = onnx.load(str(source_onnx(ctx)))
+    io = "FP32 inputs/outputs" if keep_io else "FP16 inputs/outputs: clients send and receive FP16"
+    graph = source_onnx(ctx)
+    ctx.progress(f"converting weights and compute to FP16 ({io})")
+    model = onnx.load(str(graph))
     converted = convert_float_to_float16(model, keep_io_types=keep_io)
     onnx.save(converted, str(ctx.stage / ARTIFACT))
+    source = ctx.source_config
+    tokenized = source.tokenize.input if source.tokenize else None
+    halved = {} if keep_io else {
+        t.name: "FP16" for t in (*source.inputs, *source.outputs) if t.datatype == "FP32" and t.name != tokenized
+    }
     return BuildOutput(
         ARTIFACT,
         "onnxruntime",
         "fp16",
-        "FP16 weights and compute (onnxruntime.transformers.float16), FP32 inputs/outputs",
+        f"FP16 weights and compute (onnxruntime.transformers.float16), {io}",
         ["FP16 on ONNX Runtime's CPU provider is emulated and slower than FP32; it is for GPU providers."],
+        halved,
     )
 
 

@@ -14,6 +14,7 @@ from server.config import ModelConfig
 from server.devices import Device
 from server.engines import create_engine
 from server.preprocess import TextTokenizer
+from server.protocol.datatypes import numpy_dtype
 from server.quantize.data import ClassificationData, EmbeddingData, EvalData
 from server.quantize.progress import Track, untracked
 
@@ -44,6 +45,8 @@ class Runner:
         self.engine = create_engine(config, version_dir, self.device)
         self.tokenizer = TextTokenizer(config.tokenize, version_dir) if config.tokenize else None
         self.output = config.outputs[0].source_name
+        # what clients would send: an FP16-input build (keep_io_types: false) gets FP16 arrays
+        self._input_dtypes = {t.source_name: numpy_dtype(t.datatype) for t in config.inputs if t.datatype != "BYTES"}
 
     def close(self) -> None:
         self.engine.close()
@@ -56,7 +59,7 @@ class Runner:
         """A benchmark batch of `batch` items drawn (cycled) from the evaluation data."""
         if isinstance(data, ClassificationData):
             index = np.arange(batch) % len(data.images)
-            return {self._input_name(): np.ascontiguousarray(data.images[index])}
+            return self._typed({self._input_name(): np.ascontiguousarray(data.images[index])})
         texts = [data.sentences[i % len(data.sentences)] for i in range(batch)]
         return self._tokens(texts, sequence_length)
 
@@ -65,7 +68,7 @@ class Runner:
         """The model's outputs for every evaluation item (or `texts`), in order."""
         if isinstance(data, ClassificationData):
             starts = range(0, len(data.images), 64)
-            parts = [self.run({self._input_name(): data.images[i : i + 64]}) for i in track(starts, description)]
+            parts = [self.run(self._typed({self._input_name(): data.images[i : i + 64]})) for i in track(starts, description)]
             return np.concatenate(parts)
         items = texts if texts is not None else data.sentences
         order = sorted(range(len(items)), key=lambda i: len(items[i]))  # like lengths share a batch
@@ -74,6 +77,9 @@ class Runner:
             chosen = order[start : start + batch]
             result[chosen] = self.run(self._tokens([items[i] for i in chosen]))
         return result
+
+    def _typed(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {k: v.astype(self._input_dtypes[k], copy=False) if k in self._input_dtypes else v for k, v in feed.items()}
 
     def _input_name(self) -> str:
         return self.config.inputs[0].source_name

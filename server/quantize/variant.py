@@ -41,9 +41,11 @@ def read_raw_config(model_dir: Path) -> dict[str, Any]:
 
 
 def derive_config(
-    base: dict[str, Any], *, name: str, engine: str, precision: str, model_filename: str | None, spec: BuildSpec
+    base: dict[str, Any], *, name: str, engine: str, precision: str, model_filename: str | None, spec: BuildSpec,
+    datatypes: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The variant's config: the base's inputs, outputs, batching and tokenizer, retargeted.
+    """The variant's config: the base's inputs, outputs, batching and tokenizer, retargeted;
+    `datatypes` retypes the tensors a build changed (FP16 inputs/outputs).
 
     `base` is the source's config for a new variant, or the variant's own for a rebuild (so a
     hand-tuned batching section survives). Engine-specific blocks of another engine are dropped.
@@ -56,6 +58,11 @@ def derive_config(
     if model_filename:
         derived["model_filename"] = model_filename
     derived.update(raw)
+    for kind in ("inputs", "outputs"):
+        derived[kind] = [
+            {**tensor, "datatype": datatypes[tensor["name"]]} if datatypes and tensor["name"] in datatypes else tensor
+            for tensor in derived[kind]
+        ]
     if engine == "tensorrt" or spec.device == "gpu":  # built and judged on a GPU: served there
         groups = derived.get("instance_group") or [{"count": 1}]
         derived["instance_group"] = [{**group, "kind": "GPU"} for group in groups]

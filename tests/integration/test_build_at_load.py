@@ -7,16 +7,17 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import numpy as np
 import yaml
 
 from tests.integration.conftest import MODELS, linked_repository, running_server
 
 
-def _variant(root: Path, name: str, engine: str = "onnxruntime", **build: object) -> None:
+def _variant(root: Path, name: str, engine: str = "onnxruntime", precision: str = "int8", **build: object) -> None:
     config = yaml.safe_load((MODELS / "digits" / "config.yaml").read_text())
-    config.update(name=name, engine=engine, precision="int8")
-    config["build"] = {"source": "digits", "engine": engine, "precision": "int8", **build}
+    config.update(name=name, engine=engine, precision=precision)
+    config["build"] = {"source": "digits", "engine": engine, "precision": precision, **build}
     (root / name).mkdir()
     (root / name / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
@@ -46,3 +47,31 @@ def test_a_declared_build_runs_at_load_and_serves(tmp_path: Path) -> None:
             answers[model] = np.array(response.json()["outputs"][0]["data"]).reshape(32, 10).argmax(1)
         assert (answers["digits"] == answers["digits-int8"]).mean() >= 0.95
         assert (answers["digits"] == answers["digits-torchao"]).mean() >= 0.95
+
+
+def test_an_fp16_io_build_serves_fp16_to_tritonclient(tmp_path: Path) -> None:
+    """keep_io_types: false makes the variant's image and probabilities FP16 on the wire."""
+    import tritonclient.http as triton
+    from tritonclient.utils import InferenceServerException
+
+    root = linked_repository(tmp_path / "models", ("digits",))
+    _variant(root, "digits-fp16-io", precision="fp16", options={"keep_io_types": False})
+    with running_server(root) as url:
+        client = triton.InferenceServerClient(url.removeprefix("http://"))
+        metadata = client.get_model_metadata("digits-fp16-io")
+        assert [t["datatype"] for t in metadata["inputs"] + metadata["outputs"]] == ["FP16", "FP16"]
+        images = np.load(MODELS / "digits" / "1" / "heldout.npz")["images"][:16].astype(np.float16)
+        request = triton.InferInput("image", list(images.shape), "FP16")
+        request.set_data_from_numpy(images, binary_data=True)
+        answer = client.infer("digits-fp16-io", [request]).as_numpy("probabilities")
+        assert answer.dtype == np.float16 and answer.shape == (16, 10)
+        reference = client.infer("digits", [_fp32(triton, images)]).as_numpy("probabilities")
+        assert (answer.argmax(1) == reference.argmax(1)).all()
+        with pytest.raises(InferenceServerException, match="FP16"):  # FP32 to an FP16 input: a 400
+            client.infer("digits-fp16-io", [_fp32(triton, images)])
+
+
+def _fp32(triton, images: np.ndarray):  # type: ignore[no-untyped-def]
+    request = triton.InferInput("image", list(images.shape), "FP32")
+    request.set_data_from_numpy(images.astype(np.float32), binary_data=True)
+    return request
