@@ -233,8 +233,9 @@ class OrtTensorrtOptions(_Strict):
     """ONNX Runtime's TensorRT execution provider: TensorRT without a separate plan build.
 
     Used when `execution_providers` lists TensorrtExecutionProvider on a GPU instance. TensorRT
-    builds its engines when the session starts (warm-up), one optimization profile per batch
-    bucket, and caches them under $BATCHLINE_TENSORRT_CACHE/ort.
+    builds its engines when the session starts (warm-up), with one optimization profile spanning
+    the batch buckets, and caches them under $BATCHLINE_TENSORRT_CACHE/ort/<key of the artifact,
+    options, GPU and versions>.
     """
 
     fp16: bool = Field(default=False, description="trt_fp16_enable: TensorRT may pick FP16 kernels.")
@@ -248,8 +249,9 @@ class OrtTensorrtOptions(_Strict):
     timing_cache: bool = Field(default=True, description="Reuse kernel timings across engine builds.")
     explicit_profiles: bool = Field(
         default=True,
-        description="One profile per batch bucket (trt_profile_*_shapes); false lets TensorRT derive"
-        " profiles from the shapes it meets, rebuilding engines as new ones arrive.",
+        description="One profile from the smallest batch bucket to the largest, tuned at the largest"
+        " (trt_profile_*_shapes); false lets ORT derive profiles from the shapes it meets, rebuilding"
+        " engines as new ones arrive.",
     )
 
 

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -69,32 +73,45 @@ def read_gpus() -> list[GpuReading]:
     return readings
 
 
-def process_memory_bytes(index: int, pid: int) -> int | None:
-    """GPU memory that process `pid` holds on GPU `index`, as NVML sees it (every engine's
-    allocations, not only torch's); None without NVML, or when NVML cannot see the process
-    (another PID namespace, or no rights to the counter)."""
+def _query(cuda_index: int, read: Callable[[Any, Any], T]) -> T | None:
+    """`read(nvml, handle)` for CUDA device `cuda_index` (`cuda:N` in this process); None without
+    NVML, or when NVML refuses or does not know the device."""
     nvml = _nvml()
     if nvml is None:
         return None
     try:
-        handle = nvml.nvmlDeviceGetHandleByIndex(index)
-        processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-    except nvml.NVMLError:
+        return read(nvml, _cuda_handle(nvml, cuda_index))
+    except (nvml.NVMLError, IndexError):
         return None
-    used = [p.usedGpuMemory for p in processes if p.pid == pid and p.usedGpuMemory is not None]
+
+
+def _cuda_handle(nvml: Any, cuda_index: int) -> Any:
+    """CUDA numbers the devices CUDA_VISIBLE_DEVICES lists (by index or UUID) from 0; NVML
+    numbers every device on the host: `cuda:0` is NVML's device 3 under CUDA_VISIBLE_DEVICES=3."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return nvml.nvmlDeviceGetHandleByIndex(cuda_index)
+    entry = [e.strip() for e in visible.split(",") if e.strip()][cuda_index]
+    if entry.isdigit():
+        return nvml.nvmlDeviceGetHandleByIndex(int(entry))
+    return nvml.nvmlDeviceGetHandleByUUID(entry)
+
+
+def process_memory_bytes(index: int, pid: int) -> int | None:
+    """GPU memory that process `pid` holds on CUDA device `index`, as NVML sees it (every engine's
+    allocations, not only torch's); None without NVML, or when NVML cannot see the process
+    (another PID namespace, or no rights to the counter)."""
+    processes = _query(index, lambda nvml, handle: nvml.nvmlDeviceGetComputeRunningProcesses(handle))
+    used = [p.usedGpuMemory for p in processes or [] if p.pid == pid and p.usedGpuMemory is not None]
     return sum(used) if used else None
 
 
 def identity(index: int) -> str | None:
-    """GPU `index`'s model and compute capability, e.g. "NVIDIA H200 sm90": what a build measured
+    """CUDA device `index`'s model and compute capability, e.g. "NVIDIA H200 sm90": what a build measured
     on it (and a TensorRT plan built on it) is valid for. None without NVML."""
-    nvml = _nvml()
-    if nvml is None:
+    found = _query(index, lambda nvml, handle: (nvml.nvmlDeviceGetName(handle),
+                                                 nvml.nvmlDeviceGetCudaComputeCapability(handle)))
+    if found is None:
         return None
-    try:
-        handle = nvml.nvmlDeviceGetHandleByIndex(index)
-        name = nvml.nvmlDeviceGetName(handle)
-        major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
-    except nvml.NVMLError:
-        return None
+    name, (major, minor) = found
     return f"{name.decode() if isinstance(name, bytes) else name} sm{major}{minor}"

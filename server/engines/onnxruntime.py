@@ -6,6 +6,9 @@ the CPU, so the providers that took are read back from the session and checked a
 
 from __future__ import annotations
 
+import hashlib
+import json
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +17,7 @@ import onnxruntime as ort
 
 from server.config import ModelConfig
 from server.engines.base import Engine, EngineDescription, artifact_path
-from server.engines.profiles import cache_root, optimization_profiles, provider_shapes
+from server.engines.profiles import cache_root, provider_shapes
 from server.errors import EngineError
 from server.devices import Device
 
@@ -27,7 +30,7 @@ _OPTIMIZATION_LEVELS = {
 _GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 
 
-def requested_providers(config: ModelConfig, device: Device) -> list[str | tuple[str, dict]]:
+def requested_providers(config: ModelConfig, device: Device, artifact: Path) -> list[str | tuple[str, dict]]:
     """The provider list for a session on `device`, GPU providers pinned to its index, the
     TensorRT provider with the options of `onnxruntime.tensorrt`."""
     names = list(config.onnxruntime.execution_providers)
@@ -39,17 +42,22 @@ def requested_providers(config: ModelConfig, device: Device) -> list[str | tuple
     if "CPUExecutionProvider" not in names:
         names.append("CPUExecutionProvider")
     return [
-        (n, tensorrt_provider_options(config, device) if n == "TensorrtExecutionProvider" else {"device_id": device.index})
+        (n, tensorrt_provider_options(config, device, artifact) if n == "TensorrtExecutionProvider"
+         else {"device_id": device.index})
         if n in _GPU_PROVIDERS else n
         for n in names
     ]
 
 
-def tensorrt_provider_options(config: ModelConfig, device: Device) -> dict[str, Any]:
-    """ORT's TensorRT EP options: precision flags, workspace, engine and timing caches (a folder
-    per model: ORT keys the files by graph, GPU and TensorRT), and one profile per batch bucket."""
+def tensorrt_provider_options(config: ModelConfig, device: Device, artifact: Path) -> dict[str, Any]:
+    """ORT's TensorRT EP options: precision flags, workspace, engine and timing caches, and one
+    profile spanning the batch buckets.
+
+    ORT names its cached engines after the graph's file, node and tensor names, not its weights,
+    and asks users to clear the cache when the model, the profiles or TensorRT change: so the
+    cache folder is keyed by everything that makes an engine stale (ort_cache_folder)."""
     trt = config.onnxruntime.tensorrt
-    cache = cache_root() / "ort" / config.name
+    shapes = provider_shapes(config) if trt.explicit_profiles else {}
     options: dict[str, Any] = {
         "device_id": device.index,
         "trt_fp16_enable": trt.fp16,
@@ -58,13 +66,41 @@ def tensorrt_provider_options(config: ModelConfig, device: Device) -> dict[str, 
         "trt_engine_cache_enable": trt.engine_cache,
         "trt_timing_cache_enable": trt.timing_cache,
     }
-    if trt.engine_cache:
-        options["trt_engine_cache_path"] = str(cache)
-    if trt.timing_cache:
-        options["trt_timing_cache_path"] = str(cache)
-    if trt.explicit_profiles:
-        options.update(provider_shapes(optimization_profiles(config)))
-    return options
+    if trt.engine_cache or trt.timing_cache:
+        folder = ort_cache_folder(artifact, device, {**options, **shapes})
+        folder.mkdir(parents=True, exist_ok=True)  # ORT creates one level only
+        if trt.engine_cache:
+            options["trt_engine_cache_path"] = str(folder)
+        if trt.timing_cache:
+            options["trt_timing_cache_path"] = str(folder)
+    return {**options, **shapes}
+
+
+def ort_cache_folder(artifact: Path, device: Device, options: dict[str, Any]) -> Path:
+    """$BATCHLINE_TENSORRT_CACHE/ort/<key>: the artifact's bytes, the options that shape an engine
+    (precision flags, workspace, profiles), the GPU model, and the ORT and TensorRT versions."""
+    from server.gpu import identity
+
+    digest = hashlib.sha256()
+    with artifact.open("rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    material = {
+        "artifact": digest.hexdigest(),
+        "options": {k: v for k, v in options.items() if k != "device_id"},
+        "gpu": identity(device.index),
+        "onnxruntime": ort.__version__,
+        "tensorrt": _installed_version("tensorrt"),
+    }
+    key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_root() / "ort" / key
+
+
+def _installed_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "system"
 
 
 def check_providers(requested: list[str | tuple[str, dict]], taken: list[str]) -> None:
@@ -86,7 +122,7 @@ class OnnxRuntimeEngine(Engine):
         options.intra_op_num_threads = config.onnxruntime.intra_op_num_threads
         options.inter_op_num_threads = config.onnxruntime.inter_op_num_threads
         options.graph_optimization_level = _OPTIMIZATION_LEVELS[config.onnxruntime.graph_optimization_level]
-        providers = requested_providers(config, device)
+        providers = requested_providers(config, device, self._path)
         try:
             self._session = ort.InferenceSession(str(self._path), options, providers=providers)
         except Exception as exc:  # ORT raises its own untyped errors (Fail, InvalidGraph, ...)

@@ -86,13 +86,25 @@ def cache_root() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "batchline" / "tensorrt"
 
 
-def provider_shapes(profiles: list[Profile]) -> dict[str, str]:
-    """ONNX Runtime's TensorRT EP spelling of the profiles: "name:1x8x8,..." per min/opt/max; an
-    input named again starts the next profile (ORT's ParseProfileShapes)."""
-    spelled: dict[str, list[str]] = {"trt_profile_min_shapes": [], "trt_profile_opt_shapes": [],
-                                     "trt_profile_max_shapes": []}
-    for profile in profiles:
-        for name, shapes in profile.shapes.items():
-            for key, shape in zip(spelled, shapes):
-                spelled[key].append(f"{name}:{'x'.join(str(d) for d in shape)}")
-    return {key: ",".join(values) for key, values in spelled.items()}
+def spanning_profile(profiles: list[Profile]) -> Profile:
+    """One profile over every bucket: the first's min, the largest's opt and max (a loaded
+    server forms full batches, so TensorRT tunes for those)."""
+    first, last = profiles[0], profiles[-1]
+    return Profile(last.batch, {name: (first.shapes[name][0], *last.shapes[name][1:]) for name in last.shapes})
+
+
+def provider_shapes(config: ModelConfig) -> dict[str, str]:
+    """ONNX Runtime's TensorRT EP options for one profile spanning every batch bucket,
+    "name:1x8x8,..." per min/opt/max.
+
+    ORT parses and builds several profiles (an input named again starts the next) but its
+    execution context stays on profile 0 (onnxruntime PR #31624, open), so a batch beyond the
+    first bucket would fail: ORT gets the single spanning profile. Plans built by
+    `batchline build --engine tensorrt` keep one profile per bucket; their engine picks one.
+    """
+    profile = spanning_profile(optimization_profiles(config))
+    keys = ("trt_profile_min_shapes", "trt_profile_opt_shapes", "trt_profile_max_shapes")
+    return {
+        key: ",".join(f"{name}:{'x'.join(str(d) for d in shapes[i])}" for name, shapes in profile.shapes.items())
+        for i, key in enumerate(keys)
+    }

@@ -139,7 +139,7 @@ def _build(
         progress(f"{variant}: building {engine} {precision} from {source_info['model']}/{source_info['version']}")
         context = BuildContext(
             source_config=source_config, source_version_dir=source_version_dir, source_artifact=source_artifact,
-            engine=engine, precision=precision, stage=stage, work=Path(work), options=resolved, data=data,
+            engine=engine, precision=precision, device=device, stage=stage, work=Path(work), options=resolved, data=data,
             progress=lambda m: progress(f"{variant}: {m}"), track=track,
         )
         output = builder.run(context)
@@ -152,7 +152,8 @@ def _build(
         filename = None if output.artifact == DEFAULT_ARTIFACTS.get(output.engine) else output.artifact
         derived = variants.derive_config(
             base, name=variant, engine=output.engine, precision=output.precision, model_filename=filename, spec=spec,
-            datatypes=output.datatypes,
+            datatypes={**{t.name: t.datatype for t in (*source_config.inputs, *source_config.outputs)},
+                       **output.datatypes},
         )
         variant_config = ModelConfig.model_validate(derived)
 

@@ -25,6 +25,7 @@ from server.devices import Device
 from server.quantize.progress import Track, untracked
 
 DEFAULT_BATCHES = (1, 8, 32)
+RESULT = "BATCHLINE-BENCH-RESULT "  # marks the figures among whatever else libraries print
 WARMUP_RUNS = 3
 MIN_RUNS = 5
 
@@ -54,7 +55,8 @@ def benchmark(
 ) -> dict[str, Any]:
     """Time `config`'s engine over `version_dir` in a child process; returns the figures.
 
-    The child prints a line as each batch size is done (the bar's steps), then the figures."""
+    The child prints a line as each batch size is done (the bar's steps), then the figures on
+    a line of their own marked RESULT."""
     request = {
         "config": config.model_dump(mode="json"),
         "version_dir": str(version_dir),
@@ -79,11 +81,12 @@ def benchmark(
         code = child.wait()
         errors.seek(0)
         stderr = errors.read()
-    if code != 0 or not lines:
+    results = [line.removeprefix(RESULT) for line in lines if line.startswith(RESULT)]
+    if code != 0 or not results:
         from server.quantize.errors import BuildError
 
         raise BuildError(f"the benchmark failed: {stderr.strip()[-2000:]}")
-    return json.loads(lines[-1])
+    return json.loads(results[-1])
 
 
 def _child(request_path: Path) -> dict[str, Any]:
@@ -156,4 +159,4 @@ def _rss_mb() -> float:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_child(Path(sys.argv[1]))))
+    print(RESULT + json.dumps(_child(Path(sys.argv[1]))), flush=True)

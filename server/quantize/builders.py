@@ -27,6 +27,7 @@ class BuildContext:
     source_artifact: Path
     engine: str  # the target engine asked for
     precision: str  # the target precision asked for
+    device: str  # "cpu" or "gpu": where the build will be judged and served
     stage: Path  # becomes the version folder: only what serves goes here
     work: Path  # scratch for intermediates (exported ONNX, pre-processed graphs)
     options: Options

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +148,8 @@ def build_engine(
         build_config.set_flag(getattr(trt.BuilderFlag, flag))
     timing_path = cache / timing_cache_name(*gpu)
     timing = build_config.create_timing_cache(timing_path.read_bytes() if timing_path.is_file() else b"")
-    build_config.set_timing_cache(timing, ignore_mismatch=False)
+    if not build_config.set_timing_cache(timing, ignore_mismatch=False):  # a cache from elsewhere: start afresh
+        build_config.set_timing_cache(build_config.create_timing_cache(b""), ignore_mismatch=False)
     for profile in profiles:
         optimization = builder.create_optimization_profile()
         for name, (low, opt, high) in profile.shapes.items():
@@ -158,14 +159,17 @@ def build_engine(
     if plan is None:
         raise BuildError("TensorRT failed to build the engine (see its log above)")
     plan_path.write_bytes(bytes(plan))
-    _write_atomically(timing_path, bytes(build_config.get_timing_cache().serialize()))
+    timings = build_config.get_timing_cache()
+    if timings is not None:
+        _write_atomically(timing_path, bytes(timings.serialize()))
     _write_atomically(cached_plan, bytes(plan))
     return {**result, "engine_cache_hit": False}
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
-    """Readers (another build) see the old file or the whole new one, never half of it."""
+    """Readers (another build, in this process or another) see the old file or the whole new
+    one, never half of it; concurrent writers each have their own temporary file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_bytes(data)
-    partial.replace(path)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as partial:
+        partial.write(data)
+    Path(partial.name).replace(path)

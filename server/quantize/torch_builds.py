@@ -68,6 +68,11 @@ def int8(ctx: BuildContext) -> BuildOutput:
         raise BuildError(f"scheme must be one of {list(SCHEMES)}, got {scheme!r}")
     if scheme != "static" and ctx.options["calibration"] != "train":
         raise BuildError(f"the {scheme} scheme is not calibrated; calibration applies to scheme=static")
+    if scheme == "dynamic" and ctx.device == "gpu":
+        raise BuildError(
+            "the dynamic scheme's program calls aten._int_mm, which on CUDA wants more than 16 rows and"
+            " layer sizes divisible by 8 (small batches and a 10-class head fail); use scheme=weight_only on GPUs"
+        )
     from server.engines.torch import EXPORT_LOCK
 
     # torchao's first import pulls in torch._dynamo and torch.export: under the lock, so a model
@@ -128,7 +133,7 @@ def _static(ctx: BuildContext) -> BuildOutput:
 
     data = ctx.data
     if not isinstance(data, ClassificationData):
-        raise BuildError("static torch INT8 needs calibration images; use scheme=dynamic for other models")
+        raise BuildError("static torch INT8 needs calibration images (an image model)")
     ctx.progress(f"PT2E INT8 quantization, calibrated on {len(data.calibration)} training images")
     program = load_program(ctx.source_artifact)
     quantizer = X86InductorQuantizer()

@@ -45,11 +45,14 @@ def derive_config(
     datatypes: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The variant's config: the base's inputs, outputs, batching and tokenizer, retargeted;
-    `datatypes` retypes the tensors a build changed (FP16 inputs/outputs).
+    `datatypes` types every tensor (the source's, or what the build changed them to, FP16 I/O),
+    so a rebuild never keeps an earlier build's types. A GPU build serves on GPU instances; a CPU
+    rebuild of one goes back to the CPU.
 
     `base` is the source's config for a new variant, or the variant's own for a rebuild (so a
     hand-tuned batching section survives). Engine-specific blocks of another engine are dropped.
     """
+    previous_device = (base.get("build") or {}).get("device", "cpu")
     raw = {k: v for k, v in base.items() if k not in ("name", "engine", "precision", "model_filename", "build")}
     for block, owner in ENGINE_BLOCKS.items():
         if owner != engine:
@@ -66,6 +69,9 @@ def derive_config(
     if engine == "tensorrt" or spec.device == "gpu":  # built and judged on a GPU: served there
         groups = derived.get("instance_group") or [{"count": 1}]
         derived["instance_group"] = [{**group, "kind": "GPU"} for group in groups]
+    elif previous_device == "gpu" and "instance_group" in derived:
+        derived["instance_group"] = [{k: v for k, v in group.items() if k != "gpus"} | {"kind": "CPU"}
+                                     for group in derived["instance_group"]]
     derived["build"] = spec.model_dump(mode="json")
     try:
         ModelConfig.model_validate(derived)

@@ -28,7 +28,7 @@ def test_a_declared_build_runs_at_load_and_serves(tmp_path: Path) -> None:
     _variant(root, "digits-int8-strict", options={"calibration": "zeros"})  # calibrated on blank images: fails
     _variant(root, "digits-torchao", engine="torch", options={"scheme": "dynamic"})
     with running_server(root, wait_ready=False) as url:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             index = {e["name"]: e for e in httpx.post(f"{url}/v2/repository/index", json={}).json()}
             settled = index["digits-int8-strict"]["state"] == "UNAVAILABLE"

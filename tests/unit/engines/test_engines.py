@@ -43,42 +43,66 @@ def doubling_model(tmp_path: Path) -> Path:
     return tmp_path / "1"
 
 
-def test_cpu_instances_never_ask_for_gpu_providers() -> None:
+def test_cpu_instances_never_ask_for_gpu_providers(tmp_path: Path) -> None:
     cfg = config(onnxruntime={"execution_providers": ["CUDAExecutionProvider", "CPUExecutionProvider"]})
-    assert requested_providers(cfg, Device("CPU")) == ["CPUExecutionProvider"]
+    assert requested_providers(cfg, Device("CPU"), tmp_path / "m.onnx") == ["CPUExecutionProvider"]
 
 
-def test_gpu_instances_pin_their_device_and_keep_a_cpu_fallback() -> None:
-    assert requested_providers(config(), Device("GPU", 1)) == [
+def test_gpu_instances_pin_their_device_and_keep_a_cpu_fallback(artifact: Path) -> None:
+    assert requested_providers(config(), Device("GPU", 1), artifact) == [
         ("CUDAExecutionProvider", {"device_id": 1}),
         "CPUExecutionProvider",
     ]
     trt = config(onnxruntime={"execution_providers": ["TensorrtExecutionProvider", "CUDAExecutionProvider"]})
-    providers = requested_providers(trt, Device("GPU", 0))
+    providers = requested_providers(trt, Device("GPU", 0), artifact)
     assert [p[0] if isinstance(p, tuple) else p for p in providers] == [
         "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
     assert providers[0][1]["device_id"] == 0 and providers[1] == ("CUDAExecutionProvider", {"device_id": 0})
 
 
-def test_the_tensorrt_provider_gets_a_profile_per_bucket_and_caches(monkeypatch: pytest.MonkeyPatch,
-                                                                     tmp_path: Path) -> None:
-    monkeypatch.setenv("BATCHLINE_TENSORRT_CACHE", str(tmp_path))
+@pytest.fixture
+def artifact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A model file, with the TensorRT cache redirected into the test's folder."""
+    monkeypatch.setenv("BATCHLINE_TENSORRT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "model.onnx"
+    path.write_bytes(b"graph v1")
+    return path
+
+
+def trt_options(cfg: ModelConfig, artifact: Path, device: Device = Device("GPU", 1)) -> dict:
+    (name, options), *_ = requested_providers(cfg, device, artifact)
+    assert name == "TensorrtExecutionProvider"
+    return options
+
+
+def test_the_tensorrt_provider_gets_one_spanning_profile_and_a_keyed_cache(artifact: Path) -> None:
     trt = config(batch_buckets=[1, 4], onnxruntime={
         "execution_providers": ["TensorrtExecutionProvider"], "tensorrt": {"fp16": True, "workspace_mb": 512}})
-    (name, options), *_ = requested_providers(trt, Device("GPU", 1))
-    assert name == "TensorrtExecutionProvider" and options["device_id"] == 1
-    assert options["trt_fp16_enable"] and not options["trt_int8_enable"]
+    options = trt_options(trt, artifact)
+    assert options["device_id"] == 1 and options["trt_fp16_enable"] and not options["trt_int8_enable"]
     assert options["trt_max_workspace_size"] == 512 << 20
-    assert options["trt_engine_cache_path"] == options["trt_timing_cache_path"] == str(tmp_path / "ort" / "double")
-    # two profiles: batch 1, then 2..4 tuned at 4 (ORT reads a repeated input name as the next profile)
-    assert options["trt_profile_min_shapes"] == "x:1x2,x:2x2"
-    assert options["trt_profile_opt_shapes"] == "x:1x2,x:4x2"
-    assert options["trt_profile_max_shapes"] == "x:1x2,x:4x2"
+    # ORT runs on profile 0 only: one profile from the smallest bucket to the largest, tuned there
+    assert (options["trt_profile_min_shapes"], options["trt_profile_opt_shapes"],
+            options["trt_profile_max_shapes"]) == ("x:1x2", "x:4x2", "x:4x2")
+    folder = Path(options["trt_engine_cache_path"])
+    assert folder.is_dir() and folder.parent == artifact.parent / "cache" / "ort"  # made: ORT makes one level only
+    assert options["trt_timing_cache_path"] == str(folder)
+    assert trt_options(trt, artifact)["trt_engine_cache_path"] == str(folder)  # stable
+    artifact.write_bytes(b"graph v2")  # new weights under the same file name: a fresh folder
+    assert trt_options(trt, artifact)["trt_engine_cache_path"] != str(folder)
+    fp32 = trt.model_copy(update={"onnxruntime": trt.onnxruntime.model_copy(
+        update={"tensorrt": trt.onnxruntime.tensorrt.model_copy(update={"fp16": False})})})
+    assert trt_options(fp32, artifact)["trt_engine_cache_path"] != trt_options(trt, artifact)["trt_engine_cache_path"]
+
+
+def test_the_tensorrt_provider_without_profiles_or_caches(artifact: Path) -> None:
     derived = config(onnxruntime={"execution_providers": ["TensorrtExecutionProvider"],
-                                  "tensorrt": {"explicit_profiles": False, "engine_cache": False}})
-    (_, options), *_ = requested_providers(derived, Device("GPU", 0))
+                                  "tensorrt": {"explicit_profiles": False, "engine_cache": False,
+                                               "timing_cache": False}})
+    options = trt_options(derived, artifact, Device("GPU", 0))
     assert "trt_profile_min_shapes" not in options and "trt_engine_cache_path" not in options
-    assert requested_providers(trt, Device("CPU")) == ["CPUExecutionProvider"]
+    assert not (artifact.parent / "cache").exists()
+    assert requested_providers(derived, Device("CPU"), artifact) == ["CPUExecutionProvider"]
 
 
 def test_a_session_that_fell_back_to_the_cpu_is_refused() -> None:

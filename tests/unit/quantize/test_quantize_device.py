@@ -41,6 +41,9 @@ class FakeNvml:
     def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
         return index
 
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> int:
+        return {"GPU-abc": 7}[uuid]
+
     def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[SimpleNamespace]:
         if self.processes is None:
             raise self.NVMLError("no permission")
@@ -80,3 +83,30 @@ def test_gpu_identity_names_the_model_and_compute_capability(monkeypatch: pytest
     assert gpu.identity(0) == "NVIDIA H200 sm90"
     monkeypatch.setattr(gpu, "_nvml", lambda: None)
     assert gpu.identity(0) is None
+
+
+def test_cuda_devices_map_to_nvml_through_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Indexed(FakeNvml):
+        def nvmlDeviceGetName(self, handle: int) -> str:
+            return f"GPU{handle}"
+
+        def nvmlDeviceGetCudaComputeCapability(self, handle: int) -> tuple[int, int]:
+            return (8, 0)
+
+    monkeypatch.setattr(gpu, "_nvml", lambda: Indexed([]))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpu.identity(0) == "GPU0 sm80"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert (gpu.identity(0), gpu.identity(1)) == ("GPU3 sm80", "GPU1 sm80")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc")
+    assert gpu.identity(0) == "GPU7 sm80"
+    assert gpu.identity(1) is None  # not visible to this process
+
+
+def test_torchao_dynamic_is_refused_for_the_gpu() -> None:
+    """Its program calls aten._int_mm, whose CUDA kernel rejects small batches and odd sizes."""
+    from server.quantize import torch_builds
+
+    context = SimpleNamespace(options={"scheme": "dynamic", "calibration": "train"}, device="gpu")
+    with pytest.raises(BuildError, match="weight_only on GPUs"):
+        torch_builds.int8(context)  # type: ignore[arg-type]

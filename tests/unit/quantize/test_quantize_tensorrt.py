@@ -121,6 +121,7 @@ def test_build_engine_with_a_fake_tensorrt(monkeypatch: pytest.MonkeyPatch, tmp_
 
                     def set_timing_cache(self, cache, ignore_mismatch):
                         calls.append(("timing cache set", cache, ignore_mismatch))
+                        return True
 
                     def get_timing_cache(self):
                         class Timing:
@@ -183,3 +184,12 @@ def test_the_tensorrt_cache_root_is_configurable(monkeypatch: pytest.MonkeyPatch
     assert tensorrt.cache_root() == tmp_path
     monkeypatch.delenv("BATCHLINE_TENSORRT_CACHE")
     assert tensorrt.cache_root() == Path.home() / ".cache" / "batchline" / "tensorrt"
+
+
+def test_ort_gets_one_profile_spanning_the_buckets() -> None:
+    from server.engines.profiles import provider_shapes
+
+    shapes = provider_shapes(ModelConfig.model_validate(TEXT))
+    assert shapes["trt_profile_min_shapes"] == "input_ids:1x1,attention_mask:1x1,token_type_ids:1x1"
+    assert shapes["trt_profile_opt_shapes"] == "input_ids:32x64,attention_mask:32x64,token_type_ids:32x64"
+    assert shapes["trt_profile_max_shapes"] == "input_ids:32x256,attention_mask:32x256,token_type_ids:32x256"

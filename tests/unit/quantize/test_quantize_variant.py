@@ -107,3 +107,14 @@ def test_a_gpu_build_serves_on_gpu_instances() -> None:
     cpu = variant.derive_config(SOURCE, name="digits-cpu", engine="torch", precision="fp16",
                                 model_filename=None, spec=SPEC)
     assert "instance_group" not in cpu  # the source's placement (the default, CPU) is kept
+
+
+def test_a_rebuild_takes_the_new_device_and_the_new_types() -> None:
+    gpu_spec = SPEC.model_copy(update={"device": "gpu"})
+    fp16_io = variant.derive_config(SOURCE, name="v", engine="onnxruntime", precision="fp16", model_filename=None,
+                                    spec=gpu_spec, datatypes={"image": "FP16", "probabilities": "FP16"})
+    assert fp16_io["instance_group"][0]["kind"] == "GPU" and fp16_io["inputs"][0]["datatype"] == "FP16"
+    rebuilt = variant.derive_config(fp16_io, name="v", engine="onnxruntime", precision="fp16", model_filename=None,
+                                    spec=SPEC, datatypes={"image": "FP32", "probabilities": "FP32"})
+    assert rebuilt["instance_group"][0]["kind"] == "CPU"  # a CPU rebuild of a GPU build
+    assert [t["datatype"] for t in rebuilt["inputs"] + rebuilt["outputs"]] == ["FP32", "FP32"]
