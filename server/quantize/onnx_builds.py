@@ -245,6 +245,21 @@ class _Calibration:
 
 
 def _static(prepared: Path, ctx: BuildContext, notes: list[str]) -> BuildOutput:
+    method = quantize_qdq(prepared, ctx.stage / ARTIFACT, ctx, notes, symmetric=False)
+    return BuildOutput(ARTIFACT, "onnxruntime", "int8", f"ONNX Runtime static quantization, {method}", notes)
+
+
+def static_qdq_graph(ctx: BuildContext, notes: list[str]) -> Path:
+    """A calibrated, symmetric Q/DQ graph of the source in the scratch folder: what TensorRT's
+    explicit quantization builds INT8 engines from (TensorRT takes zero points of 0 only)."""
+    out = ctx.work / "qdq.onnx"
+    quantize_qdq(_pre_process(source_onnx(ctx), ctx, notes), out, ctx, notes, symmetric=True)
+    return out
+
+
+def quantize_qdq(prepared: Path, out: Path, ctx: BuildContext, notes: list[str], *, symmetric: bool) -> str:
+    """ORT `quantize_static` in QDQ format, calibrated on the model's training images; returns
+    what it did. `symmetric`: zero points of 0 for weights and activations (TensorRT's rule)."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     data = ctx.data
@@ -262,7 +277,7 @@ def _static(prepared: Path, ctx: BuildContext, notes: list[str]) -> BuildOutput:
     reader = _Calibration(ctx.source_config.inputs[0].source_name, data.calibration, ctx.track)
     quantize_static(
         str(prepared),
-        str(ctx.stage / ARTIFACT),
+        str(out),
         reader,
         quant_format=QuantFormat.QDQ,
         per_channel=bool(ctx.options["per_channel"]),
@@ -270,13 +285,8 @@ def _static(prepared: Path, ctx: BuildContext, notes: list[str]) -> BuildOutput:
         activation_type=QuantType.QInt8,
         weight_type=QuantType.QInt8,
         calibrate_method=methods[method],
-        extra_options={"CalibTensorRangeSymmetric": False},
+        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True} if symmetric
+        else {"CalibTensorRangeSymmetric": False},
     )
-    return BuildOutput(
-        ARTIFACT,
-        "onnxruntime",
-        "int8",
-        f"ONNX Runtime static quantization, QDQ format, QInt8 weights and activations, {method} calibration"
-        f" on {len(data.calibration)} training-split images",
-        notes,
-    )
+    return (f"QDQ format, QInt8 weights and activations{' (symmetric)' if symmetric else ''}, {method}"
+            f" calibration on {len(data.calibration)} training-split images")

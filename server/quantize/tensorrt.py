@@ -59,7 +59,7 @@ def check_int8_graph(op_types: set[str]) -> None:
     if not has_explicit_qdq(op_types):
         raise BuildError(
             "TensorRT INT8 needs an explicitly quantized ONNX graph (QuantizeLinear/DequantizeLinear);"
-            " build '<model>-onnxruntime-int8' (static QDQ) first and build TensorRT from it"
+            " the static QDQ quantization produced none"
         )
 
 
@@ -69,28 +69,37 @@ def precision_flags(precision: str) -> list[str]:
 
 
 def defaults(source: ModelConfig, data: EvalData) -> Options:
-    return {"workspace_mb": 4096}
+    """workspace_mb for every plan; INT8 also takes the static QDQ calibration options."""
+    return {"workspace_mb": 4096, "calibration": "train", "calibrate_method": "minmax", "per_channel": True,
+            "reduce_range": False}
 
 
 def build(ctx: BuildContext) -> BuildOutput:
-    """The `tensorrt` builder: check the graph, then hand over to `build_engine` (needs a GPU)."""
-    from server.quantize.onnx_builds import source_onnx
+    """The `tensorrt` builder: the FP32 graph (INT8: quantized first to a calibrated, symmetric
+    Q/DQ graph), checked, then handed to `build_engine` (needs TensorRT and a GPU)."""
+    from server.quantize.onnx_builds import source_onnx, static_qdq_graph
 
-    graph = source_onnx(ctx)
+    notes: list[str] = []
     if ctx.precision == "int8":
         import onnx
 
+        graph = static_qdq_graph(ctx, notes)
         check_int8_graph({n.op_type for n in onnx.load(str(graph), load_external_data=False).graph.node})
+    else:
+        if ctx.options["calibration"] != "train":
+            raise BuildError("calibration applies to TensorRT INT8 builds only")
+        graph = source_onnx(ctx)
     built = build_engine(graph, ctx.stage / "model.plan", ctx.source_config, ctx.precision,
                          workspace_mb=int(ctx.options["workspace_mb"]))
     return BuildOutput(
         "model.plan",
         "tensorrt",
         ctx.precision,
-        f"TensorRT plan, {len(built['profiles'])} optimization profiles (one per batch bucket)",
+        f"TensorRT plan, {len(built['profiles'])} optimization profiles (one per batch bucket)"
+        + (", INT8 by explicit quantization of a calibrated symmetric Q/DQ graph" if ctx.precision == "int8" else ""),
         [f"for {built['gpu']} (sm {built['compute_capability'][0]}{built['compute_capability'][1]}), TensorRT"
          f" {built['tensorrt']}: a plan runs only there; engine cache key {built['cache_key'][:16]}"
-         + (" (engine cache hit: not rebuilt)" if built["engine_cache_hit"] else "")],
+         + (" (engine cache hit: not rebuilt)" if built["engine_cache_hit"] else ""), *notes],
     )
 
 

@@ -193,3 +193,47 @@ def test_ort_gets_one_profile_spanning_the_buckets() -> None:
     assert shapes["trt_profile_min_shapes"] == "input_ids:1x1,attention_mask:1x1,token_type_ids:1x1"
     assert shapes["trt_profile_opt_shapes"] == "input_ids:32x64,attention_mask:32x64,token_type_ids:32x64"
     assert shapes["trt_profile_max_shapes"] == "input_ids:32x256,attention_mask:32x256,token_type_ids:32x256"
+
+
+def _context(repository: Path, tmp_path: Path, precision: str, **options: object):  # type: ignore[no-untyped-def]
+    from server.config import load_model_config
+    from server.quantize.builders import BuildContext
+    from server.quantize.data import load_eval_data
+    from server.quantize.progress import untracked
+
+    source = repository / "digits"
+    defaults = tensorrt.defaults(load_model_config(source / "config.yaml"), None)  # type: ignore[arg-type]
+    (tmp_path / "stage").mkdir(parents=True)
+    return BuildContext(
+        source_config=load_model_config(source / "config.yaml"), source_version_dir=source / "1",
+        source_artifact=source / "1" / "model.pt2", engine="tensorrt", precision=precision, device="gpu",
+        stage=tmp_path / "stage", work=tmp_path, options={**defaults, **options},
+        data=load_eval_data(source, source / "1"), progress=lambda _: None, track=untracked,
+    )
+
+
+def test_int8_plans_start_from_a_calibrated_symmetric_qdq_graph(repository: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The builder quantizes the FP32 source itself, then hands the Q/DQ graph to TensorRT."""
+    import onnx
+    from onnx import numpy_helper
+
+    handed: dict = {}
+
+    def fake_build_engine(graph: Path, plan: Path, config: ModelConfig, precision: str, **_: object) -> dict:
+        model = onnx.load(str(graph))
+        handed["ops"] = {n.op_type for n in model.graph.node}
+        points = {n.input[2] for n in model.graph.node if n.op_type == "QuantizeLinear" and len(n.input) > 2}
+        handed["zero_points"] = [numpy_helper.to_array(t) for t in model.graph.initializer if t.name in points]
+        handed["precision"] = precision
+        plan.write_bytes(b"PLAN")
+        return {"cache_key": "k" * 64, "profiles": [{}], "gpu": "Fake", "compute_capability": [9, 0],
+                "tensorrt": "10", "engine_cache_hit": False}
+
+    monkeypatch.setattr(tensorrt, "build_engine", fake_build_engine)
+    output = tensorrt.build(_context(repository, tmp_path, "int8"))
+    assert {"QuantizeLinear", "DequantizeLinear", "Conv"} <= handed["ops"] and handed["precision"] == "int8"
+    assert handed["zero_points"] and all((z == 0).all() for z in handed["zero_points"])  # TensorRT's rule
+    assert output.engine == "tensorrt" and "Q/DQ" in output.method
+    with pytest.raises(BuildError, match="INT8 builds only"):
+        tensorrt.build(_context(repository, tmp_path / "fp16", "fp16", calibration="zeros"))
