@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loadtest import batchsize, capacity, compare, payloads, precision, report, runs
+from loadtest import batchsize, builds, capacity, compare, payloads, precision, report, runs
 
 DESCRIPTION = """Benchmarks for Batchline (issue "Measure"). Modes:
 
@@ -26,6 +26,8 @@ DESCRIPTION = """Benchmarks for Batchline (issue "Measure"). Modes:
   compare   the same sweep against any two KServe v2 servers (--url-a, --url-b), side by side
   batchsize client-side batches (items per request) 1..64: latency, items/s, instance busy share
   precision the engine alone over every built precision variant of a model, side by side
+  builds    builds a model in every precision --device runs (cpu, or gpu where one is lent), each
+            judged and timed against FP32 there: the precision table
 
 Each run writes MODE.json (the record: machine, command line, parameters, every level),
 MODE.md (a table) and MODE.png (a plot, with matplotlib) into --out.
@@ -112,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     batching.add_argument("--url-on", required=True, help="base URL of the server with batching")
     batching.add_argument("--url-off", required=True, help="base URL of the server without batching")
     batching.add_argument("--duration", type=float, default=10.0, help="seconds per concurrency level")
-    for module in (capacity, compare, batchsize, precision):
+    for module in (capacity, compare, batchsize, precision, builds):
         module.add_parser(modes, parents)
     return parser
 
@@ -278,7 +280,8 @@ def run_open(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
 
 
 MODES = {"engine": run_engine, "closed": run_closed, "open": run_open, "batching": run_batching,
-         "capacity": capacity.run, "compare": compare.run, "batchsize": batchsize.run, "precision": precision.run}
+         "capacity": capacity.run, "compare": compare.run, "batchsize": batchsize.run, "precision": precision.run,
+         "builds": builds.run}
 
 
 def main(argv: list[str] | None = None) -> int:

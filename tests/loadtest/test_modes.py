@@ -1,4 +1,4 @@
-"""Smoke tests of the bench modes compare, batchsize and precision, and of the suite's report:
+"""Smoke tests of the bench modes compare, batchsize, precision and builds, and of the suite's report:
 seconds each, against fake servers of known speed (loadtest/fakeserver.py) or the real digits
 server. They check the tools and their reports, not the servers' speed."""
 
@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,3 +143,28 @@ def test_every_mode_has_help_and_keeps_its_own_defaults() -> None:
     choices = next(a for a in parser._actions if a.dest == "mode").choices
     for mode, sub in choices.items():
         assert sub.format_help().strip(), mode
+
+
+def test_builds_tabulates_the_gate_and_the_speed(tmp_path: Path) -> None:
+    """Two of the CPU list's builds (all of it takes a minute or more)."""
+    out = tmp_path / "out"
+    bench("builds", "--model", "digits", "--model-repository", str(MODELS), "--only",
+          "onnxruntime-int8,torch-bf16", "--batch-sizes", "1,8", "--bench-seconds", "0.05", "--out", str(out))
+    record = json.loads((out / "builds.json").read_text())
+    assert record["parameters"]["builds"] == ["onnxruntime-int8", "torch-bf16"]
+    reports = {entry["name"]: entry["report"] for entry in record["results"]}
+    assert reports["digits-onnxruntime-int8"]["quality"]["passed"]
+    assert [b["batch"] for b in reports["digits-torch-bf16"]["benchmark"]["buckets"]] == [1, 8]
+    markdown = assert_figure(out, "builds")
+    assert "| digits-onnxruntime-int8 | pass |" in markdown and "speedup @8" in markdown
+    assert not list(MODELS.glob("digits-*"))  # the real repository is never written
+
+
+def test_builds_lists_what_cannot_be_built_and_refuses_unknown_names(tmp_path: Path) -> None:
+    bench("builds", "--model", "minilm", "--only", "torch-bf16", "--out", str(tmp_path / "out"))
+    record = json.loads((tmp_path / "out/builds.json").read_text())
+    assert "starts from a torch model" in record["results"][0]["refused"]
+    assert any("not built" in note for note in record["notes"])
+    done = subprocess.run([sys.executable, "-m", "loadtest.bench", "builds", "--only", "tensorrt-fp8", "--out",
+                           str(tmp_path / "x")], capture_output=True, text=True, check=False)
+    assert done.returncode != 0 and "not in the cpu list" in done.stderr
