@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from server.config import ModelConfig
+from server.devices import Device
 from server.engines.base import Engine
 from server.errors import EngineError
-from server.devices import Device
 
 
 def create_engine(config: ModelConfig, version_dir: Path, device: Device) -> Engine:

@@ -16,10 +16,10 @@ import numpy as np
 import onnxruntime as ort
 
 from server.config import ModelConfig
+from server.devices import Device
 from server.engines.base import Engine, EngineDescription, artifact_path
 from server.engines.profiles import cache_root, provider_shapes
 from server.errors import EngineError
-from server.devices import Device
 
 _OPTIMIZATION_LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,

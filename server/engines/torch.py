@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from server.config import ModelConfig
+from server.devices import Device
 from server.engines.base import Engine, EngineDescription, artifact_path
 from server.errors import EngineError
-from server.devices import Device
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # torch.export keeps global (de)serializer state: two loads at once (models load, and builds
@@ -29,7 +29,7 @@ def load_program(path: Path) -> torch.export.ExportedProgram:
     --engine torch --precision int8`) call the quantized_decomposed ops, which torch registers
     only when their module is imported."""
     with EXPORT_LOCK:
-        import torch.ao.quantization.fx._decomposed  # noqa: F401
+        import torch.ao.quantization.fx._decomposed
 
         return torch.export.load(str(path))
 

@@ -18,11 +18,11 @@ from prometheus_client import CollectorRegistry
 
 from server import __version__
 from server.dataplane import DataPlane
-from server.protocol.v2 import json_object
 from server.http.access_log import AccessLog
 from server.http.errors import error_response, install_error_handlers
 from server.http.infer import FastInferApp, InferEndpoint
 from server.metrics import CONTENT_TYPE, exposition
+from server.protocol.v2 import json_object
 
 _EMPTY_JSON = b"{}"
 

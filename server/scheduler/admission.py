@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any
 
 import numpy as np
 

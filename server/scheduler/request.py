@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Hashable
 
 import numpy as np
 

@@ -13,8 +13,8 @@ import httpx
 import numpy as np
 import orjson
 import pytest
-import yaml
 import tritonclient.http as triton
+import yaml
 from tritonclient.utils import InferenceServerException
 
 from tests.integration.conftest import MODELS, running_server

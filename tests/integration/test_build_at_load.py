@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 import numpy as np
+import pytest
 import yaml
 
 from tests.integration.conftest import MODELS, linked_repository, running_server

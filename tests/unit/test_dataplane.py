@@ -8,7 +8,7 @@ import numpy as np
 import orjson
 import pytest
 
-import server.dataplane as dataplane
+from server import dataplane
 from server.config import ModelConfig
 from server.dataplane import DataPlane
 from server.errors import InvalidInput

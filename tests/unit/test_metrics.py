@@ -79,7 +79,7 @@ def test_every_model_metric_moves_exactly_with_the_statistics() -> None:
     stats.dispatch_reasons["idle"] += 1
     stats.request_seconds.observe(0.004)
     stats.pending = 4
-    samples = scrape(BatchlineCollector(StubRepository(version), gpus=lambda: []))
+    samples = scrape(BatchlineCollector(StubRepository(version), gpus=list))
 
     assert samples[("batchline_requests_total", labels(outcome="success"))] == 2
     assert samples[("batchline_requests_total", labels(outcome="invalid"))] == 2
@@ -104,7 +104,7 @@ def test_every_model_metric_moves_exactly_with_the_statistics() -> None:
 
 
 def test_gpu_counters_and_price_appear_only_when_present() -> None:
-    without = scrape(BatchlineCollector(StubRepository(), gpus=lambda: []))
+    without = scrape(BatchlineCollector(StubRepository(), gpus=list))
     assert not any(name.startswith("batchline_gpu") for name, _ in without)
     assert not any(name == "batchline_device_price_per_hour" for name, _ in without)
     gpu = GpuReading(0, "H200", 0.75, 10 << 30, 141 << 30, 300.5, 55.0, 1234.5)

@@ -69,8 +69,8 @@ def artifact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-def trt_options(cfg: ModelConfig, artifact: Path, device: Device = Device("GPU", 1)) -> dict:
-    (name, options), *_ = requested_providers(cfg, device, artifact)
+def trt_options(cfg: ModelConfig, artifact: Path, device: Device | None = None) -> dict:
+    (name, options), *_ = requested_providers(cfg, device or Device("GPU", 1), artifact)
     assert name == "TensorrtExecutionProvider"
     return options
 

@@ -10,10 +10,10 @@ import pytest
 from server.config import BuildSpec, ModelConfig
 from server.devices import Device
 from server.engines import create_engine
+from server.engines.profiles import optimization_profiles
 from server.engines.tensorrt import ProfileRange, choose_profile, numpy_dtype
 from server.errors import EngineError
 from server.protocol.triton_config import triton_model_config
-from server.engines.profiles import optimization_profiles
 from server.quantize.variant import derive_config
 
 

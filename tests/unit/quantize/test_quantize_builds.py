@@ -10,10 +10,10 @@ import onnx
 import pytest
 import yaml
 
+from server.cli import main as cli_main
 from server.config import load_model_config
 from server.errors import EngineError
 from server.quantize import BuildError, build, ensure_built, report
-from server.cli import main as cli_main
 
 
 def quiet(message: str) -> None:

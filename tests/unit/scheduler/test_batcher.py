@@ -14,7 +14,6 @@ from server.scheduler.policy import BatchPolicy
 from server.scheduler.request import InferenceRequest
 from server.stats import ModelStatistics
 
-
 LIVE: list[FakeInstance] = []
 
 
