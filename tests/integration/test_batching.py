@@ -101,7 +101,10 @@ class Background:
         self.response: httpx.Response | None = None
         self._thread = threading.Thread(target=self._run, args=(url,))
         self._thread.start()
-        time.sleep(0.5)  # let it reach the instance
+        deadline = time.monotonic() + 30  # until it runs on the instance: a probe sent sooner could run first
+        while not _in_flight(url):
+            assert time.monotonic() < deadline and self._thread.is_alive(), "the slow request never ran"
+            time.sleep(0.02)
 
     def _run(self, url: str) -> None:
         self.response = httpx.post(f"{url}/v2/models/minilm_bounded/infer", content=_body(SLOW_TEXTS), timeout=120)
@@ -110,6 +113,14 @@ class Background:
         self._thread.join(120)
         assert self.response is not None
         return self.response
+
+
+def _in_flight(url: str) -> bool:
+    """Whether a batch of minilm_bounded is running now (the server's own gauge)."""
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("batchline_batches_in_flight{") and 'model="minilm_bounded"' in line:
+            return float(line.rsplit(" ", 1)[1]) >= 1
+    return False
 
 
 def _stats(url: str) -> dict:
