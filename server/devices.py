@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 from server.config import InstanceGroup
@@ -20,16 +21,26 @@ class Device:
 
 @functools.cache
 def visible_gpu_count() -> int:
-    """GPUs that NVML sees; 0 where NVML (nvidia-ml-py or the driver) is absent."""
+    """GPUs this process may use: those NVML sees, narrowed by CUDA_VISIBLE_DEVICES when set
+    (CUDA renumbers the listed devices from 0; NVML always sees the whole host). 0 where NVML
+    (nvidia-ml-py or the driver) is absent."""
     try:
         import pynvml
     except ImportError:
         return 0
     try:
         pynvml.nvmlInit()
-        return int(pynvml.nvmlDeviceGetCount())
+        present = int(pynvml.nvmlDeviceGetCount())
     except pynvml.NVMLError:
         return 0
+    return cuda_visible(present, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def cuda_visible(present: int, listed: str | None) -> int:
+    """How many of `present` GPUs CUDA_VISIBLE_DEVICES=`listed` leaves (None: all of them)."""
+    if listed is None:
+        return present
+    return min(present, len([entry for entry in listed.split(",") if entry.strip()]))
 
 
 def placements(groups: list[InstanceGroup], gpu_count: int | None = None) -> list[Device]:

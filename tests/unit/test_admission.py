@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from server import errors
 from server.config import InstanceGroup, ModelConfig
 from server.dataplane import selected_outputs
-from server.devices import Device, placements
+from server.devices import Device, cuda_visible, placements
 from server.errors import EngineError, InvalidInput
 from server.http.errors import STATUS_BY_ERROR, status_of
 from server.protocol.v2 import DecodedRequest, RequestedOutput
@@ -319,3 +319,11 @@ def test_mixed_groups_in_order() -> None:
 def test_empty_gpu_list_is_rejected_not_zero_instances() -> None:
     with pytest.raises(ValidationError, match="gpus"):
         groups({"kind": "GPU", "gpus": []})
+
+
+def test_cuda_visible_devices_narrows_the_gpus_instances_may_use() -> None:
+    assert cuda_visible(8, None) == 8
+    assert cuda_visible(8, "3,5") == 2  # CUDA numbers them cuda:0 and cuda:1
+    assert cuda_visible(8, "GPU-1f2e") == 1
+    assert cuda_visible(8, "") == 0  # nothing visible
+    assert cuda_visible(1, "0,1,2") == 1  # never more than are present
