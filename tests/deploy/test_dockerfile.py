@@ -469,6 +469,31 @@ def test_the_image_venv_lacks_the_extras(tmp_path: Path) -> None:
     run(sys.executable, "-c", probe, env=env)
     run(sys.executable, "-c", "import torch, onnxruntime, server.cli", env=env)
 
+def test_the_image_serves_torchao_int8_programs(tmp_path: Path) -> None:
+    """A torch INT8 build (torchao dynamic) loads and answers with only the image's packages."""
+    require_built_models()
+    from server.quantize import build
+    from tests.integration.conftest import linked_repository
+
+    repository = linked_repository(tmp_path / "models", ("digits",))
+    built = build(repository, "digits", "torch", "int8", progress=lambda _: None, benchmark=False)
+    assert built.servable
+    probe = (
+        "import sys, numpy as np\n"
+        "from pathlib import Path\n"
+        "from server.config import load_model_config\n"
+        "from server.devices import Device\n"
+        "from server.engines import create_engine\n"
+        "folder = Path(sys.argv[1])\n"
+        "engine = create_engine(load_model_config(folder / 'config.yaml'), folder / '1', Device('CPU'))\n"
+        "images = np.load(sys.argv[2])['images'][:4]\n"
+        "print(engine.run({'image': images})['probabilities'].argmax(1).tolist())\n"
+    )
+    done = run(sys.executable, "-c", probe, str(repository / built.variant), str(MODELS / "digits/1/heldout.npz"),
+               env={**os.environ, **image_python_env(tmp_path)})
+    assert len(json.loads(done.stdout.strip().splitlines()[-1])) == 4
+
+
 def test_healthcheck_fails_without_a_server() -> None:
     port = free_port()
     done = run(sys.executable, str(DOCKER_DIR / "healthcheck.py"), check=False,
