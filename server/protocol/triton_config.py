@@ -43,8 +43,18 @@ def triton_model_config(config: ModelConfig) -> dict[str, Any]:
             for i, g in enumerate(config.instance_group)
         ],
         "version_policy": version_policy,
-        "parameters": {"precision": {"string_value": config.precision}},
+        "parameters": _parameters(config),
     }
     if config.dynamic_batching is not None:
         document["dynamic_batching"] = config.dynamic_batching.model_dump(exclude_none=True)
     return document
+
+
+def _parameters(config: ModelConfig) -> dict[str, dict[str, str]]:
+    """The precision the engine runs, and for a build what it was built as (a torch INT8 program
+    runs with precision fp32 and build_precision int8)."""
+    parameters = {"precision": config.precision}
+    if config.build is not None:
+        parameters |= {"build_source": config.build.source, "build_engine": config.build.engine,
+                       "build_precision": config.build.precision, "build_device": config.build.device}
+    return {key: {"string_value": value} for key, value in parameters.items()}

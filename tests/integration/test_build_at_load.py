@@ -47,6 +47,8 @@ def test_a_declared_build_runs_at_load_and_serves(tmp_path: Path) -> None:
             answers[model] = np.array(response.json()["outputs"][0]["data"]).reshape(32, 10).argmax(1)
         assert (answers["digits"] == answers["digits-int8"]).mean() >= 0.95
         assert (answers["digits"] == answers["digits-torchao"]).mean() >= 0.95
+        parameters = httpx.get(f"{url}/v2/models/digits-torchao/config").json()["parameters"]
+        assert (parameters["precision"]["string_value"], parameters["build_precision"]["string_value"]) == ("fp32", "int8")
 
 
 def test_an_fp16_io_build_serves_fp16_to_tritonclient(tmp_path: Path) -> None:

@@ -384,6 +384,15 @@ def test_triton_version_policy_rendering() -> None:
     assert triton_model_config(everything)["version_policy"] == {"all": {}}
     torch = ModelConfig.model_validate({**base, "name": "m", "engine": "torch"})
     assert triton_model_config(torch)["platform"] == "pytorch_libtorch"
+    assert triton_model_config(torch)["parameters"] == {"precision": {"string_value": "fp32"}}
+
+
+def test_triton_config_says_what_a_build_was_built_as() -> None:
+    built = ModelConfig.model_validate({**BASE, "name": "m-int8", "engine": "torch",
+                                        "build": {"source": "m", "engine": "torch", "precision": "int8"}})
+    parameters = {k: v["string_value"] for k, v in triton_model_config(built)["parameters"].items()}
+    assert parameters == {"precision": "fp32", "build_source": "m", "build_engine": "torch",
+                          "build_precision": "int8", "build_device": "cpu"}
 
 
 # --- ServerSettings --------------------------------------------------------------------
