@@ -11,6 +11,7 @@ build report: quality against FP32 and speed against FP32 measured in the same r
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -55,13 +56,13 @@ def add_parser(modes: Any, parents: runs.Parents) -> None:
 
 
 def scratch_repository(source: Path, model: str) -> Path:
-    """A repository holding `model` with its config copied and its version 1 and eval/ linked."""
+    """A repository holding `model` with its config copied and its version folders and eval/ linked."""
     root = Path(tempfile.mkdtemp(prefix="batchline-builds-"))
     (root / model).mkdir()
     shutil.copyfile(source / model / "config.yaml", root / model / "config.yaml")
-    for part in ("1", "eval"):
-        if (source / model / part).exists():
-            (root / model / part).symlink_to((source / model / part).resolve())
+    for part in (source / model).iterdir():
+        if part.name == "eval" or (part.is_dir() and part.name.isdigit()):
+            (root / model / part.name).symlink_to(part.resolve())
     return root
 
 
@@ -86,8 +87,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
     from server.quantize import build
     from server.quantize.progress import bars
 
-    repository = scratch_repository(args.model_repository, args.model)
     todo = chosen(args.device, args.only)
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # as `batchline` does: CUDA and NVML agree
+    repository = scratch_repository(args.model_repository, args.model)
     parameters = {"model": args.model, "model_repository": str(args.model_repository), "device": args.device,
                   "bench_seconds": args.bench_seconds, "batch_sizes": args.batch_sizes,
                   "builds": [build_name(*b) for b in todo]}
@@ -103,6 +105,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
                               progress=lambda m: print(m, file=sys.stderr, flush=True), track=bars(sys.stderr))
             except BatchlineError as exc:
                 entries.append({"name": name, "engine": engine, "precision": precision, "refused": exc.message})
+                continue
+            except Exception as exc:  # noqa: BLE001 - a library's own failure is a row of the table, not the end
+                entries.append({"name": name, "engine": engine, "precision": precision,
+                                "refused": f"failed: {type(exc).__name__}: {exc}"})
                 continue
             entries.append({"name": name, "engine": engine, "precision": precision, "report": built.to_dict()})
     finally:

@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # CUDA numbers GPUs fastest first by default, NVML (metrics, placement) by PCI bus: make them
+    # agree before anything initialises CUDA, unless the operator chose otherwise.
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     if argv[:1] == ["bench"]:  # everything after `bench` belongs to the benchmark's own parser
         return _bench(argparse.Namespace(arguments=argv[1:]))
     args = build_parser().parse_args(argv)

@@ -40,7 +40,18 @@ def cuda_visible(present: int, listed: str | None) -> int:
     """How many of `present` GPUs CUDA_VISIBLE_DEVICES=`listed` leaves (None: all of them)."""
     if listed is None:
         return present
-    return min(present, len([entry for entry in listed.split(",") if entry.strip()]))
+    return min(present, len(visible_entries(listed)))
+
+
+def visible_entries(listed: str) -> list[str]:
+    """CUDA_VISIBLE_DEVICES as CUDA reads it: indices or GPU-/MIG- UUIDs, up to the first entry
+    that is neither (so "-1", a common way to hide every GPU, leaves none)."""
+    entries = []
+    for entry in (e.strip() for e in listed.split(",")):
+        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+            break
+        entries.append(entry)
+    return entries
 
 
 def placements(groups: list[InstanceGroup], gpu_count: int | None = None) -> list[Device]:

@@ -87,11 +87,14 @@ def _query(cuda_index: int, read: Callable[[Any, Any], T]) -> T | None:
 
 def _cuda_handle(nvml: Any, cuda_index: int) -> Any:
     """CUDA numbers the devices CUDA_VISIBLE_DEVICES lists (by index or UUID) from 0; NVML
-    numbers every device on the host: `cuda:0` is NVML's device 3 under CUDA_VISIBLE_DEVICES=3."""
+    numbers every device on the host: `cuda:0` is NVML's device 3 under CUDA_VISIBLE_DEVICES=3.
+    Indices agree only in PCI bus order, which `batchline` sets (CUDA_DEVICE_ORDER=PCI_BUS_ID)."""
+    from server.devices import visible_entries
+
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return nvml.nvmlDeviceGetHandleByIndex(cuda_index)
-    entry = [e.strip() for e in visible.split(",") if e.strip()][cuda_index]
+    entry = visible_entries(visible)[cuda_index]
     if entry.isdigit():
         return nvml.nvmlDeviceGetHandleByIndex(int(entry))
     return nvml.nvmlDeviceGetHandleByUUID(entry)

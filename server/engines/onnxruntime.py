@@ -67,8 +67,11 @@ def tensorrt_provider_options(config: ModelConfig, device: Device, artifact: Pat
         "trt_timing_cache_enable": trt.timing_cache,
     }
     if trt.engine_cache or trt.timing_cache:
-        folder = ort_cache_folder(artifact, device, {**options, **shapes})
-        folder.mkdir(parents=True, exist_ok=True)  # ORT creates one level only
+        try:
+            folder = ort_cache_folder(artifact, device, {**options, **shapes})
+            folder.mkdir(parents=True, exist_ok=True)  # ORT creates one level only
+        except OSError as exc:
+            raise EngineError(f"the TensorRT cache folder for {artifact} cannot be made: {exc}") from exc
         if trt.engine_cache:
             options["trt_engine_cache_path"] = str(folder)
         if trt.timing_cache:
@@ -90,17 +93,21 @@ def ort_cache_folder(artifact: Path, device: Device, options: dict[str, Any]) ->
         "options": {k: v for k, v in options.items() if k != "device_id"},
         "gpu": identity(device.index),
         "onnxruntime": ort.__version__,
-        "tensorrt": _installed_version("tensorrt"),
+        "tensorrt": _tensorrt_version(),
     }
     key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
     return cache_root() / "ort" / key
 
 
-def _installed_version(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "system"
+def _tensorrt_version() -> str:
+    """TensorRT's version where Python can tell (the tensorrt package, or its CUDA-specific
+    wheels); "system" for libraries ORT finds on its own."""
+    for name in ("tensorrt", "tensorrt-cu13", "tensorrt-cu12", "tensorrt-cu11", "tensorrt-libs"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return "system"
 
 
 def check_providers(requested: list[str | tuple[str, dict]], taken: list[str]) -> None:

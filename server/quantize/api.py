@@ -176,7 +176,7 @@ def _build(
             timing = _Timing(dirs, bench_seconds, sequence_length, Path(work), track, device)
             bench = timing.run(variant_config, stage, bench_batches, "timing the build")
             exported = Path(work) / "fp32.onnx"
-            if output.engine != source_config.engine and exported.is_file():
+            if output.engine == "onnxruntime" and source_config.engine != "onnxruntime" and exported.is_file():
                 bench["fp32_same_engine"] = _same_engine_time(
                     timing, variant_config, exported, [b["batch"] for b in bench["buckets"]]
                 )

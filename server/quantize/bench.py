@@ -81,7 +81,7 @@ def benchmark(
         code = child.wait()
         errors.seek(0)
         stderr = errors.read()
-    results = [line.removeprefix(RESULT) for line in lines if line.startswith(RESULT)]
+    results = [line.partition(RESULT)[2] for line in lines if RESULT in line]  # even glued to other output
     if code != 0 or not results:
         from server.quantize.errors import BuildError
 

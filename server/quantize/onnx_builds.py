@@ -252,6 +252,8 @@ def _static(prepared: Path, ctx: BuildContext, notes: list[str]) -> BuildOutput:
 def static_qdq_graph(ctx: BuildContext, notes: list[str]) -> Path:
     """A calibrated, symmetric Q/DQ graph of the source in the scratch folder: what TensorRT's
     explicit quantization builds INT8 engines from (TensorRT takes zero points of 0 only)."""
+    if not isinstance(ctx.data, ClassificationData):
+        raise BuildError("TensorRT INT8 calibrates on images; this model has none (build fp16 or bf16 plans)")
     out = ctx.work / "qdq.onnx"
     quantize_qdq(_pre_process(source_onnx(ctx), ctx, notes), out, ctx, notes, symmetric=True)
     return out

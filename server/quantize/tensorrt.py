@@ -86,8 +86,10 @@ def build(ctx: BuildContext) -> BuildOutput:
         graph = static_qdq_graph(ctx, notes)
         check_int8_graph({n.op_type for n in onnx.load(str(graph), load_external_data=False).graph.node})
     else:
-        if ctx.options["calibration"] != "train":
-            raise BuildError("calibration applies to TensorRT INT8 builds only")
+        calibrating = {k: v for k, v in ctx.options.items() if k != "workspace_mb"}
+        changed = sorted(k for k, v in calibrating.items() if v != defaults(ctx.source_config, ctx.data)[k])
+        if changed:
+            raise BuildError(f"{changed} apply to TensorRT INT8 builds only (calibration)")
         graph = source_onnx(ctx)
     built = build_engine(graph, ctx.stage / "model.plan", ctx.source_config, ctx.precision,
                          workspace_mb=int(ctx.options["workspace_mb"]))
@@ -180,5 +182,11 @@ def _write_atomically(path: Path, data: bytes) -> None:
     one, never half of it; concurrent writers each have their own temporary file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as partial:
-        partial.write(data)
-    Path(partial.name).replace(path)
+        temporary = Path(partial.name)
+        try:
+            partial.write(data)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+    temporary.chmod(0o644)  # a cache other users may share: not mkstemp's 0600
+    temporary.replace(path)

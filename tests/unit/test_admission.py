@@ -327,3 +327,5 @@ def test_cuda_visible_devices_narrows_the_gpus_instances_may_use() -> None:
     assert cuda_visible(8, "GPU-1f2e") == 1
     assert cuda_visible(8, "") == 0  # nothing visible
     assert cuda_visible(1, "0,1,2") == 1  # never more than are present
+    assert cuda_visible(8, "-1") == 0  # the usual way to hide every GPU
+    assert cuda_visible(8, "2,bogus,3") == 1  # CUDA stops at the first entry it cannot read

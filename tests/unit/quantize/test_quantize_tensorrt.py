@@ -237,3 +237,14 @@ def test_int8_plans_start_from_a_calibrated_symmetric_qdq_graph(repository: Path
     assert output.engine == "tensorrt" and "Q/DQ" in output.method
     with pytest.raises(BuildError, match="INT8 builds only"):
         tensorrt.build(_context(repository, tmp_path / "fp16", "fp16", calibration="zeros"))
+
+
+def test_int8_plans_of_a_text_model_are_refused_before_any_work() -> None:
+    from types import SimpleNamespace
+
+    from server.quantize.data import EmbeddingData
+    from server.quantize.onnx_builds import static_qdq_graph
+
+    context = SimpleNamespace(data=EmbeddingData(sentences=["a"], triplets=[], fingerprint="f"))
+    with pytest.raises(BuildError, match="calibrates on images"):
+        static_qdq_graph(context, [])  # type: ignore[arg-type]
