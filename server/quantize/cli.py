@@ -24,7 +24,8 @@ def add_build_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         description="Build MODEL for an engine and precision as a new model of the repository "
         "(default name MODEL-ENGINE-PRECISION). The build is evaluated against FP32 on the model's "
         "held-out data (models/MODEL/eval/) and published as the variant's next version only if it "
-        "passes the quality gate. An identical earlier build is reused (cache).",
+        "passes the quality gate. An identical earlier build is reused (cache). Steps are printed on "
+        "stderr; on a terminal, long steps (calibration, evaluation, timing) draw progress bars.",
     )
     parser.add_argument("model", help="the FP32 source model")
     parser.add_argument("--engine", required=True, choices=ENGINES)
