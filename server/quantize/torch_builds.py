@@ -61,7 +61,7 @@ def int8_defaults(source: ModelConfig, data: EvalData) -> Options:
 
 
 def int8(ctx: BuildContext) -> BuildOutput:
-    """INT8 by torchao: `dynamic` (INT8 weights, activations quantized per batch at run time),
+    """INT8 by torchao: `dynamic` (INT8 weights, activations quantized per row at run time),
     `weight_only` (INT8 weights, FP32 compute), or `static` (PT2E, calibrated Q/DQ)."""
     scheme = ctx.options["scheme"]
     if scheme not in SCHEMES:
