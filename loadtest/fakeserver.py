@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtest import localserver
 from loadtest.payloads import HEADER_LENGTH
 
 OUTPUTS: dict[str, tuple[str, int]] = {"image": ("probabilities", 10), "text": ("embedding", 384)}
@@ -264,12 +265,7 @@ def running(service_ms: float, per_item_ms: float = 0.0, metrics: bool = True, c
                 raise RuntimeError(f"the fake server did not start (exit {process.poll()})")
         yield line.strip()[len(READY_LINE):]
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        localserver.stop(process, timeout_s=10)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,11 +13,9 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from loadtest import machine, report
+from loadtest import localserver, machine, report
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
@@ -49,39 +47,11 @@ def variant_repository(folder: Path, model: str, batching: bool) -> Path:
     return root
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def pinned_server(repository: Path, model: str, cpu: int, log: Path) -> Iterator[str]:
-    port = _free_port()
-    command = ["taskset", "-c", str(cpu), sys.executable, "-m", "server.cli", "serve",
-               "--model-repository", str(repository), "--model", model, "--engine-threads", "1",
-               "--http-port", str(port), "--log-level", "warning"]
-    with open(log, "w") as output:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"the server exited; see {log}")
-                try:
-                    with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=1) as response:
-                        if response.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server was not ready in 300 s; see {log}")
-                time.sleep(0.3)
-            yield url
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
+    with localserver.running_server(repository, "--model", model, "--engine-threads", "1", "--log-level", "warning",
+                                    cpu=cpu, log_path=log) as url:
+        yield url
 
 
 def _bench(*arguments: str) -> dict[str, Any]:

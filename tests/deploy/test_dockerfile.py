@@ -29,8 +29,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loadtest.localserver import free_port
 from tests.deploy.contract import ROOT, run, tool
-from tests.integration.conftest import MODELS, free_port
+from tests.integration.conftest import MODELS
 
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"

@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
+
+from loadtest import localserver
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "models"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -32,44 +23,13 @@ def running_server(
 ) -> Iterator[str]:
     """Start `batchline serve` on a free loopback port; yield its base URL; stop it.
     Its output goes to `log_path` (default: a file in the temp folder)."""
-    port = free_port()
     if log_path is None:
         logs = Path(tempfile.gettempdir()) / "batchline-test-logs"
         logs.mkdir(exist_ok=True)
-        log_path = logs / f"server-{port}.log"
-    log = open(log_path, "w+")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--model-repository", str(repository),
-         "--host", "127.0.0.1", "--http-port", str(port), *extra],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait(url, process, log, "/v2/health/ready" if wait_ready else "/v2/health/live")
+        log_path = logs / f"server-{time.monotonic_ns()}.log"
+    with localserver.running_server(repository, *extra, log_path=log_path, startup_timeout_s=180,
+                                    wait_path="/v2/health/ready" if wait_ready else "/v2/health/live") as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
-
-
-def _wait(url: str, process: subprocess.Popen, log, path: str, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log.read()}")
-        try:
-            if httpx.get(url + path, timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    log.seek(0)
-    raise RuntimeError(f"server not up on {url}{path} after {timeout_s}s:\n{log.read()}")
 
 
 def linked_repository(root: Path, models: tuple[str, ...] = ("digits", "minilm")) -> Path:
