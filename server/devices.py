@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 from server.config import InstanceGroup
 from server.errors import EngineError
+from server.gpu import cuda_device_count
 
 
 @dataclass(frozen=True)
@@ -21,37 +21,8 @@ class Device:
 
 @functools.cache
 def visible_gpu_count() -> int:
-    """GPUs this process may use: those NVML sees, narrowed by CUDA_VISIBLE_DEVICES when set
-    (CUDA renumbers the listed devices from 0; NVML always sees the whole host). 0 where NVML
-    (nvidia-ml-py or the driver) is absent."""
-    try:
-        import pynvml
-    except ImportError:
-        return 0
-    try:
-        pynvml.nvmlInit()
-        present = int(pynvml.nvmlDeviceGetCount())
-    except pynvml.NVMLError:
-        return 0
-    return cuda_visible(present, os.environ.get("CUDA_VISIBLE_DEVICES"))
-
-
-def cuda_visible(present: int, listed: str | None) -> int:
-    """How many of `present` GPUs CUDA_VISIBLE_DEVICES=`listed` leaves (None: all of them)."""
-    if listed is None:
-        return present
-    return min(present, len(visible_entries(listed)))
-
-
-def visible_entries(listed: str) -> list[str]:
-    """CUDA_VISIBLE_DEVICES as CUDA reads it: indices or GPU-/MIG- UUIDs, up to the first entry
-    that is neither (so "-1", a common way to hide every GPU, leaves none)."""
-    entries = []
-    for entry in (e.strip() for e in listed.split(",")):
-        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
-            break
-        entries.append(entry)
-    return entries
+    """GPUs this process may use (NVML's, narrowed by CUDA_VISIBLE_DEVICES), read once."""
+    return cuda_device_count()
 
 
 def placements(groups: list[InstanceGroup], gpu_count: int | None = None) -> list[Device]:

@@ -89,8 +89,6 @@ def _cuda_handle(nvml: Any, cuda_index: int) -> Any:
     """CUDA numbers the devices CUDA_VISIBLE_DEVICES lists (by index or UUID) from 0; NVML
     numbers every device on the host: `cuda:0` is NVML's device 3 under CUDA_VISIBLE_DEVICES=3.
     Indices agree only in PCI bus order, which `batchline` sets (CUDA_DEVICE_ORDER=PCI_BUS_ID)."""
-    from server.devices import visible_entries
-
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return nvml.nvmlDeviceGetHandleByIndex(cuda_index)
@@ -118,3 +116,35 @@ def identity(index: int) -> str | None:
         return None
     name, (major, minor) = found
     return f"{name.decode() if isinstance(name, bytes) else name} sm{major}{minor}"
+
+
+def cuda_device_count() -> int:
+    """GPUs this process may use: those NVML sees, narrowed by CUDA_VISIBLE_DEVICES when set
+    (CUDA renumbers the listed devices from 0; NVML always sees the whole host). 0 where NVML
+    (nvidia-ml-py or the driver) is absent."""
+    nvml = _nvml()
+    if nvml is None:
+        return 0
+    try:
+        present = int(nvml.nvmlDeviceGetCount())
+    except nvml.NVMLError:
+        return 0
+    return cuda_visible(present, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def cuda_visible(present: int, listed: str | None) -> int:
+    """How many of `present` GPUs CUDA_VISIBLE_DEVICES=`listed` leaves (None: all of them)."""
+    if listed is None:
+        return present
+    return min(present, len(visible_entries(listed)))
+
+
+def visible_entries(listed: str) -> list[str]:
+    """CUDA_VISIBLE_DEVICES as CUDA reads it: indices or GPU-/MIG- UUIDs, up to the first entry
+    that is neither (so "-1", a common way to hide every GPU, leaves none)."""
+    entries = []
+    for entry in (e.strip() for e in listed.split(",")):
+        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+            break
+        entries.append(entry)
+    return entries

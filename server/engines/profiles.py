@@ -1,10 +1,10 @@
-"""TensorRT optimization profiles (one per batch bucket) and cache folder, for plans and ORT's TensorRT EP.
+"""TensorRT optimization profiles and cache folder, for plans and ORT's TensorRT EP.
 
 A TensorRT engine with dynamic shapes is tuned per profile (min/opt/max shape of every input).
-One profile per batch bucket, tuned at the bucket, means a batch the pipeline padded to a bucket
-always runs on kernels chosen for exactly its size. Pure: computed from the config alone, so the
-TensorRT plan builder (server/quantize/tensorrt.py) and the onnxruntime engine's TensorRT provider
-options agree, and both are tested without TensorRT.
+Plans get one profile per batch bucket, tuned at the bucket, so a batch the pipeline padded to a
+bucket runs on kernels chosen for exactly its size; ORT's TensorRT EP, which runs profile 0 only,
+gets one profile spanning them (`provider_shapes`). Pure: computed from the config alone, so both
+derive from the same buckets and are tested without TensorRT.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ from pydantic import ValidationError
 from server import errors
 from server.config import InstanceGroup, ModelConfig
 from server.dataplane import selected_outputs
-from server.devices import Device, cuda_visible, placements
+from server.devices import Device, placements
 from server.errors import EngineError, InvalidInput
+from server.gpu import cuda_visible
 from server.http.errors import STATUS_BY_ERROR, status_of
 from server.protocol.v2 import DecodedRequest, RequestedOutput
 from server.scheduler.admission import validate_inputs

@@ -25,7 +25,6 @@ from server.protocol.v2 import (
 INTEGERS = ["UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"]
 FLOATS = ["FP16", "FP32", "FP64", "BF16"]
 
-INTEGERS_JSON = INTEGERS
 NUMPY = {
     "UINT8": np.uint8,
     "UINT16": np.uint16,
@@ -107,7 +106,7 @@ def assert_same(actual: np.ndarray, expected: np.ndarray) -> None:
 # --- JSON inputs -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("datatype", INTEGERS_JSON)
+@pytest.mark.parametrize("datatype", INTEGERS)
 def test_json_integers_flat_and_nested(datatype: str) -> None:
     expected = sample(datatype, [2, 3])
     for data in (expected.reshape(-1).tolist(), expected.tolist()):
@@ -200,7 +199,7 @@ def test_binary_client_body_decodes(datatype: str) -> None:
     assert_same(array, expected)
 
 
-@pytest.mark.parametrize("datatype", [*INTEGERS_JSON, "FP16", "FP32", "FP64", "BOOL", "BYTES"])
+@pytest.mark.parametrize("datatype", [*INTEGERS, "FP16", "FP32", "FP64", "BOOL", "BYTES"])
 def test_json_client_body_matches_binary(datatype: str) -> None:
     expected = sample(datatype, [3, 2])
     if datatype == "BYTES":  # JSON carries UTF-8 strings only

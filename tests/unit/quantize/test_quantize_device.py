@@ -110,3 +110,17 @@ def test_torchao_dynamic_is_refused_for_the_gpu() -> None:
     context = SimpleNamespace(options={"scheme": "dynamic", "calibration": "train"}, device="gpu")
     with pytest.raises(BuildError, match="weight_only on GPUs"):
         torch_builds.int8(context)  # type: ignore[arg-type]
+
+
+def test_the_gpu_count_is_nvmls_narrowed_by_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Four(FakeNvml):
+        def nvmlDeviceGetCount(self) -> int:
+            return 4
+
+    monkeypatch.setattr(gpu, "_nvml", lambda: Four([]))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpu.cuda_device_count() == 4
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,2")
+    assert gpu.cuda_device_count() == 2
+    monkeypatch.setattr(gpu, "_nvml", lambda: None)
+    assert gpu.cuda_device_count() == 0
