@@ -6,6 +6,7 @@ Tensors cross this boundary as numpy arrays keyed by the engine's own tensor nam
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,3 +52,13 @@ def artifact_path(config: ModelConfig, version_dir: Path, default_filename: str)
     if not path.is_file():
         raise EngineError(f"model artifact {path} is missing (was the model built?)")
     return path
+
+
+def file_digest(path: Path, chunk: int = 1 << 20) -> str:
+    """sha256 of a file's bytes, streamed (artifacts may be GBs): what a cache keyed by an
+    artifact must use, since a rebuilt model keeps its file name."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

@@ -17,7 +17,7 @@ import onnxruntime as ort
 
 from server.config import ModelConfig
 from server.devices import Device
-from server.engines.base import Engine, EngineDescription, artifact_path
+from server.engines.base import Engine, EngineDescription, artifact_path, file_digest
 from server.engines.profiles import cache_root, provider_shapes
 from server.errors import EngineError
 
@@ -84,12 +84,8 @@ def ort_cache_folder(artifact: Path, device: Device, options: dict[str, Any]) ->
     (precision flags, workspace, profiles), the GPU model, and the ORT and TensorRT versions."""
     from server.gpu import identity
 
-    digest = hashlib.sha256()
-    with artifact.open("rb") as handle:
-        while block := handle.read(1 << 20):
-            digest.update(block)
     material = {
-        "artifact": digest.hexdigest(),
+        "artifact": file_digest(artifact),
         "options": {k: v for k, v in options.items() if k != "device_id"},
         "gpu": identity(device.index),
         "onnxruntime": ort.__version__,

@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 
 from server.config import CONFIG_FILENAME, BuildGate, BuildSpec, ModelConfig, load_model_config
+from server.engines.base import file_digest
 from server.quantize import variant as variants
 from server.quantize.builders import BuildContext, resolve_options, select
-from server.quantize.cache import cache_key, file_digest, library_versions
+from server.quantize.cache import cache_key, library_versions
 from server.quantize.data import EvalData, load_eval_data
 from server.quantize.errors import BuildError
 from server.quantize.progress import Track, untracked

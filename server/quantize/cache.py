@@ -11,21 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 # Bump when a builder's output changes for identical inputs (new conversion code, fixed bug).
 BUILDER_REVISION = 1
 LIBRARIES = ("onnxruntime", "onnx", "torch", "torchao", "numpy", "tensorrt")
-
-
-def file_digest(path: Path, chunk: int = 1 << 20) -> str:
-    """sha256 of a file's bytes, streamed (artifacts may be GBs)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def library_versions(names: tuple[str, ...] = LIBRARIES) -> dict[str, str]:

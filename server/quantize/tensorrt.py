@@ -129,7 +129,7 @@ def build_engine(
         raise BuildError(NOT_INSTALLED) from exc
     import torch
 
-    from server.quantize.cache import file_digest
+    from server.engines.base import file_digest
 
     cache = cache or cache_root()
     profiles = optimization_profiles(config)

@@ -8,8 +8,9 @@ import pytest
 import yaml
 
 from server.config import BuildSpec, load_model_config
+from server.engines.base import file_digest
 from server.quantize import variant
-from server.quantize.cache import cache_key, file_digest
+from server.quantize.cache import cache_key
 from server.quantize.cli import parse_option
 from server.quantize.errors import BuildError
 
