@@ -56,14 +56,20 @@ def add_parser(modes: Any, parents: runs.Parents) -> None:
 
 
 def scratch_repository(source: Path, model: str) -> Path:
-    """A repository holding `model` with its config copied and its version folders and eval/ linked."""
+    """A temporary repository holding `model`, linked from `source` (see link_model)."""
     root = Path(tempfile.mkdtemp(prefix="batchline-builds-"))
-    (root / model).mkdir()
+    link_model(source, root, model)
+    return root
+
+
+def link_model(source: Path, root: Path, model: str) -> None:
+    """`model` of repository `source` into repository `root`: its config copied (free to edit),
+    its version folders and eval/ linked, so builds into `root` never write `source`."""
+    (root / model).mkdir(parents=True)
     shutil.copyfile(source / model / "config.yaml", root / model / "config.yaml")
     for part in (source / model).iterdir():
         if part.name == "eval" or (part.is_dir() and part.name.isdigit()):
             (root / model / part.name).symlink_to(part.resolve())
-    return root
 
 
 def build_name(engine: str, precision: str, options: dict[str, Any]) -> str:

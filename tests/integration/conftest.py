@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from loadtest import localserver
+from loadtest.builds import link_model
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "models"
@@ -38,10 +39,7 @@ def linked_repository(root: Path, models: tuple[str, ...] = ("digits", "minilm")
     for name in models:
         if not (MODELS / name / "1").is_dir():
             pytest.fail(f"models/{name}/1 is not built; run `make models` (make test does it)")
-        (root / name).mkdir(parents=True)
-        shutil.copyfile(MODELS / name / "config.yaml", root / name / "config.yaml")
-        (root / name / "1").symlink_to(MODELS / name / "1")
-        (root / name / "eval").symlink_to(MODELS / name / "eval")
+        link_model(MODELS, root, name)
     return root
 
 
