@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 MODEL_ARTIFACTS := models/minilm/1/model.onnx models/digits/1/model.pt2
 
-.PHONY: setup models serve test clean
+.PHONY: setup models serve test test-tools clean
 
 setup: $(STAMP) $(MODEL_ARTIFACTS)
 
@@ -30,7 +30,12 @@ models/digits/1/model.pt2: models/digits/build.py | $(STAMP)
 serve: setup
 	$(BIN)/batchline serve
 
-test: setup
+# wrk and prometheus (promtool) come from the system's packages: installed when missing, or a
+# one-line reason why they cannot be, before any test runs.
+test-tools:
+	sh scripts/test-tools.sh
+
+test: setup test-tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -31,7 +31,7 @@ import pytest
 
 from loadtest.localserver import free_port
 from tests.deploy.contract import ROOT, run, tool
-from tests.integration.conftest import MODELS
+from tests.integration.conftest import MODELS, linked_repository
 
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
@@ -358,17 +358,11 @@ def test_check_build_knows_this_machine() -> None:
     assert run(sys.executable, script, "tpu", check=False).returncode == 2
 
 
-def require_built_models() -> None:
-    missing = [p for p in (MODELS / "minilm/1/model.onnx", MODELS / "digits/1/model.pt2") if not p.is_file()]
-    if missing:
-        pytest.fail(f"models are not built ({missing}); run `make models` (make test does it)")
-
-
 def test_assemble_repository_copies_configs_and_versions_only(tmp_path: Path) -> None:
-    require_built_models()
+    source = linked_repository(tmp_path / "models")
     target = tmp_path / "repository"
-    run("sh", str(DOCKER_DIR / "assemble-repository.sh"), str(MODELS), str(target))
-    for model in (p for p in MODELS.iterdir() if (p / "config.yaml").is_file()):
+    run("sh", str(DOCKER_DIR / "assemble-repository.sh"), str(source), str(target))
+    for model in (p for p in source.iterdir() if (p / "config.yaml").is_file()):
         copied = sorted(p.name for p in (target / model.name).iterdir())
         versions = sorted(p.name for p in model.iterdir() if p.is_dir() and p.name.isdigit())
         assert copied == sorted(["config.yaml", *versions]), f"{model.name}: {copied}"
@@ -472,9 +466,7 @@ def test_the_image_venv_lacks_the_extras(tmp_path: Path) -> None:
 
 def test_the_image_serves_torchao_int8_programs(tmp_path: Path) -> None:
     """A torch INT8 build (torchao dynamic) loads and answers with only the image's packages."""
-    require_built_models()
     from server.quantize import build
-    from tests.integration.conftest import linked_repository
 
     repository = linked_repository(tmp_path / "models", ("digits",))
     built = build(repository, "digits", "torch", "int8", progress=lambda _: None, benchmark=False)
@@ -512,11 +504,11 @@ def test_the_image_command_serves_checks_health_and_drains_on_sigterm(dockerfile
     image's Python packages importable: it serves every model, the HEALTHCHECK script passes,
     and requests in flight at SIGTERM complete before the process ends (uvicorn then re-raises
     the SIGTERM)."""
-    require_built_models()
     _, stages = dockerfile
     runtime = stages["runtime"]
     repository = tmp_path / "models"
-    run("sh", str(DOCKER_DIR / "assemble-repository.sh"), str(MODELS), str(repository))
+    source = linked_repository(tmp_path / "source")
+    run("sh", str(DOCKER_DIR / "assemble-repository.sh"), str(source), str(repository))
     env = {**os.environ, **runtime.env(), "BATCHLINE_MODEL_REPOSITORY": str(repository), "HOME": str(tmp_path),
            **image_python_env(tmp_path)}
     env["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # the image's /opt/venv/bin first

@@ -30,7 +30,7 @@ from tests.deploy.contract import (
     value,
     wait_for,
 )
-from tests.integration.conftest import MODELS, running_server
+from tests.integration.conftest import linked_repository, running_server
 
 pytestmark = pytest.mark.integration
 
@@ -40,11 +40,6 @@ LOAD_S = 45  # at most; stops once the signal has clearly risen
 RISEN = 1.0  # requests waiting per replica (1m mean) that counts as "risen"
 SENTENCES = [f"request {i}: dynamic batching trades a little latency for a lot more throughput, "
              "and the queue tells the autoscaler when one replica is no longer enough." for i in range(16)]
-
-
-def require_built_models() -> None:
-    if not (MODELS / "minilm/1/model.onnx").is_file():
-        pytest.fail("models are not built; run `make models` (make test does it)")
 
 
 def load(url: str, stop: threading.Event, deadline: float, statuses: list[int]) -> None:
@@ -58,9 +53,9 @@ def load(url: str, stop: threading.Event, deadline: float, statuses: list[int]) 
 
 
 def test_autoscaling_queries_follow_the_load(tmp_path: Path) -> None:
-    require_built_models()
     price = 0.36
-    with running_server(MODELS, "--model", "minilm", "--engine-threads", "1",
+    repository = linked_repository(tmp_path / "models", ("minilm",))
+    with running_server(repository, "--engine-threads", "1",
                         "--device-price-per-hour", str(price)) as server:
         target = server.removeprefix("http://")
         with running_prometheus(tmp_path / "prometheus", target) as prometheus:

@@ -33,27 +33,36 @@ def running_server(
         yield url
 
 
-def linked_repository(root: Path, models: tuple[str, ...] = ("digits", "minilm")) -> Path:
-    """A repository of the built models: config copied (free to edit), version 1 and eval/
-    linked, never written."""
+SHIPPED_MODELS = ("digits", "minilm")  # the models whose build scripts ship in models/
+
+
+def require_built_models(models: tuple[str, ...] = SHIPPED_MODELS) -> None:
+    """Fail (never skip) when a shipped model is not built: `make test` builds them first."""
+    missing = [name for name in models if not (MODELS / name / "1").is_dir()]
+    if missing:
+        pytest.fail(f"models {missing} are not built; run `make models` (make test does it)")
+
+
+def linked_repository(root: Path, models: tuple[str, ...] = SHIPPED_MODELS) -> Path:
+    """A repository of the shipped models only, whatever else a user built into models/:
+    config copied (free to edit), version 1 and eval/ linked, never written."""
+    require_built_models(models)
     for name in models:
-        if not (MODELS / name / "1").is_dir():
-            pytest.fail(f"models/{name}/1 is not built; run `make models` (make test does it)")
         link_model(MODELS, root, name)
     return root
 
 
-def _require_built_models() -> None:
-    missing = [p for p in (MODELS / "minilm/1/model.onnx", MODELS / "digits/1/model.pt2") if not p.is_file()]
-    if missing:
-        pytest.fail(f"models are not built ({missing}); run `make models` (make test does it)")
+@pytest.fixture(scope="session")
+def shipped_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped models in a repository of their own (read-only use: tests that edit
+    configs make their own)."""
+    return linked_repository(tmp_path_factory.mktemp("shipped") / "models")
 
 
 @pytest.fixture(scope="session")
-def server_url() -> Iterator[str]:
-    """The default repository, served as `make serve` would."""
-    _require_built_models()
-    with running_server(MODELS) as url:
+def server_url(shipped_repository: Path) -> Iterator[str]:
+    """The shipped models, served as `make serve` serves them."""
+    with running_server(shipped_repository) as url:
         yield url
 
 
@@ -67,7 +76,7 @@ def host(server_url: str) -> str:
 def scratch_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A repository of its own: a copy of digits, digits with three versions of which the policy
     serves two, a model whose artifact is missing, and a model whose config is invalid."""
-    _require_built_models()
+    require_built_models()
     root = tmp_path_factory.mktemp("repo") / "models"
     shutil.copytree(MODELS / "digits", root / "digits", ignore=shutil.ignore_patterns("build.py"))
     broken = root / "broken"

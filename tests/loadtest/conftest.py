@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from loadtest import fakeserver
-from tests.integration.conftest import MODELS, running_server
+from tests.integration.conftest import linked_repository, running_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,12 +39,9 @@ def assert_figure(folder: Path, mode: str) -> str:
 
 @pytest.fixture(scope="session")
 def digits_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The default repository, digits only, its log kept in a temporary folder."""
-    if not (MODELS / "digits/1/model.pt2").is_file():
-        pytest.fail("models are not built; run `make models` (make test does it)")
-    link = tmp_path_factory.mktemp("server") / "models"
-    link.symlink_to(MODELS, target_is_directory=True)
-    with running_server(link, "--model", "digits") as url:
+    """The shipped digits model, served alone, its log kept in a temporary folder."""
+    repository = linked_repository(tmp_path_factory.mktemp("server") / "models", ("digits",))
+    with running_server(repository) as url:
         yield url
 
 
