@@ -79,7 +79,7 @@ def build(
     `BuildError` (an EngineError) or `ConfigError` when no build can be made at all.
     """
     started = time.perf_counter()
-    repository = Path(repository)
+    repository = Path(repository).absolute()  # child processes and scratch folders run elsewhere
     source = _source(repository, model)
     source_config, source_version, source_version_dir, source_artifact = source
     variant = name or variants.variant_name(model, engine, precision)
@@ -226,6 +226,26 @@ def _source(repository: Path, model: str) -> tuple[ModelConfig, int, Path, Path]
     if not artifact.is_file():
         raise BuildError(f"the source artifact {artifact} is missing (was the model built?)")
     return config, selected[-1], version_dir, artifact
+
+
+def published_build(repository: Path, variant: str, spec: BuildSpec) -> BuildReport | None:
+    """The variant's latest published build if `spec` made it from the source's current artifact:
+    it passed its gate when it was built, so it may serve as it is where the evaluation data a
+    rebuild needs is absent (a serving image carries version folders, not eval/)."""
+    try:
+        _, _, _, artifact = _source(Path(repository), spec.source)
+    except BuildError:
+        return None
+    published = [(f, r) for f, r in find_reports(Path(repository) / variant) if f.name.isdigit() and r.servable]
+    if not published:
+        return None
+    _, report = max(published, key=lambda item: int(item[0].name))
+    made_by_spec = (
+        report.engine == spec.engine and report.precision == spec.precision and report.device == spec.device
+        and all(report.options.get(k) == v for k, v in spec.options.items())
+        and report.source.get("model") == spec.source and report.source.get("sha256") == file_digest(artifact)
+    )
+    return report if made_by_spec else None
 
 
 def _existing_variant(variant_dir: Path, model: str) -> ModelConfig | None:

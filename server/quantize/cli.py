@@ -76,7 +76,7 @@ def run_build(args: argparse.Namespace) -> int:
     from server.quantize.reporting import report
     from server.quantize.variant import variant_name
 
-    repository = args.model_repository or Path(os.environ.get("BATCHLINE_MODEL_REPOSITORY", "models"))
+    repository = (args.model_repository or Path(os.environ.get("BATCHLINE_MODEL_REPOSITORY", "models"))).absolute()
     variant = args.name or variant_name(args.model, args.engine, args.precision)
     try:
         if args.report:

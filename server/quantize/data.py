@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from server.quantize.errors import BuildError
+from server.quantize.errors import BuildError, EvalDataUnavailable
 
 DATASET_FILE = Path("eval") / "dataset.json"
 CALIBRATIONS = ("train", "zeros", "noise")  # the last two are deliberately broken (gate tests)
@@ -57,7 +57,7 @@ def load_eval_data(model_dir: Path, version_dir: Path, calibration: str = "train
     """Read the model's dataset.json; `calibration` other than "train" breaks it on purpose."""
     spec_path = model_dir / DATASET_FILE
     if not spec_path.is_file():
-        raise BuildError(
+        raise EvalDataUnavailable(
             f"{spec_path} is missing: a build is evaluated against FP32 on the model's own held-out data"
         )
     if calibration not in CALIBRATIONS:
@@ -74,7 +74,7 @@ def load_eval_data(model_dir: Path, version_dir: Path, calibration: str = "train
 def _classification(spec: dict, spec_path: Path, version_dir: Path, calibration: str) -> ClassificationData:
     heldout_path = version_dir / spec.get("heldout", "heldout.npz")
     if not heldout_path.is_file():
-        raise BuildError(f"{heldout_path} is missing (was the model built?)")
+        raise EvalDataUnavailable(f"{heldout_path} is missing (was the model built?)")
     with np.load(heldout_path, allow_pickle=False) as held:
         images, labels = held["images"].astype(np.float32), held["labels"].astype(np.int64)
     cal_spec = spec.get("calibration") or {}
@@ -105,8 +105,13 @@ def sklearn_digits_train(cal_spec: dict, heldout: np.ndarray) -> np.ndarray:
     Re-deriving the split (rather than storing it) keeps the repository small; the equality check
     guarantees that no held-out image leaks into calibration even if the split code drifts.
     """
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError as exc:
+        raise EvalDataUnavailable(
+            f"the digits calibration split needs scikit-learn, which is not installed ({exc})"
+        ) from exc
 
     data = load_digits()
     images = data.images.astype(np.float32)[:, None, :, :]
@@ -140,7 +145,9 @@ def _embedding(spec: dict, folder: Path) -> EmbeddingData:
         # "pairs": paraphrase pairs, flattened (each sentence's intended neighbour is its partner)
         sentences = [s for pair in text["pairs"] for s in pair] if "pairs" in text else text["sentences"]
         triplets = [tuple(t) for t in json.loads(triplets_path.read_text(encoding="utf-8"))["triplets"]]
-    except (OSError, KeyError, ValueError) as exc:
+    except OSError as exc:
+        raise EvalDataUnavailable(f"cannot read the evaluation text of {folder}: {exc}") from exc
+    except (KeyError, ValueError) as exc:
         raise BuildError(f"cannot read the evaluation text of {folder}: {exc}") from exc
     if len(sentences) < 2 or any(len(t) != 3 for t in triplets):
         raise BuildError(f"{folder}: need >= 2 sentences and (anchor, positive, negative) triplets")

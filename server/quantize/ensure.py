@@ -26,7 +26,8 @@ def ensure_built(repository: Path, model_name: str, config: ModelConfig, *, benc
     """
     if config.build is None:
         return None
-    from server.quantize.api import build
+    from server.quantize.api import build, published_build
+    from server.quantize.errors import EvalDataUnavailable
 
     spec = config.build
     if spec.source == model_name:
@@ -39,6 +40,13 @@ def ensure_built(repository: Path, model_name: str, config: ModelConfig, *, benc
             options=dict(spec.options), gate=spec.gate, benchmark=benchmark,
             progress=lambda message: logger.info("%s", message),
         )
+    except EvalDataUnavailable as exc:
+        report = published_build(Path(repository), model_name, spec)
+        if report is None:
+            raise EngineError(f"{model_name}: no build of this spec is published, and none can be made here: "
+                              f"{exc.message}") from exc
+        logger.warning("%s: serving version %s as it was built and gated; it cannot be rebuilt or re-judged "
+                       "here (%s)", model_name, report.version, exc.message)
     except (EngineError, ConfigError):  # BuildError is an EngineError: its message says why
         raise
     except Exception as exc:  # a library's own error while converting: name it, keep the server up

@@ -11,3 +11,8 @@ from server.errors import EngineError
 
 class BuildError(EngineError):
     """A build could not be made (unsupported combination, missing library, bad source)."""
+
+
+class EvalDataUnavailable(BuildError):
+    """The source's evaluation data (or the library that derives it) is not here: nothing can be
+    built or re-judged, though a build published earlier may still serve."""
