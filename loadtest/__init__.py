@@ -1,6 +1,6 @@
-"""Load-test and benchmark tooling for Batchline (issue "Measure").
+"""Load-test and benchmark tooling for Batchline.
 
-`loadtest/locustfile.py` drives the server with locust users; `python -m loadtest.bench MODE`
+`loadtest/locustfile.py` drives the server with locust users; `batchline bench MODE`
 measures the engine alone (`engine`), the server closed-loop with wrk (`closed`), open-loop with
 Poisson arrivals (`open`), batching on against off (`batching`), the capacity per replica at a p99
 target and the autoscaling target (`capacity`), two servers side by side (`compare`), client-side

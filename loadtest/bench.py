@@ -1,4 +1,4 @@
-"""`python -m loadtest.bench MODE`: benchmark the engine alone, or a running server.
+"""`batchline bench MODE`: benchmark the engine alone, or a running server.
 
 Each run writes MODE.json, MODE.md and MODE.png into --out, with the machine and the exact
 command line, so that every figure can be reproduced and compared (loadtest/report.py).
@@ -13,7 +13,7 @@ from typing import Any
 
 from loadtest import batchsize, builds, capacity, compare, payloads, precision, report, runs
 
-DESCRIPTION = """Benchmarks for Batchline (issue "Measure"). Modes:
+DESCRIPTION = """Benchmarks for Batchline. Modes:
 
   engine    the engine alone, no server: items/s and latency per batch size; the best is
             "the engine ceiling" that the server is read against
@@ -32,8 +32,8 @@ DESCRIPTION = """Benchmarks for Batchline (issue "Measure"). Modes:
 Each run writes MODE.json (the record: machine, command line, parameters, every level),
 MODE.md (a table) and MODE.png (a plot, with matplotlib) into --out.
 The HTTP modes never start a server: start it yourself, e.g. pinned to CPU 0:
-  taskset -c 0 python -m server.cli serve --http-port 8000
-  python -m loadtest.bench closed --url http://127.0.0.1:8000 --generator-cpu 1 --out out/closed
+  taskset -c 0 batchline serve --http-port 8000
+  batchline bench closed --url http://127.0.0.1:8000 --generator-cpu 1 --out out/closed
 """
 
 ENGINE_HELP = """The engine alone, loaded as the server loads it, called directly: no HTTP, no queue.
@@ -68,7 +68,7 @@ is measured): two servers on one core measure each other."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bench", description=DESCRIPTION,
+    parser = argparse.ArgumentParser(prog="batchline bench", description=DESCRIPTION,
                                      formatter_class=runs.Formatter)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", choices=sorted(payloads.SPECS), default="digits", help="model to measure")

@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmarks: engine ceiling, closed/open loop, batching on/off (see `batchline bench --help`)",
         add_help=False,
     )
-    bench.add_argument("arguments", nargs=argparse.REMAINDER, help="passed to python -m loadtest.bench")
+    bench.add_argument("arguments", nargs=argparse.REMAINDER, help="a mode and its flags (see `batchline bench --help`)")
     bench.set_defaults(handler=_bench)
     add_build_parser(commands)
     return parser

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,25 @@ def test_bench_hands_every_argument_to_the_benchmarks(capsys: pytest.CaptureFixt
         main(["bench", "engine", "--help"])
     assert exited.value.code == 0
     assert "--batch-sizes" in capsys.readouterr().out
+
+
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--help"])
+    assert exited.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_every_help_speaks_of_commands_a_user_types(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every --help names the command as typed (`batchline ...`), never a module path to run,
+    a Python module or the project's issue titles."""
+    from loadtest.bench import build_parser as bench_parser
+
+    modes = [a for a in bench_parser()._actions if a.dest == "mode"][0].choices
+    assert modes and "closed" in modes
+    commands = [(), ("serve",), ("build",), ("bench",), *(("bench", mode) for mode in modes)]
+    for argv in commands:
+        text = _help(capsys, *argv)
+        assert text.startswith("usage: " + " ".join(("batchline", *argv))), (argv, text[:80])
+        internal = re.search(r"python -m|\b(server|loadtest)\.[a-z_]|issue", text)
+        assert internal is None, (argv, internal)
