@@ -36,7 +36,8 @@ from tests.integration.conftest import MODELS, linked_repository
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 DOCKER_DIR = ROOT / "deploy" / "docker"
-SCRIPTS = [DOCKER_DIR / "install-deps.sh", DOCKER_DIR / "assemble-repository.sh", ROOT / "scripts" / "prometheus.sh"]
+SCRIPTS = [DOCKER_DIR / "install-deps.sh", DOCKER_DIR / "assemble-repository.sh", ROOT / "scripts" / "prometheus.sh",
+           ROOT / "scripts" / "test-tools.sh"]
 
 
 # ---- a Dockerfile reader -------------------------------------------------------------------
