@@ -52,7 +52,9 @@ class BatchlineCollector(Collector):
             "batchline_instance_busy_seconds", "Time each instance spent running batches.", labels=[*MODEL_LABELS, "model_instance"]
         )
         histograms = {
-            "request": _histogram("batchline_request_duration_seconds", "Admission to response, per request."),
+            "request": _histogram(
+                "batchline_request_duration_seconds", "Successful requests, receipt to results (the statistics' success)."
+            ),
             "queue": _histogram("batchline_queue_duration_seconds", "Time waiting for an instance, per request."),
             "compute": _histogram("batchline_compute_duration_seconds", "Batch assembly, engine and split, per batch."),
             "batch": _histogram("batchline_batch_size", "Items per executed batch."),

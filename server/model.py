@@ -185,10 +185,9 @@ class ModelVersion:
         started = time.perf_counter_ns()
         self.stats.pending += 1
         try:
-            return await self._admit_and_wait(self._batcher, self._admission, inputs, parameters or {}, record)
+            return await self._admit_and_wait(self._batcher, self._admission, inputs, parameters or {}, record, started)
         finally:
             self.stats.pending -= 1
-            self.stats.request_seconds.observe((time.perf_counter_ns() - started) / 1e9)
 
     async def _admit_and_wait(
         self,
@@ -197,6 +196,7 @@ class ModelVersion:
         inputs: dict[str, tuple[str, np.ndarray]],
         parameters: dict[str, Any],
         record: RequestRecord | None,
+        received_ns: int,
     ) -> dict[str, np.ndarray]:
         try:
             admitted = await admission.admit(inputs, parameters)
@@ -213,6 +213,7 @@ class ModelVersion:
             longest=admitted.longest,
             priority=admitted.priority,
             deadline_ns=admitted.deadline_ns,
+            received_ns=received_ns,
             record=record,
         )
         batcher.submit(request)

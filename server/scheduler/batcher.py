@@ -201,7 +201,7 @@ class Batcher:
                 logger.exception("batch of %d requests failed on %s", len(batch), instance.label)
             done = self._clock()
             for request in batch:
-                self._stats.fail.add(done - request.arrival_ns)
+                self._stats.fail.add(done - request.received_ns)
                 self._stats.count_failure("engine_error")
                 self._release(request, lambda r=request: r.fail(error))
             if isinstance(exc, asyncio.CancelledError):
@@ -215,7 +215,7 @@ class Batcher:
             done = self._clock()
             compute_ns = result.compute_input_ns + result.compute_infer_ns + result.compute_output_ns
             for request, outputs in zip(batch, result.outputs):
-                self._stats.success.add(done - request.arrival_ns)
+                self._stats.record_success(done - request.received_ns)
                 if request.record is not None:
                     request.record.compute_ns = compute_ns
                 self._release(request, lambda r=request, o=outputs: r.resolve(o))

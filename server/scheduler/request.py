@@ -43,11 +43,15 @@ class InferenceRequest:
     longest: int = 0
     priority: int = 1
     deadline_ns: int | None = None
-    arrival_ns: int = field(default_factory=time.perf_counter_ns)
+    arrival_ns: int = field(default_factory=time.perf_counter_ns)  # queued: the queue's clock starts
+    received_ns: int = 0  # the model took it in, before admission: the request's clock starts (0: at arrival)
     state: RequestState = RequestState.QUEUED
     sequence: int = 0
     expiry: asyncio.TimerHandle | None = None
     record: RequestRecord | None = None
+
+    def __post_init__(self) -> None:
+        self.received_ns = self.received_ns or self.arrival_ns
 
     def resolve(self, outputs: dict[str, np.ndarray]) -> None:
         self.state = RequestState.DONE

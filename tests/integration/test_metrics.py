@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 import numpy as np
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -50,7 +51,7 @@ def test_metrics_move_exactly_with_the_requests_sent(server_url: str) -> None:
     assert delta("batchline_batch_size_bucket", le="4") == 3
     assert delta("batchline_queue_duration_seconds_count") == 3
     assert delta("batchline_compute_duration_seconds_count") == 3
-    assert delta("batchline_request_duration_seconds_count") == 4  # the invalid one was timed too
+    assert delta("batchline_request_duration_seconds_count") == 3  # successes only, as the statistics' success
     assert sum(v for (name, lbl), v in after.items() if name == "batchline_dispatch_total" and ("model", "digits") in lbl) \
         == after[("batchline_batches_total", digits())]
     assert after[("batchline_queue_depth", digits())] == 0
@@ -69,3 +70,6 @@ def test_metrics_agree_with_the_statistics_extension(server_url: str) -> None:
         assert samples[("batchline_queue_duration_seconds_count", labels)] == s["inference_stats"]["queue"]["count"]
         success = tuple(sorted({"model": model, "version": s["version"], "outcome": "success"}.items()))
         assert samples[("batchline_requests_total", success)] == s["inference_stats"]["success"]["count"]
+        assert samples[("batchline_request_duration_seconds_count", labels)] == s["inference_stats"]["success"]["count"]
+        assert samples[("batchline_request_duration_seconds_sum", labels)] == \
+            pytest.approx(s["inference_stats"]["success"]["ns"] / 1e9, rel=1e-9, abs=1e-9)

@@ -313,3 +313,28 @@ async def test_drain_runs_what_is_queued() -> None:
         fake.release(i)
     await asyncio.wait_for(draining, 1.0)
     assert all(r.future.done() and not r.future.exception() for r in requests)
+
+
+async def test_success_time_and_the_request_histogram_read_one_clock_from_receipt() -> None:
+    """The statistics' success duration and the request histogram (/metrics) count the same
+    requests over the same span, from receipt (before admission) to results; failures in neither."""
+    fake = FakeInstance()
+    b, stats = batcher([fake])
+    received = time.perf_counter_ns() - 5_000_000  # admission took 5 ms before queueing
+    ok = request([1.0])
+    ok.received_ns = received
+    b.submit(ok)
+    await settle()
+    fake.release()
+    await ok.future
+    bad = request([2.0])
+    fake.fail_next = True
+    b.submit(bad)
+    await settle()
+    fake.release()
+    with pytest.raises(EngineError):
+        await bad.future
+    assert stats.success.count == stats.request_seconds.count == 1 and stats.fail.count == 1
+    assert stats.success.ns >= 5_000_000
+    assert stats.request_seconds.sum == pytest.approx(stats.success.ns / 1e9, rel=1e-12)
+    assert stats.queue.ns < stats.success.ns - 4_000_000  # the queue's clock starts at arrival, not receipt
