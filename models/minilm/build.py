@@ -27,6 +27,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import argparse
 import json
+import logging
 import shutil
 import sys
 import time
@@ -38,6 +39,14 @@ import onnx
 import onnxruntime as ort
 import torch
 from tokenizers import Encoding, Tokenizer
+
+# Known and harmless here, nothing a user can act on: torchao's optional GPU kernels that a CPU
+# machine cannot load, torch's deprecation notes about torchao's enums, the ONNX exporter's
+# torchvision ops (this graph has none), and transformers' weight-loading bar.
+for _quiet in ("torchao", "torch.utils._pytree", "torch.onnx._internal.exporter._registration"):
+    logging.getLogger(_quiet).setLevel(logging.ERROR)
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
 # Not "embedding": with the dynamo exporter that name collides with an

@@ -93,4 +93,7 @@ def run_build(args: argparse.Namespace) -> int:
         print(f"batchline build: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return 2
     print(result.to_json() if args.json else result.markdown())
+    if result.servable:
+        print(f"{variant}: a running server serves this version after `curl -X POST "
+              f"localhost:8000/v2/repository/models/{variant}/load` (or a restart)", file=sys.stderr)
     return 0 if result.servable else 1

@@ -22,4 +22,5 @@ def test_the_readme_int8_build_works_with_the_default_relative_repository(tmp_pa
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "models" / "minilm-onnxruntime-int8" / "1" / "model.onnx").is_file()
     assert "mean_cosine" in done.stdout
+    assert "/v2/repository/models/minilm-onnxruntime-int8/load" in done.stderr  # how to serve it
     assert sorted(p.name for p in MODELS.iterdir()) == before  # the real repository is never written
