@@ -1,7 +1,9 @@
 """KServe v2 routes over HTTP. Thin: read bytes and headers, call the data plane, answer.
 
 The control plane is ordinary FastAPI routes, documented at /docs; the infer route is a bare
-ASGI endpoint in front of them (`infer.py`), described in the same OpenAPI document.
+ASGI endpoint in front of them (`infer.py`), described in the same OpenAPI document (`openapi.py`).
+The documentation pages load their scripts and styles from this server, never from a CDN:
+it often runs where there is no internet.
 """
 
 from __future__ import annotations
@@ -12,67 +14,21 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CollectorRegistry
 
 from server import __version__
 from server.dataplane import DataPlane
+from server.errors import InvalidInput
 from server.http.access_log import AccessLog
 from server.http.errors import error_response, install_error_handlers
 from server.http.infer import FastInferApp, InferEndpoint
+from server.http.openapi import openapi_document
 from server.metrics import CONTENT_TYPE, exposition
 from server.protocol.v2 import json_object
 
 _EMPTY_JSON = b"{}"
-
-_INFER_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "required": ["inputs"],
-                    "properties": {
-                        "id": {"type": "string"},
-                        "parameters": {"type": "object"},
-                        "inputs": {
-                            "type": "array",
-                            "items": {
-                                "type": "object",
-                                "required": ["name", "shape", "datatype"],
-                                "properties": {
-                                    "name": {"type": "string"},
-                                    "shape": {"type": "array", "items": {"type": "integer"}},
-                                    "datatype": {"type": "string"},
-                                    "parameters": {"type": "object"},
-                                    "data": {},
-                                },
-                            },
-                        },
-                        "outputs": {
-                            "type": "array",
-                            "items": {
-                                "type": "object",
-                                "properties": {"name": {"type": "string"}, "parameters": {"type": "object"}},
-                            },
-                        },
-                    },
-                },
-                "example": {
-                    "inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": ["hello"]}]
-                },
-            },
-            "application/octet-stream": {
-                "schema": {"type": "string", "format": "binary"},
-                "description": "Triton binary tensor extension: JSON header of "
-                "Inference-Header-Content-Length bytes, then the tensors' bytes.",
-            },
-        },
-    }
-}
-
 
 def _json(document: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(document), status_code=status, media_type="application/json")
@@ -99,7 +55,8 @@ def create_app(
         yield
         await plane.stop()
 
-    app = FastAPI(
+    app = FastAPIOffline(  # /docs and /redoc, their scripts and styles served from /docs/static
+        static_url="/docs/static",
         title="Batchline",
         version=__version__,
         summary="KServe v2 inference server with dynamic batching",
@@ -151,8 +108,10 @@ def create_app(
 
     @v2.post("/repository/models/{model}/load", summary="Load or reload a model", tags=["repository"])
     async def load(request: Request, model: str) -> Response:
-        options = await _json_object(request)
-        await plane.load(model, options.get("parameters") or {})
+        parameters = (await _json_object(request)).get("parameters") or {}
+        if not isinstance(parameters, dict):
+            raise InvalidInput("'parameters' must be an object")
+        await plane.load(model, parameters)
         return _json({})
 
     @v2.post("/repository/models/{model}/unload", summary="Unload a model", tags=["repository"])
@@ -164,35 +123,17 @@ def create_app(
 
     if metrics is not None:
 
-        @app.get("/metrics", summary="Prometheus metrics", tags=["metrics"])
+        @app.get("/metrics", summary="Prometheus metrics", tags=["metrics"], response_class=PlainTextResponse)
         async def prometheus_metrics() -> Response:
             return Response(exposition(metrics), media_type=CONTENT_TYPE)
 
-    app.openapi = lambda: _openapi_with_infer(app)  # type: ignore[method-assign]
+    app.openapi = lambda: _cached_openapi(app)  # type: ignore[method-assign]
     return FastInferApp(app, InferEndpoint(plane, max_body_bytes, access_log))
 
 
-def _openapi_with_infer(app: FastAPI) -> dict[str, Any]:
-    """The generated document plus the bare infer endpoint, which FastAPI does not see."""
+def _cached_openapi(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
-        responses = {
-            "200": {"description": "Outputs (JSON, or JSON header + binary tensors)"},
-            "400": {"description": "Bad input"},
-            "404": {"description": "Unknown model or version"},
-            "429": {"description": "Queue full; see Retry-After"},
-            "503": {"description": "Model not ready"},
-            "504": {"description": "Deadline passed while queued"},
-        }
-        for path, summary in (
-            ("/v2/models/{model}/infer", "Inference"),
-            ("/v2/models/{model}/versions/{version}/infer", "Inference on a version"),
-        ):
-            parameters = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
-                          for n in ("model", "version") if "{" + n + "}" in path]
-            schema["paths"][path] = {"post": {"summary": summary, "tags": ["KServe v2"], "parameters": parameters,
-                                              "responses": responses, **_INFER_BODY}}
-        app.openapi_schema = schema
+        app.openapi_schema = openapi_document(app)
     return app.openapi_schema
 
 

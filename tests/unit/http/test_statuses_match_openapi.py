@@ -1,0 +1,311 @@
+"""Every status a route sends is declared for it in the OpenAPI document, and every declared
+status is one the route really sends: each is provoked here against the real app (real data
+plane, repository and engine, driven through ASGI), so the document cannot drift from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import numpy as np
+import orjson
+import pytest
+import pytest_asyncio
+import yaml
+from prometheus_client import CollectorRegistry
+
+from server.dataplane import DataPlane
+from server.http.app import create_app
+from server.http.infer import HEADER_LENGTH
+from server.repository import ModelRepository
+from tests.integration.conftest import MODELS, require_built_models
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MAX_BODY_BYTES = 4096
+INFER = "/v2/models/{model}/infer"
+VERSION_INFER = "/v2/models/{model}/versions/{version}/infer"
+IMAGE = {"name": "image", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": [0.0] * 64}
+
+
+def infer_body(**parameters: object) -> bytes:
+    return orjson.dumps({"inputs": [IMAGE], "parameters": parameters})
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One request and the status it must get."""
+
+    method: str
+    path: str
+    status: int
+    body: bytes = b""
+    what: str = ""  # what the body is, when it matters
+
+    def __str__(self) -> str:
+        return " ".join(part for part in (self.method, self.path, self.what, "->", str(self.status)) if part)
+
+
+# The repository (see `served`): digits (version 1 serves, version 2 fails to load), idle (never
+# loaded), broken (no artifact), badconfig (invalid config.yaml). Probes run in this order.
+PROBES = [
+    Probe("GET", "/v2", 200),
+    Probe("GET", "/v2/health/live", 200),
+    Probe("GET", "/v2/models/stats", 200),
+    *(
+        probe
+        for route in ("", "/ready", "/config", "/stats")
+        for probe in (
+            Probe("GET", f"/v2/models/digits{route}", 200),
+            Probe("GET", f"/v2/models/nope{route}", 404),
+            Probe("GET", f"/v2/models/digits/versions/1{route}", 200),
+            Probe("GET", f"/v2/models/digits/versions/9{route}", 404),
+            Probe("GET", f"/v2/models/digits/versions/2{route}", 503),
+        )
+    ),
+    Probe("GET", "/v2/models/idle", 503),
+    Probe("GET", "/v2/models/idle/ready", 503),
+    Probe("GET", "/v2/models/idle/stats", 503),
+    Probe("GET", "/v2/models/badconfig/config", 400),
+    Probe("POST", "/v2/repository/index", 200),
+    Probe("POST", "/v2/repository/index", 200, b'{"ready": true}', "ready only"),
+    Probe("POST", "/v2/repository/index", 400, b"{not json", "bad JSON"),
+    Probe("POST", "/v2/repository/index", 400, b"[]", "a list"),
+    Probe("POST", "/v2/repository/models/nope/load", 404),
+    Probe("POST", "/v2/repository/models/digits/load", 400, b"{not json", "bad JSON"),
+    Probe("POST", "/v2/repository/models/digits/load", 400, b'{"parameters": {"config": "{}"}}', "config override"),
+    Probe("POST", "/v2/repository/models/digits/load", 400, b'{"parameters": ["config"]}', "parameters a list"),
+    Probe("POST", "/v2/repository/models/badconfig/load", 400),
+    Probe("POST", "/v2/repository/models/broken/load", 503),
+    Probe("POST", "/v2/repository/models/digits/load", 200),
+    Probe("POST", "/v2/repository/models/nope/unload", 404),
+    Probe("POST", "/v2/repository/models/idle/unload", 200),
+    Probe("GET", "/metrics", 200),
+    *(
+        probe
+        for path in ("/v2/models/digits/infer", "/v2/models/digits/versions/1/infer")
+        for probe in (
+            Probe("POST", path, 200, infer_body(), "JSON outputs"),
+            Probe("POST", path, 200, infer_body(binary_data_output=True), "binary outputs"),
+            Probe("POST", path, 400, b"{not json", "bad JSON"),
+            Probe("POST", path, 400, orjson.dumps({"inputs": [{**IMAGE, "shape": [1, 1, 8, 7], "data": [0.0] * 56}]}),
+                  "an image of the wrong shape"),
+            Probe("POST", path, 413, infer_body(padding="x" * MAX_BODY_BYTES), "a body over the limit"),
+        )
+    ),
+    Probe("POST", "/v2/models/nope/infer", 404, infer_body()),
+    Probe("POST", "/v2/models/digits/versions/9/infer", 404, infer_body()),
+    Probe("POST", "/v2/models/idle/infer", 503, infer_body()),
+    Probe("POST", "/v2/models/digits/versions/2/infer", 503, infer_body()),
+]
+
+# What the tests below provoke besides PROBES: readiness in its own apps; a busy model's queue
+# and an engine failure on each infer route.
+READINESS = {("GET", "/v2/health/ready", status) for status in (200, 503)}
+ON_A_BUSY_OR_FAILING_MODEL = {("POST", route, status) for route in (INFER, VERSION_INFER) for status in (429, 500, 504)}
+
+
+# --- the app under test -------------------------------------------------------------------------
+
+
+def _write_config(root: Path, name: str, **overrides: Any) -> None:
+    """digits' config under another name, with `overrides` of its top-level fields."""
+    config = yaml.safe_load((MODELS / "digits" / "config.yaml").read_text())
+    config |= {"name": name, "warmup": {"batch_sizes": [1]}, **overrides}  # no profiling: statuses, not speed
+    (root / name).mkdir(parents=True)
+    (root / name / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+def repository(root: Path) -> Path:
+    require_built_models(("digits",))
+    _write_config(
+        root, "digits",
+        version_policy={"all": {}},
+        instance_group=[{"count": 1, "kind": "CPU"}],  # one instance to hold busy
+        dynamic_batching={"default_queue_policy": {"max_queue_size": 1}},  # a queue of one to fill
+    )
+    (root / "digits" / "1").symlink_to(MODELS / "digits" / "1", target_is_directory=True)
+    (root / "digits" / "2").mkdir()  # no artifact: this version fails to load, version 1 serves
+    _write_config(root, "idle")
+    (root / "idle" / "1").symlink_to(MODELS / "digits" / "1", target_is_directory=True)
+    _write_config(root, "broken")
+    (root / "broken" / "1").mkdir()  # no artifact
+    _write_config(root, "badconfig", max_batch_size="many")
+    (root / "badconfig" / "1").mkdir()
+    return root
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[httpx.AsyncClient, DataPlane]]:
+    """The app as `batchline serve` builds it, serving digits, with a small body limit."""
+    plane = DataPlane(ModelRepository(repository(tmp_path_factory.mktemp("statuses") / "models")))
+    app = create_app(plane, ["digits"], max_body_bytes=MAX_BODY_BYTES, metrics=CollectorRegistry())
+    async with started(plane, ["digits"]), client_of(app) as client:
+        assert plane.model_ready("digits", "1"), plane.repository.versions("digits")[0].reason
+        yield client, plane
+
+
+@asynccontextmanager
+async def started(plane: DataPlane, models: list[str]) -> AsyncIterator[None]:
+    """What the app's lifespan does, which ASGITransport does not run: load `models` (until each
+    has loaded or failed), and stop the plane at the end."""
+    plane.start(models)
+    try:
+        await until(lambda: all(plane.repository.versions(m) for m in models), f"{models} to load")
+        yield
+    finally:
+        await plane.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def document(served: tuple[httpx.AsyncClient, DataPlane]) -> dict[str, Any]:
+    response = await served[0].get("/openapi.json")
+    assert response.status_code == 200
+    return response.json()
+
+
+def client_of(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://batchline.test")
+
+
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}"
+        await asyncio.sleep(0.01)
+
+
+# --- checking an answer against the document -----------------------------------------------------
+
+
+def route_of(document: dict[str, Any], method: str, path: str) -> str:
+    """The document's path template that serves `path` (a literal segment wins over a parameter,
+    as in the app's routing: /v2/models/stats is not the metadata of a model named "stats")."""
+    matches = [
+        template
+        for template, operations in document["paths"].items()
+        if method.lower() in operations
+        and re.fullmatch(re.sub(r"\\\{\w+\\\}", "[^/]+", re.escape(template)), path)
+    ]
+    assert matches, f"no operation of the document serves {method} {path}"
+    return min(matches, key=lambda template: template.count("{"))
+
+
+def schema_validator(document: dict[str, Any], name: str) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(
+        {"$ref": f"#/components/schemas/{name}", "components": document["components"]}
+    )
+
+
+def check(document: dict[str, Any], method: str, path: str, response: httpx.Response, status: int) -> None:
+    """The answer has the expected status, declared for its route, with the declared body."""
+    assert response.status_code == status, f"{method} {path}: {response.status_code} {response.text[:300]}"
+    route = route_of(document, method, path)
+    declared = document["paths"][route][method.lower()]["responses"]
+    assert str(status) in declared, f"{method} {route} sends {status}, which the document does not declare"
+    media_type = response.headers["content-type"].split(";")[0]
+    assert media_type in declared[str(status)]["content"], (method, route, status, media_type)
+    if status >= 400:
+        schema_validator(document, "Error").validate(response.json())
+    elif route in (INFER, VERSION_INFER):
+        header_length = int(response.headers.get(HEADER_LENGTH, len(response.content)))
+        schema_validator(document, "InferResponse").validate(orjson.loads(response.content[:header_length]))
+
+
+# --- the tests ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("probe", PROBES, ids=str)
+async def test_a_route_answers_a_status_its_document_declares(
+    served: tuple[httpx.AsyncClient, DataPlane], document: dict[str, Any], probe: Probe
+) -> None:
+    client, _ = served
+    response = await client.request(probe.method, probe.path, content=probe.body)
+    check(document, probe.method, probe.path, response, probe.status)
+
+
+async def test_readiness_is_503_when_a_model_failed_to_load_and_200_when_all_serve(
+    document: dict[str, Any], tmp_path: Path
+) -> None:
+    _write_config(tmp_path / "failing", "broken")
+    (tmp_path / "failing" / "broken" / "1").mkdir()  # no artifact
+    failing = DataPlane(ModelRepository(tmp_path / "failing"))
+    async with started(failing, ["broken"]), client_of(create_app(failing, ["broken"])) as client:
+        check(document, "GET", "/v2/health/ready", await client.get("/v2/health/ready"), 503)
+
+    empty = DataPlane(ModelRepository(tmp_path / "empty"))
+    async with started(empty, []), client_of(create_app(empty, [])) as client:
+        await until(empty.server_ready, "an empty repository to load")
+        check(document, "GET", "/v2/health/ready", await client.get("/v2/health/ready"), 200)
+
+
+@pytest.mark.parametrize("path", ["/v2/models/digits/infer", "/v2/models/digits/versions/1/infer"])
+async def test_a_busy_model_expires_what_waits_too_long_and_refuses_what_it_cannot_queue(
+    served: tuple[httpx.AsyncClient, DataPlane], document: dict[str, Any], path: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    client, plane = served
+    model = plane.repository.get("digits", "1")
+    engine = model.instances[0].pipeline.engine
+    release = threading.Event()
+    run = engine.run
+
+    def held(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        release.wait(60)
+        return run(feed)
+
+    monkeypatch.setattr(engine, "run", held)
+    try:
+        running = asyncio.create_task(client.post(path, content=infer_body()))
+        await until(lambda: model.batches_in_flight == 1, "a request to hold the only instance")
+        expired = await client.post(path, content=infer_body(timeout=20_000))  # microseconds
+        check(document, "POST", path, expired, 504)
+        queued = asyncio.create_task(client.post(path, content=infer_body()))
+        await until(lambda: model.queue_depth == 1, "a request to wait in the queue of one")
+        refused = await client.post(path, content=infer_body())
+        check(document, "POST", path, refused, 429)
+        assert int(refused.headers["Retry-After"]) >= 1
+    finally:
+        release.set()
+    check(document, "POST", path, await running, 200)
+    check(document, "POST", path, await queued, 200)
+
+
+@pytest.mark.parametrize("path", ["/v2/models/digits/infer", "/v2/models/digits/versions/1/infer"])
+async def test_an_engine_that_fails_fails_its_requests_with_500(
+    served: tuple[httpx.AsyncClient, DataPlane], document: dict[str, Any], path: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    client, plane = served
+    model = plane.repository.get("digits", "1")
+
+    def fail(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise RuntimeError("the accelerator fell off the bus")
+
+    monkeypatch.setattr(model.instances[0].pipeline.engine, "run", fail)
+    response = await client.post(path, content=infer_body())
+    check(document, "POST", path, response, 500)
+    assert "fell off the bus" in response.json()["error"]
+
+
+async def test_every_status_the_document_declares_is_provoked_above(document: dict[str, Any]) -> None:
+    declared = {
+        (method.upper(), route, int(status))
+        for route, operations in document["paths"].items()
+        for method, operation in operations.items()
+        for status in operation["responses"]
+    }
+    provoked = {(p.method, route_of(document, p.method, p.path), p.status) for p in PROBES}
+    provoked |= READINESS | ON_A_BUSY_OR_FAILING_MODEL
+    assert sorted(declared - provoked) == [], "declared, but no test sends it: add a probe"
+    assert sorted(provoked - declared) == []
