@@ -10,12 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
+import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from server.errors import ConfigError
-from server.protocol.datatypes import DATATYPES
+from server.protocol.datatypes import DATATYPES, numpy_dtype
 
 CONFIG_FILENAME = "config.yaml"
 
@@ -212,8 +213,15 @@ class Preprocess(_Strict):
     tokenize: Tokenize | None = None
 
 
+WarmupValue = bool | int | float | str
+
+
 class Warmup(_Strict):
     """Synthetic batches run on every instance before the model reports ready.
+
+    Every element of an input is the same value: its entry in `inputs` (as Triton's model_warmup
+    gives input data), else `text` for BYTES inputs and zero for the others. A model that reads
+    its strings (numbers as text, say) needs values it can parse.
 
     With `profile`, every batch size of the ladder (the engine's `batch_buckets`, else powers of
     two up to max_batch_size) is timed; unless `batch_cap` fixes it, the batcher's cap becomes
@@ -223,6 +231,9 @@ class Warmup(_Strict):
     enabled: bool = True
     batch_sizes: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1])
     text: str = "Batchline warms up this model before it serves."
+    inputs: dict[str, WarmupValue] = Field(
+        default_factory=dict, description="Input name -> the value every element of that input holds."
+    )
     profile: bool = False
     profile_repeats: int = Field(default=5, ge=1)
     tolerance: float = Field(default=0.05, ge=0, lt=1)
@@ -367,6 +378,14 @@ class ModelConfig(_Strict):
             raise ValueError("padded batching needs outputs of fixed dims (padding would leak into them)")
         if self.tokenize and self.input(self.tokenize.input).dims != [1]:
             raise ValueError(f"the text input {self.tokenize.input!r} must have dims [1] (one string per item)")
+        for name, value in self.warmup.inputs.items():
+            tensor = self.input(name)
+            if tensor is None:
+                known = ", ".join(t.name for t in self.inputs)
+                raise ValueError(f"warmup.inputs: {name!r} is not an input (inputs: {known})")
+            problem = _warmup_value_problem(value, tensor.datatype)
+            if problem:
+                raise ValueError(f"warmup.inputs.{name}: {problem}")
         return self
 
     @property
@@ -400,6 +419,24 @@ class ModelConfig(_Strict):
     def api_shape(self, tensor: TensorConfig) -> list[int]:
         """The shape clients see: the batch dim (-1) first when the model batches."""
         return ([-1] if self.batched else []) + list(tensor.dims)
+
+
+def _warmup_value_problem(value: WarmupValue, datatype: str) -> str | None:
+    """Why `value` cannot fill a tensor of `datatype`, or None when it can."""
+    if datatype == "BYTES":
+        return None if isinstance(value, str) else f"BYTES inputs take a string, not {value!r}"
+    if datatype == "BOOL":
+        return None if isinstance(value, bool) else f"BOOL inputs take true or false, not {value!r}"
+    if isinstance(value, (bool, str)):
+        return f"{datatype} inputs take a number, not {value!r}"
+    dtype = numpy_dtype(datatype)
+    if dtype.kind in "iu":
+        if not isinstance(value, int):
+            return f"{datatype} inputs take an integer, not {value!r}"
+        limits = np.iinfo(dtype)
+        if not limits.min <= value <= limits.max:
+            return f"{value} is out of range for {datatype}"
+    return None
 
 
 def load_model_config(path: Path) -> ModelConfig:

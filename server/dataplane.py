@@ -11,7 +11,7 @@ from typing import Any
 from server import __version__
 from server.config import ModelConfig
 from server.errors import InvalidInput, Unavailable
-from server.protocol.triton_config import triton_model_config
+from server.protocol.triton_config import triton_model_config, triton_platform
 from server.protocol.v2 import DecodedRequest, decode_request, encode_response
 from server.repository import ModelRepository
 from server.scheduler.request import RequestRecord
@@ -61,7 +61,7 @@ class DataPlane:
         return {
             "name": name,
             "versions": versions,
-            "platform": model.config.engine,
+            "platform": triton_platform(model.config.engine),
             **model.metadata(),
         }
 

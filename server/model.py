@@ -110,7 +110,7 @@ class ModelVersion:
         sizes.update(b for b in self.config.batch_buckets or [] if b <= self.config.max_batch_size)
         for batch_size in sorted(sizes):
             try:
-                pipeline.run_batch([self._sample_feed(batch_size)])
+                pipeline.run_batch([self._sample_feed(batch_size)], verify=True)
             except BatchlineError as exc:
                 raise EngineError(f"warm-up at batch size {batch_size} failed: {exc.message}") from exc
 
@@ -144,11 +144,18 @@ class ModelVersion:
         return self._admission.admit_now(inputs, batch_size).feed
 
     def _sample(self, tensor: TensorConfig, batch_size: int) -> np.ndarray:
+        """An input as admission would have validated it, every element the warm-up value."""
         shape = [batch_size] if self.config.batched else []
         shape += [1 if d == -1 else d for d in tensor.dims]
+        value = self.config.warmup.inputs.get(tensor.name)
         if tensor.datatype == "BYTES":
-            return np.full(shape, self.config.warmup.text, dtype=object)
-        return np.zeros(shape, dtype=numpy_dtype(tensor.datatype))
+            text = self.config.warmup.text if value is None else str(value)
+            tokenized = self.config.tokenize is not None and tensor.name == self.config.tokenize.input
+            texts = np.empty(shape, dtype=object)
+            # the text to tokenize is decoded to str at admission; other BYTES travel as bytes
+            texts.fill(text if tokenized else text.encode())
+            return texts
+        return np.full(shape, 0 if value is None else value, dtype=numpy_dtype(tensor.datatype))
 
     def _policy(self) -> BatchPolicy:
         batching = self.config.dynamic_batching

@@ -50,7 +50,7 @@ class ModelRepository:
     def _model_dir(self, name: str) -> Path:
         path = self.root / name
         if "/" in name or name in ("", ".", "..") or not (path / CONFIG_FILENAME).is_file():
-            raise ModelNotFound(f"model '{name}' is not in the repository")
+            raise ModelNotFound(unknown_model(name))
         return path
 
     async def load_all(self, names: list[str] | None = None) -> None:
@@ -124,7 +124,7 @@ class ModelRepository:
             raise Unavailable(f"model '{name}' is not loaded")
         if version:
             if not version.isdigit() or int(version) not in versions:
-                raise ModelNotFound(f"model '{name}' has no version '{version}'")
+                raise ModelNotFound(unknown_model(name, version))
             chosen = versions[int(version)]
             if not chosen.ready:
                 raise Unavailable(f"model '{name}' version {version} is not ready: {chosen.reason}")
@@ -170,8 +170,14 @@ class ModelRepository:
         return entries
 
 
+def unknown_model(name: str, version: str | None = None) -> str:
+    """Triton's words for a model or version it does not have, which clients written for
+    Triton match on."""
+    return f"Request for unknown model: '{name}'" + (f" version {version}" if version else "") + " is not found"
+
+
 def _versions_on_disk(path: Path) -> list[int]:
     return sorted(int(p.name) for p in path.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) > 0)
 
 
-__all__ = ["IndexEntry", "ModelRepository", "ModelState"]
+__all__ = ["IndexEntry", "ModelRepository", "ModelState", "unknown_model"]

@@ -1,7 +1,8 @@
 """The one small interface every engine implements.
 
 An engine knows its artifact and its device, nothing else: no HTTP, no queues, no metrics.
-Tensors cross this boundary as numpy arrays keyed by the engine's own tensor names.
+Tensors cross this boundary as numpy arrays keyed by the engine's own tensor names; BYTES
+tensors are object arrays of `bytes` both ways, whatever the runtime wants inside.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 from server.config import ModelConfig
 from server.devices import Device
+from server.engines.signature import EngineSignature
 from server.errors import EngineError
 
 
@@ -42,6 +44,11 @@ class Engine(ABC):
 
     @abstractmethod
     def describe(self) -> EngineDescription: ...
+
+    @abstractmethod
+    def signature(self) -> EngineSignature:
+        """The tensors the artifact takes and gives, read from the artifact itself, so that the
+        config can be checked against the model rather than trusted."""
 
     def close(self) -> None:
         """Free the engine's resources; the default relies on garbage collection."""

@@ -2,6 +2,8 @@
 
 `onnxruntime-gpu` lists CUDA as *available* on machines without a GPU and then silently runs on
 the CPU, so the providers that took are read back from the session and checked against the ask.
+Graphs with string tensors (`tensor(string)`) take and give Python `str`, where BYTES tensors
+hold `bytes`: the engine converts both ways, so the v2 codec stays one for every engine.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from server.config import ModelConfig
 from server.devices import Device
 from server.engines.base import Engine, EngineDescription, artifact_path, file_digest
 from server.engines.profiles import cache_root, provider_shapes
+from server.engines.signature import EngineSignature, TensorSignature
 from server.errors import EngineError
 
 _OPTIMIZATION_LEVELS = {
@@ -28,6 +31,24 @@ _OPTIMIZATION_LEVELS = {
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
 _GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+# ONNX Runtime's type names -> v2 datatypes
+_DATATYPES = {
+    "tensor(bool)": "BOOL",
+    "tensor(uint8)": "UINT8",
+    "tensor(uint16)": "UINT16",
+    "tensor(uint32)": "UINT32",
+    "tensor(uint64)": "UINT64",
+    "tensor(int8)": "INT8",
+    "tensor(int16)": "INT16",
+    "tensor(int32)": "INT32",
+    "tensor(int64)": "INT64",
+    "tensor(float16)": "FP16",
+    "tensor(float)": "FP32",
+    "tensor(double)": "FP64",
+    "tensor(bfloat16)": "BF16",
+    "tensor(string)": "BYTES",
+}
+_STRING = "tensor(string)"
 
 
 def requested_providers(config: ModelConfig, device: Device, artifact: Path) -> list[str | tuple[str, dict]]:
@@ -132,33 +153,28 @@ class OnnxRuntimeEngine(Engine):
             raise EngineError(f"ONNX Runtime cannot load {self._path}: {exc}") from exc
         self._providers = list(self._session.get_providers())
         check_providers(providers, self._providers)
-        self._input_names = {i.name for i in self._session.get_inputs()}
         self._output_names = [o.name for o in self._session.get_outputs()]
-        self._check_tensors(config)
-
-    def _check_tensors(self, config: ModelConfig) -> None:
-        expected = {t.source_name for t in config.inputs}
-        if config.preprocess and config.preprocess.tokenize:
-            tok = config.preprocess.tokenize
-            expected.discard(config.input(tok.input).source_name)
-            expected |= {n for n in (tok.input_ids, tok.attention_mask, tok.token_type_ids) if n}
-        if expected != self._input_names:
-            raise EngineError(
-                f"{self._path.name} takes inputs {sorted(self._input_names)},"
-                f" but the config feeds {sorted(expected)}"
-            )
-        missing = [t.source_name for t in config.outputs if t.source_name not in self._output_names]
-        if missing:
-            raise EngineError(
-                f"{self._path.name} has no outputs {missing}; it has {self._output_names}"
-            )
+        self._string_inputs = {i.name for i in self._session.get_inputs() if i.type == _STRING}
+        self._string_outputs = {o.name for o in self._session.get_outputs() if o.type == _STRING}
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        feed = {
+            name: as_text(array, name) if name in self._string_inputs else array for name, array in inputs.items()
+        }
         try:
-            results = self._session.run(self._output_names, inputs)
+            results = self._session.run(self._output_names, feed)
         except Exception as exc:
             raise EngineError(f"ONNX Runtime failed: {exc}") from exc
-        return dict(zip(self._output_names, results))
+        return {
+            name: as_bytes(result) if name in self._string_outputs else result
+            for name, result in zip(self._output_names, results)
+        }
+
+    def signature(self) -> EngineSignature:
+        return EngineSignature(
+            inputs=tuple(_tensor_signature(i) for i in self._session.get_inputs()),
+            outputs=tuple(_tensor_signature(o) for o in self._session.get_outputs()),
+        )
 
     def describe(self) -> EngineDescription:
         return EngineDescription(
@@ -168,3 +184,34 @@ class OnnxRuntimeEngine(Engine):
             providers=self._providers,
             artifact=str(self._path),
         )
+
+
+def _tensor_signature(node: ort.NodeArg) -> TensorSignature:
+    """Symbolic and unknown dims are variable. ORT reports an empty shape both for scalars and
+    for tensors of unknown rank; it is read as unknown, and warm-up checks what comes back."""
+    dims = node.shape
+    shape = tuple(d if isinstance(d, int) and d >= 0 else None for d in dims) if dims else None
+    return TensorSignature(node.name, _DATATYPES.get(node.type), shape, node.type)
+
+
+def as_text(array: np.ndarray, name: str) -> np.ndarray:
+    """A BYTES tensor (bytes items) as ONNX Runtime's string tensors need it: `str` items."""
+    text = np.empty(array.shape, dtype=object)
+    flat = text.reshape(-1)
+    for index, item in enumerate(array.reshape(-1)):
+        try:
+            flat[index] = item.decode() if isinstance(item, bytes) else item
+        except UnicodeDecodeError as exc:
+            raise EngineError(
+                f"input '{name}' item {index} is not UTF-8 text, which a string tensor needs") from exc
+    return text
+
+
+def as_bytes(array: np.ndarray) -> np.ndarray:
+    """An ONNX Runtime string tensor (str items) as a BYTES tensor: UTF-8 `bytes` items."""
+    encoded = np.empty(array.shape, dtype=object)
+    flat = encoded.reshape(-1)
+    # item by item: from a list, numpy would make an 'S' array, which strips trailing NULs
+    for index, item in enumerate(array.reshape(-1)):
+        flat[index] = item.encode() if isinstance(item, str) else item
+    return encoded

@@ -18,6 +18,7 @@ import numpy as np
 from server.config import ModelConfig
 from server.devices import Device
 from server.engines.base import Engine, EngineDescription, artifact_path
+from server.engines.signature import EngineSignature, TensorSignature
 from server.errors import EngineError
 
 NOT_INSTALLED = "TensorRT is not installed on this machine (it needs an NVIDIA GPU machine: pip install tensorrt)"
@@ -31,6 +32,17 @@ DTYPES: dict[str, np.dtype[Any]] = {
     "INT64": np.dtype(np.int64),
     "BOOL": np.dtype(np.bool_),
     "UINT8": np.dtype(np.uint8),
+}
+# TensorRT DataType names -> v2 datatypes (FP8, INT4, ... have none)
+DATATYPES: dict[str, str] = {
+    "FLOAT": "FP32",
+    "HALF": "FP16",
+    "BF16": "BF16",
+    "INT8": "INT8",
+    "INT32": "INT32",
+    "INT64": "INT64",
+    "BOOL": "BOOL",
+    "UINT8": "UINT8",
 }
 
 
@@ -50,6 +62,24 @@ def choose_profile(profiles: list[ProfileRange], batch: int) -> int:
         ranges = ", ".join(f"{p.min_batch}..{p.max_batch}" for p in profiles)
         raise EngineError(f"no TensorRT profile takes a batch of {batch} (profiles: {ranges})")
     return min(fitting, key=lambda p: p.max_batch - p.min_batch).index
+
+
+def plan_signature(engine: Any) -> EngineSignature:
+    """The I/O tensors of a deserialized plan (an ICudaEngine), in the plan's order; dims of -1
+    (dynamic, bounded by the optimization profiles) are variable. Reads enum names only, so it
+    runs, and is tested, without TensorRT."""
+    names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+
+    def tensor(name: str) -> TensorSignature:
+        dtype = engine.get_tensor_dtype(name).name
+        shape = tuple(int(d) if d >= 0 else None for d in engine.get_tensor_shape(name))
+        return TensorSignature(name, DATATYPES.get(dtype), shape, dtype)
+
+    is_input = {n: engine.get_tensor_mode(n).name == "INPUT" for n in names}
+    return EngineSignature(
+        inputs=tuple(tensor(n) for n in names if is_input[n]),
+        outputs=tuple(tensor(n) for n in names if not is_input[n]),
+    )
 
 
 def numpy_dtype(trt_dtype_name: str) -> np.dtype[Any]:
@@ -84,10 +114,9 @@ class TensorRTEngine(Engine):
                 )
             self._context = self._engine.create_execution_context()
             self._stream = torch.cuda.Stream(self._device)
-        names = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)]
-        is_input = {n: self._engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT for n in names}
-        self._inputs = [n for n in names if is_input[n]]
-        self._outputs = [n for n in names if not is_input[n]]
+        self._signature = plan_signature(self._engine)
+        self._inputs = [t.name for t in self._signature.inputs]
+        self._outputs = [t.name for t in self._signature.outputs]
         self._output_dtypes = {n: numpy_dtype(self._engine.get_tensor_dtype(n).name) for n in self._outputs}
         self._profiles = [
             ProfileRange(i, *self._batch_range(i)) for i in range(self._engine.num_optimization_profiles)
@@ -122,6 +151,9 @@ class TensorRTEngine(Engine):
                 raise EngineError("TensorRT failed to run the batch")
             self._stream.synchronize()
         return {name: tensor.cpu().numpy() for name, tensor in outputs.items()}
+
+    def signature(self) -> EngineSignature:
+        return self._signature
 
     def describe(self) -> EngineDescription:
         import tensorrt as trt

@@ -1,7 +1,8 @@
 """PyTorch engine: programs saved with `torch.export`, run eagerly under inference mode.
 
 Only `torch.export` archives are loaded, never pickles, so a model file cannot run code on load.
-Inputs map to the program's positional arguments in config order, outputs likewise.
+Inputs map to the program's positional arguments in config order (a tokenized text input as its
+token tensors), outputs likewise; the program's own tensor names play no part.
 """
 
 from __future__ import annotations
@@ -15,9 +16,23 @@ import torch
 from server.config import ModelConfig
 from server.devices import Device
 from server.engines.base import Engine, EngineDescription, artifact_path
+from server.engines.signature import EngineSignature, TensorSignature, engine_inputs, engine_outputs
 from server.errors import EngineError
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# torch dtypes -> v2 datatypes
+_DATATYPES = {
+    torch.bool: "BOOL",
+    torch.uint8: "UINT8",
+    torch.int8: "INT8",
+    torch.int16: "INT16",
+    torch.int32: "INT32",
+    torch.int64: "INT64",
+    torch.float16: "FP16",
+    torch.bfloat16: "BF16",
+    torch.float32: "FP32",
+    torch.float64: "FP64",
+}
 # torch.export keeps global (de)serializer state: two loads at once (models load, and builds
 # run, in parallel threads) fail with "_CURRENT_DESERIALIZER is already set". Every
 # torch.export load, export and save in the process holds this lock.
@@ -60,6 +75,7 @@ class TorchEngine(Engine):
             program = load_program(self._path)
         except Exception as exc:  # torch raises many types for a bad archive
             raise EngineError(f"torch cannot load {self._path}: {exc}") from exc
+        self._signature = program_signature(program)
         with EXPORT_LOCK:  # .module() may import torch.export internals on first use
             self._module = program.module().to(self._device)
         if self._dtype != torch.float32:
@@ -67,8 +83,8 @@ class TorchEngine(Engine):
         self._compiled = config.torch.compile
         if self._compiled:
             self._module = _compiled(self._module, config)
-        self._input_names = [t.source_name for t in config.inputs]
-        self._output_names = [t.source_name for t in config.outputs]
+        self._input_names = [t.engine_name for t in engine_inputs(config)]
+        self._output_names = [t.engine_name for t in engine_outputs(config)]
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         if not array.flags.writeable:  # torch wants writable memory; request buffers are not
@@ -92,6 +108,9 @@ class TorchEngine(Engine):
             for name, t in zip(self._output_names, results)
         }
 
+    def signature(self) -> EngineSignature:
+        return self._signature
+
     def describe(self) -> EngineDescription:
         return EngineDescription(
             engine="torch",
@@ -100,3 +119,24 @@ class TorchEngine(Engine):
             providers=[f"torch {torch.__version__}" + (" compiled" if self._compiled else "")],
             artifact=str(self._path),
         )
+
+
+def program_signature(program: torch.export.ExportedProgram) -> EngineSignature:
+    """The program's user inputs and outputs from their fake-tensor metadata; symbolic sizes
+    are variable. Matched by position, and floating inputs are cast to the engine's precision."""
+    nodes = {node.name: node for node in program.graph.nodes}
+
+    def tensor(name: str) -> TensorSignature:
+        node = nodes.get(name)
+        value = node.meta.get("val") if node is not None else None
+        if not isinstance(value, torch.Tensor):  # a constant or non-tensor argument
+            return TensorSignature(name, None, None, type(value).__name__)
+        shape = tuple(d if isinstance(d, int) else None for d in value.shape)  # SymInt: symbolic
+        return TensorSignature(name, _DATATYPES.get(value.dtype), shape, str(value.dtype))
+
+    return EngineSignature(
+        inputs=tuple(tensor(n) for n in program.graph_signature.user_inputs),
+        outputs=tuple(tensor(str(n)) for n in program.graph_signature.user_outputs),
+        positional=True,
+        casts_float_inputs=True,
+    )

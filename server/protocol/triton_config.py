@@ -7,7 +7,13 @@ from typing import Any
 
 from server.config import ModelConfig, TensorConfig
 
-_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch", "tensorrt": "tensorrt_plan"}
+# Triton's platform for each engine: what /config and the model metadata both say
+TRITON_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch", "tensorrt": "tensorrt_plan"}
+
+
+def triton_platform(engine: str) -> str:
+    """The platform Triton names for models of `engine`, in its config and its metadata alike."""
+    return TRITON_PLATFORMS[engine]
 
 
 def triton_data_type(datatype: str) -> str:
@@ -28,7 +34,7 @@ def triton_model_config(config: ModelConfig) -> dict[str, Any]:
         version_policy = {"latest": {"num_versions": policy.latest.num_versions if policy.latest else 1}}
     document: dict[str, Any] = {
         "name": config.name,
-        "platform": _PLATFORMS[config.engine],
+        "platform": triton_platform(config.engine),
         "backend": config.engine,
         "max_batch_size": config.max_batch_size,
         "input": [_tensor(t) for t in config.inputs],

@@ -57,7 +57,11 @@ def validate_inputs(
             )
         if config.batched:
             batch_sizes.add(shape[0])
-        validated[tensor.name] = _decoded_text(array, tensor.name) if tensor.name == text_input else array
+        if tensor.name == text_input:
+            array = _decoded_text(array, tensor.name)
+        elif tensor.datatype == "BYTES":
+            _check_text(array, tensor.name)
+        validated[tensor.name] = array
     if len(batch_sizes) > 1:
         raise InvalidInput(f"inputs disagree on the batch size: {sorted(batch_sizes)}")
     batch_size = batch_sizes.pop() if batch_sizes else 1
@@ -74,11 +78,23 @@ def _decoded_text(array: np.ndarray, name: str) -> np.ndarray:
     decoded = np.empty(array.shape, dtype=object)
     flat = decoded.reshape(-1)
     for i, item in enumerate(array.reshape(-1)):
-        try:
-            flat[i] = item.decode() if isinstance(item, bytes) else str(item)
-        except UnicodeDecodeError as exc:
-            raise InvalidInput(f"input '{name}' item {i} is not valid UTF-8") from exc
+        flat[i] = _text(item, name, i)
     return decoded
+
+
+def _check_text(array: np.ndarray, name: str) -> None:
+    """A BYTES input reaches an engine only as a string tensor (ONNX `tensor(string)`, as the
+    load-time signature check ensures), which holds UTF-8 text: checked here, for the same reason
+    as the text to tokenize. The items stay bytes, as every engine receives BYTES."""
+    for i, item in enumerate(array.reshape(-1)):
+        _text(item, name, i)
+
+
+def _text(item: object, name: str, index: int) -> str:
+    try:
+        return item.decode() if isinstance(item, bytes) else str(item)
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"input '{name}' item {index} is not valid UTF-8") from exc
 
 
 class Admission:

@@ -14,6 +14,7 @@ import numpy as np
 
 from server.config import ModelConfig
 from server.engines.base import Engine
+from server.engines.signature import check_results
 from server.protocol.datatypes import numpy_dtype
 from server.scheduler.batcher import BatchResult
 
@@ -30,19 +31,25 @@ def paddable_inputs(config: ModelConfig, token_pads: dict[str, int]) -> dict[str
 class ModelPipeline:
     def __init__(self, config: ModelConfig, engine: Engine, pads: dict[str, float]) -> None:
         self.engine = engine
+        self._config = config
         self._batched = config.batched
         self._pads = pads
         self._tokenize = config.tokenize
         self._buckets = config.batch_buckets or []
         self._outputs = [(t.name, t.source_name, numpy_dtype(t.datatype)) for t in config.outputs]
 
-    def run_batch(self, feeds: list[dict[str, np.ndarray]]) -> BatchResult:
+    def run_batch(self, feeds: list[dict[str, np.ndarray]], *, verify: bool = False) -> BatchResult:
+        """Run the requests' feeds as one batch. `verify` (warm-up) checks the engine's own
+        outputs against the declared ones before they are cast, since an artifact's static
+        signature may leave dims or ranks open."""
         start = time.perf_counter_ns()
         sizes = [len(next(iter(f.values()))) for f in feeds] if self._batched else [1]
         merged = self._merge(feeds) if self._batched else feeds[0]
         infer_start = time.perf_counter_ns()
         results = self.engine.run(merged)
         output_start = time.perf_counter_ns()
+        if verify:
+            check_results(self._config, results, len(next(iter(merged.values()))) if self._batched else None)
         outputs = {}
         for name, source, dtype in self._outputs:
             array = results[source]

@@ -36,7 +36,7 @@ def test_unknown_model_or_version_is_not_ready(server_url, client) -> None:
 def test_model_metadata(client) -> None:
     minilm = client.get_model_metadata("minilm")
     assert minilm["name"] == "minilm" and minilm["versions"] == ["1"]
-    assert minilm["platform"] == "onnxruntime"
+    assert minilm["platform"] == "onnxruntime_onnx"  # as in its config, as Triton says it
     assert minilm["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1, 1]}]
     assert minilm["outputs"] == [{"name": "embedding", "datatype": "FP32", "shape": [-1, 384]}]
     digits = client.get_model_metadata("digits", "1")

@@ -199,9 +199,16 @@ def test_bytes_input_without_tokenize_stays_bytes() -> None:
     config = model(
         inputs=[{"name": "raw", "datatype": "BYTES", "dims": [1]}],
     )
-    _, array = texts(b"\xff", b"a")
+    _, array = texts("h\u00e9".encode(), b"a")
     validated, _ = validate_inputs(config, {"raw": ("BYTES", array)})
-    assert validated["raw"].tolist() == [[b"\xff"], [b"a"]]
+    assert validated["raw"].tolist() == [["h\u00e9".encode()], [b"a"]]
+
+
+def test_bytes_input_that_is_not_utf8_is_refused_at_the_door() -> None:
+    """Engines take BYTES as string tensors (UTF-8 text): a bad item would fail its whole batch."""
+    config = model(inputs=[{"name": "raw", "datatype": "BYTES", "dims": [1]}])
+    with pytest.raises(InvalidInput, match="input 'raw' item 0 is not valid UTF-8"):
+        validate_inputs(config, {"raw": texts(b"\xff", b"a")})
 
 
 # --- selected_outputs --------------------------------------------------------------------

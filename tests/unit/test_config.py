@@ -223,6 +223,38 @@ def test_warmup_batch_size_zero(tmp_path: Path) -> None:
     assert_rejected(path, "field 'warmup.batch_sizes.0'", "greater than 0")
 
 
+def test_warmup_values_per_input(tmp_path: Path) -> None:
+    document = config_with(
+        inputs=[{"name": "text", "datatype": "BYTES", "dims": [1]}, {"name": "count", "datatype": "INT8", "dims": [1]},
+                {"name": "scale", "datatype": "FP16", "dims": [1]}, {"name": "flag", "datatype": "BOOL", "dims": [1]}],
+        warmup={"inputs": {"text": "1.5", "count": -3, "scale": 2, "flag": True}},
+    )
+    config = load_model_config(write_config(tmp_path, document))
+    assert config.warmup.inputs == {"text": "1.5", "count": -3, "scale": 2, "flag": True}
+    assert load_model_config(write_config(tmp_path, config_with(), "plain")).warmup.inputs == {}
+
+
+def test_warmup_values_for_unknown_inputs_are_refused(tmp_path: Path) -> None:
+    path = write_config(tmp_path, config_with(warmup={"inputs": {"z": 1.0}}))
+    assert_rejected(path, "warmup.inputs: 'z' is not an input (inputs: x)")
+
+
+@pytest.mark.parametrize(
+    ("datatype", "value", "reason"),
+    [
+        ("FP32", "1.5", "FP32 inputs take a number, not '1.5'"),
+        ("FP32", True, "FP32 inputs take a number, not True"),
+        ("INT32", 1.5, "INT32 inputs take an integer, not 1.5"),
+        ("UINT8", 256, "256 is out of range for UINT8"),
+        ("BYTES", 3, "BYTES inputs take a string, not 3"),
+        ("BOOL", 1, "BOOL inputs take true or false, not 1"),
+    ],
+)
+def test_warmup_values_must_fit_their_input(tmp_path: Path, datatype: str, value: object, reason: str) -> None:
+    document = config_with(inputs=[{"name": "x", "datatype": datatype, "dims": [1]}], warmup={"inputs": {"x": value}})
+    assert_rejected(write_config(tmp_path, document), f"warmup.inputs.x: {reason}")
+
+
 def test_name_differs_from_folder(tmp_path: Path) -> None:
     path = write_config(tmp_path, config_with(name="other"), folder="toy")
     assert_rejected(path, "field 'name'", "'other' differs from its folder 'toy'")

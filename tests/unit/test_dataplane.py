@@ -1,15 +1,16 @@
-"""The data plane's infer call: outputs checked before compute, big bodies off the loop."""
+"""The data plane: outputs checked before compute, big bodies off the loop, metadata as Triton's."""
 
 from __future__ import annotations
 
 import threading
+from typing import get_args
 
 import numpy as np
 import orjson
 import pytest
 
 from server import dataplane
-from server.config import ModelConfig
+from server.config import EngineName, ModelConfig
 from server.dataplane import DataPlane
 from server.errors import InvalidInput
 
@@ -84,3 +85,38 @@ async def test_large_bodies_and_outputs_are_coded_off_the_event_loop(monkeypatch
     assert np.allclose(orjson.loads(large)["outputs"][0]["data"], [2.0, 4.0])
 
 
+
+
+class ServedModel:
+    """A ready model version, as the metadata and config calls read it."""
+
+    version = 1
+    ready = True
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+
+    def metadata(self) -> dict:
+        return {"inputs": [], "outputs": []}
+
+
+class OneModelRepository:
+    def __init__(self, config: ModelConfig) -> None:
+        self.model = ServedModel(config)
+
+    def get(self, name: str, version: str | None = None) -> ServedModel:
+        return self.model
+
+    def versions(self, name: str) -> list[ServedModel]:
+        return [self.model]
+
+    def config(self, name: str) -> ModelConfig:
+        return self.model.config
+
+
+@pytest.mark.parametrize("engine", get_args(EngineName))
+def test_metadata_and_config_name_the_same_triton_platform(engine: str) -> None:
+    plane = DataPlane(OneModelRepository(CONFIG.model_copy(update={"engine": engine})))  # type: ignore[arg-type]
+    platform = plane.model_metadata("double", None)["platform"]
+    assert platform == plane.model_config("double", None)["platform"] == plane.model_config("double", "1")["platform"]
+    assert platform == {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch", "tensorrt": "tensorrt_plan"}[engine]

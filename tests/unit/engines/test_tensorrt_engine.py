@@ -1,7 +1,8 @@
-"""The TensorRT engine's logic that needs no GPU: profile choice, datatypes, guards."""
+"""The TensorRT engine's logic that needs no GPU: profile choice, datatypes, guards, signature."""
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,8 @@ from server.config import BuildSpec, ModelConfig
 from server.devices import Device
 from server.engines import create_engine
 from server.engines.profiles import optimization_profiles
-from server.engines.tensorrt import ProfileRange, choose_profile, numpy_dtype
+from server.engines.signature import check_signature
+from server.engines.tensorrt import ProfileRange, choose_profile, numpy_dtype, plan_signature
 from server.errors import EngineError
 from server.protocol.triton_config import triton_model_config
 from server.quantize.variant import derive_config
@@ -84,3 +86,64 @@ def test_a_tensorrt_variant_is_placed_on_gpus_and_shown_as_a_plan() -> None:
                             model_filename="model.plan", spec=spec)
     assert [(g["count"], g["kind"]) for g in derived["instance_group"]] == [(2, "GPU")]
     assert triton_model_config(ModelConfig.model_validate(derived))["platform"] == "tensorrt_plan"
+
+
+class Mode(Enum):  # stands in for tensorrt.TensorIOMode
+    INPUT = 1
+    OUTPUT = 2
+
+
+class DataType(Enum):  # stands in for tensorrt.DataType
+    FLOAT = 0
+    HALF = 1
+    INT64 = 2
+    FP8 = 3
+
+
+class FakePlan:
+    """What plan_signature reads of a deserialized ICudaEngine: names, modes, types, shapes."""
+
+    def __init__(self, tensors: list[tuple[str, Mode, DataType, tuple[int, ...]]]) -> None:
+        self._tensors = {name: (mode, dtype, shape) for name, mode, dtype, shape in tensors}
+        self.num_io_tensors = len(tensors)
+
+    def get_tensor_name(self, index: int) -> str:
+        return list(self._tensors)[index]
+
+    def get_tensor_mode(self, name: str) -> Mode:
+        return self._tensors[name][0]
+
+    def get_tensor_dtype(self, name: str) -> DataType:
+        return self._tensors[name][1]
+
+    def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+        return self._tensors[name][2]
+
+
+def digits_plan(output: DataType = DataType.FLOAT, output_shape: tuple[int, ...] = (-1, 10)) -> FakePlan:
+    return FakePlan([
+        ("image", Mode.INPUT, DataType.FLOAT, (-1, 1, 8, 8)),
+        ("probabilities", Mode.OUTPUT, output, output_shape),
+    ])
+
+
+def test_a_plans_signature_is_read_from_its_tensors() -> None:
+    signature = plan_signature(digits_plan())
+    assert [(t.name, t.datatype, t.shape) for t in signature.inputs] == [("image", "FP32", (None, 1, 8, 8))]
+    assert [(t.name, t.datatype, t.shape) for t in signature.outputs] == [("probabilities", "FP32", (None, 10))]
+    check_signature(config(), signature)
+
+
+def test_an_fp16_plan_with_half_outputs_serves_an_fp32_config() -> None:
+    check_signature(config(), plan_signature(digits_plan(output=DataType.HALF)))
+
+
+def test_a_config_that_misdescribes_the_plan_is_refused() -> None:
+    with pytest.raises(EngineError, match=r"output 'probabilities': the config says FP32 \[-1, 10\], the model has FP32 \[-1, 3\]"):
+        check_signature(config(), plan_signature(digits_plan(output_shape=(-1, 3))))
+    with pytest.raises(EngineError, match=r"the model has FP8 \[-1, 10\]"):  # no v2 name: TensorRT's own
+        check_signature(config(), plan_signature(digits_plan(output=DataType.FP8)))
+    tokens = FakePlan([("input_ids", Mode.INPUT, DataType.INT64, (-1, -1)),
+                       ("probabilities", Mode.OUTPUT, DataType.FLOAT, (-1, 10))])
+    with pytest.raises(EngineError, match="input 'image': the model has no input 'image'"):
+        check_signature(config(), plan_signature(tokens))

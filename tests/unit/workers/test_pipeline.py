@@ -9,6 +9,8 @@ import pytest
 
 from server.config import ModelConfig
 from server.engines.base import Engine, EngineDescription
+from server.engines.signature import EngineSignature, TensorSignature
+from server.errors import EngineError
 from server.preprocess import TextTokenizer
 from server.workers.pipeline import ModelPipeline, paddable_inputs
 
@@ -28,6 +30,9 @@ class RowSums(Engine):
 
     def describe(self) -> EngineDescription:
         return EngineDescription("fake", "cpu", "fp32")
+
+    def signature(self) -> EngineSignature:
+        return EngineSignature(inputs=(), outputs=(TensorSignature("engine_sum", "FP64", (None, 1)),))
 
 
 def config(**overrides) -> ModelConfig:
@@ -124,3 +129,16 @@ def test_only_texts_of_one_length_bucket_share_a_batch() -> None:
     assert short.shape_key == also_short.shape_key != long.shape_key
     assert (short.longest, long.longest) == (8, 64)  # the budget counts padded tokens
 
+
+
+def test_verify_checks_the_engines_own_outputs_before_the_cast() -> None:
+    """Warm-up verifies: RowSums gives FP64 (a float, cast to the declared FP32) of one column."""
+    feeds = [{"x": np.ones((2, 3), np.float32)}]
+    cfg = config()
+    ModelPipeline(cfg, RowSums(), paddable_inputs(cfg, {})).run_batch(feeds, verify=True)
+    wide = config(outputs=[{"name": "sum", "datatype": "FP32", "dims": [2], "engine_name": "engine_sum"}])
+    pipeline = ModelPipeline(wide, RowSums(), paddable_inputs(wide, {}))
+    pipeline.run_batch(feeds)  # serving trusts the check made at load
+    with pytest.raises(EngineError, match=r"output 'sum' \(engine name 'engine_sum'\): the config says FP32 \[-1, 2\], "
+                                          r"the model returned FP64 \[2, 1\] for a batch of 2"):
+        pipeline.run_batch(feeds, verify=True)

@@ -1,0 +1,210 @@
+"""What an engine takes and gives, and the one check of a model config against it.
+
+Each engine reads its signature from its own artifact (an ONNX Runtime session, a torch.export
+program's placeholders, a TensorRT plan). `check_signature` compares it with the config once,
+at load, for every engine alike: a config that misdescribes its model is refused, naming the
+tensor, what the config says and what the model has, instead of loading, advertising shapes
+and types the model does not produce, and failing (or answering otherwise) at run time.
+Static signatures can be partial (a dim or a rank the artifact leaves open), so warm-up also
+checks what the engine really returns, with `check_results`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from server.config import ModelConfig, TensorConfig
+from server.errors import EngineError, InvalidInput
+from server.protocol.datatypes import v2_datatype
+
+FLOAT_DATATYPES = frozenset({"FP16", "BF16", "FP32", "FP64"})
+TOKEN_DATATYPE = "INT64"  # what TextTokenizer.encode gives every token tensor
+
+Shape = tuple[int | None, ...]
+
+
+@dataclass(frozen=True)
+class TensorSignature:
+    """One tensor as the engine knows it."""
+
+    name: str
+    datatype: str | None  # the v2 datatype; None when the protocol has no name for the engine's type
+    shape: Shape | None  # with the batch dim; None marks a variable dim; None for all: rank unknown
+    native_type: str = ""  # the engine's own type name, for messages about types v2 cannot name
+
+
+@dataclass(frozen=True)
+class EngineSignature:
+    """Every input and output of a loaded artifact."""
+
+    inputs: tuple[TensorSignature, ...]
+    outputs: tuple[TensorSignature, ...]
+    positional: bool = False  # matched to the config's tensors by position (a program's arguments)
+    casts_float_inputs: bool = False  # floating inputs are cast to the engine's precision on the way in
+
+
+@dataclass(frozen=True)
+class DeclaredTensor:
+    """A tensor as the config says the engine sees it: after tokenization and `engine_name`."""
+
+    engine_name: str
+    label: str  # how messages name it, in the config's words
+    datatype: str
+    shape: tuple[int, ...]  # with the batch dim when the model batches; -1 is variable
+
+
+def engine_inputs(config: ModelConfig) -> list[DeclaredTensor]:
+    """What the engine is fed, in config order; a tokenized text input becomes its token tensors."""
+    tokenize = config.tokenize
+    declared: list[DeclaredTensor] = []
+    for tensor in config.inputs:
+        if tokenize is not None and tensor.name == tokenize.input:
+            # one row of tokens per text, as long as its sequence bucket (fixed if only one)
+            rows = _batch_dim(config) if config.batched else 1
+            buckets = tokenize.sequence_buckets or []
+            sequence = buckets[0] if len(buckets) == 1 else -1
+            for name in (tokenize.input_ids, tokenize.attention_mask, tokenize.token_type_ids):
+                if name:
+                    label = f"input '{name}' (a token tensor of '{tensor.name}')"
+                    declared.append(DeclaredTensor(name, label, TOKEN_DATATYPE, (rows, sequence)))
+            continue
+        declared.append(_declared(config, "input", tensor))
+    return declared
+
+
+def engine_outputs(config: ModelConfig) -> list[DeclaredTensor]:
+    """The declared outputs under the names the engine gives them, in config order."""
+    return [_declared(config, "output", t) for t in config.outputs]
+
+
+def _declared(config: ModelConfig, kind: str, tensor: TensorConfig) -> DeclaredTensor:
+    label = f"{kind} '{tensor.name}'"
+    if tensor.source_name != tensor.name:
+        label += f" (engine name '{tensor.source_name}')"
+    return DeclaredTensor(tensor.source_name, label, tensor.datatype, _shape(config, tensor.dims))
+
+
+def _batch_dim(config: ModelConfig) -> int:
+    """-1, or the one batch size every batch is padded to (a single batch bucket)."""
+    buckets = config.batch_buckets or []
+    return buckets[0] if len(buckets) == 1 else -1
+
+
+def _shape(config: ModelConfig, dims: list[int]) -> tuple[int, ...]:
+    return ((_batch_dim(config),) if config.batched else ()) + tuple(dims)
+
+
+def check_signature(config: ModelConfig, signature: EngineSignature) -> None:
+    """Refuse a config whose tensors the engine does not have, or has with other types or dims.
+
+    Allowed differences: a dim the engine leaves variable that the config fixes; an output whose
+    float type differs from the declared float type (the pipeline casts outputs to the declared
+    datatype, so an FP16 or BF16 build serves an FP32 config); likewise float inputs of an engine
+    that casts them to its precision (torch). All problems are reported at once.
+    """
+    problems = _mismatches("input", engine_inputs(config), signature.inputs, signature)
+    problems += _mismatches("output", engine_outputs(config), signature.outputs, signature)
+    if problems:
+        raise EngineError(f"the config does not describe the model '{config.name}': " + "; ".join(problems))
+
+
+def _mismatches(
+    kind: str, declared: list[DeclaredTensor], actual: Sequence[TensorSignature], signature: EngineSignature
+) -> list[str]:
+    """What differs between the declared tensors of one kind and the engine's, in words."""
+    problems: list[str]
+    if signature.positional:
+        if len(declared) != len(actual):
+            names = ", ".join(t.name for t in actual)
+            return [f"the config declares {len(declared)} {kind}s, the model has {len(actual)} ({names})"]
+        pairs = list(zip(declared, actual))
+        problems = []
+    else:
+        by_name = {t.name: t for t in actual}
+        pairs = [(d, by_name[d.engine_name]) for d in declared if d.engine_name in by_name]
+        known = ", ".join(sorted(by_name))
+        problems = [
+            f"{d.label}: the model has no {kind} '{d.engine_name}' (its {kind}s: {known})"
+            for d in declared
+            if d.engine_name not in by_name
+        ]
+        if kind == "input":  # the engine cannot run without every input it takes
+            fed = {d.engine_name for d in declared}
+            problems += [
+                f"the model takes input '{t.name}', which the config does not feed"
+                for t in actual
+                if t.name not in fed
+            ]
+    for want, have in pairs:
+        if not (
+            _datatypes_agree(kind, want.datatype, have.datatype, signature)
+            and _shapes_agree(kind, want.shape, have.shape)
+        ):
+            engine_name = f" ({kind} '{have.name}')" if signature.positional else ""
+            problems.append(
+                f"{want.label}: the config says {want.datatype} {list(want.shape)},"
+                f" the model has {_described(have)}{engine_name}"
+            )
+    return problems
+
+
+def _datatypes_agree(kind: str, declared: str, actual: str | None, signature: EngineSignature) -> bool:
+    if declared == actual:
+        return True
+    floats = declared in FLOAT_DATATYPES and actual in FLOAT_DATATYPES
+    return floats and (kind == "output" or signature.casts_float_inputs)
+
+
+def _shapes_agree(kind: str, declared: tuple[int, ...], actual: Shape | None) -> bool:
+    """Ranks equal; a fixed engine dim must be declared as such, except that a variable (-1)
+    output dim promises clients nothing the engine breaks. A variable input dim promises that
+    any size is taken, which an engine of fixed size refuses."""
+    if actual is None:
+        return True
+    if len(declared) != len(actual):
+        return False
+    return all(
+        have is None or want == have or (want == -1 and kind == "output")
+        for want, have in zip(declared, actual)
+    )
+
+
+def _described(tensor: TensorSignature) -> str:
+    datatype = tensor.datatype or tensor.native_type or "an unknown type"
+    if tensor.shape is None:
+        return f"{datatype} of a rank it does not state"
+    return f"{datatype} {[-1 if d is None else d for d in tensor.shape]}"
+
+
+def check_results(config: ModelConfig, results: dict[str, np.ndarray], rows: int | None) -> None:
+    """Check what one batch really returned (warm-up) against the declared outputs: every output
+    present, of a compatible datatype, and shaped as declared with `rows` items (None: the model
+    does not batch)."""
+    problems = []
+    for want in engine_outputs(config):
+        array = results.get(want.engine_name)
+        if array is None:
+            problems.append(f"{want.label}: the model returned no such output")
+            continue
+        expected = tuple(rows if rows is not None and i == 0 else d for i, d in enumerate(want.shape))
+        datatype = _returned_datatype(array)
+        shape_ok = array.ndim == len(expected) and all(e in (-1, s) for e, s in zip(expected, array.shape))
+        type_ok = datatype == want.datatype or {datatype, want.datatype} <= FLOAT_DATATYPES
+        if not (shape_ok and type_ok):
+            problems.append(
+                f"{want.label}: the config says {want.datatype} {list(want.shape)}, the model returned"
+                f" {datatype} {list(array.shape)}" + (f" for a batch of {rows}" if rows is not None else "")
+            )
+    if problems:
+        raise EngineError("; ".join(problems))
+
+
+def _returned_datatype(array: np.ndarray[Any, Any]) -> str:
+    try:
+        return v2_datatype(array.dtype)
+    except InvalidInput:  # a dtype v2 has no name for (complex, datetime, ...)
+        return str(array.dtype)
