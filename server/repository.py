@@ -58,6 +58,8 @@ class ModelRepository:
         chosen = names if names is not None else self.names_on_disk()
         results = await asyncio.gather(*(self.load(n) for n in chosen), return_exceptions=True)
         for name, result in zip(chosen, results):
+            if isinstance(result, ModelNotFound):  # asked for, not there: the server is not ready
+                self._failures[name] = result.message
             if isinstance(result, Exception):
                 logger.error("model %s was not loaded: %s", name, result)
 
@@ -155,8 +157,9 @@ class ModelRepository:
         return all(any(m.ready for m in vs.values()) for vs in self._versions.values())
 
     def index(self) -> list[IndexEntry]:
+        """Every model on disk, and every model asked for that is not."""
         entries = []
-        for name in self.names_on_disk():
+        for name in sorted({*self.names_on_disk(), *self._failures}):
             if name in self._failures:
                 entries.append(IndexEntry(name, "", "UNAVAILABLE", self._failures[name]))
             elif name in self._versions:

@@ -113,3 +113,16 @@ async def test_a_model_of_string_inputs_warms_up_with_its_own_values_and_serves(
     assert parsed["doubled_text"].tolist() == [[b"4.5"], [b"20"]]
     formatted = await repository.get("format").infer({"x": ("FP32", np.array([[0.25]], np.float32))})
     assert formatted["text"].tolist() == [[b"0.25"]]
+
+
+async def test_a_model_asked_for_but_missing_keeps_the_server_unready(repository: ModelRepository) -> None:
+    """Strict readiness, as Triton: a model named at start that is not in the repository is a
+    failure to load, shown in the index, until it is there and loads."""
+    write_model(repository.root, "double", DOUBLING_CONFIG, doubling)
+    await repository.load_all(["double", "absent"])
+    assert repository.get("double").ready
+    assert not repository.all_ready()
+    assert states(repository)["absent"] == ("UNAVAILABLE", "Request for unknown model: 'absent' is not found")
+    write_model(repository.root, "absent", {**DOUBLING_CONFIG, "name": "absent"}, doubling)
+    await repository.load("absent")
+    assert repository.all_ready() and states(repository)["absent"][0] == "READY"
