@@ -105,9 +105,11 @@ class DataPlane:
             decoded = await asyncio.to_thread(decode_request, body, header_length)
         else:
             decoded = decode_request(body, header_length)
+        if record is not None:  # before the lookup: a 404 or 503 line names its request too
+            record.request_id = decoded.id
         model = self.repository.get(name, version)
         if record is not None:
-            record.request_id, record.model_version = decoded.id, model.version
+            record.model_version = model.version
         selection = selected_outputs(model.config, decoded)
         outputs = await model.infer(decoded.inputs, decoded.parameters, record)
         tensors = [(n, datatype, outputs[n], binary) for n, datatype, binary in selection]

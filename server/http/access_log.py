@@ -18,6 +18,17 @@ from server.scheduler.request import RequestRecord
 AccessLogFormat = Literal["off", "text", "json"]
 logger = logging.getLogger("batchline.access")
 
+# Text lines carry client-controlled strings (the percent-decoded path, the request id): a line
+# break or quote in them would forge or garble lines, so they are written escaped. JSON escapes.
+_BREAKS = [*range(0x20), 0x7F, *range(0x80, 0xA0), 0x2028, 0x2029]
+_TEXT_ESCAPES = {c: f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}" for c in _BREAKS} | {
+    ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t", ord('"'): '\\"', ord("\\"): "\\\\",
+}
+
+
+def _escaped(value: object) -> str:
+    return str(value).translate(_TEXT_ESCAPES)
+
 
 class AccessLog:
     def __init__(self, format: AccessLogFormat = "off") -> None:
@@ -56,5 +67,6 @@ class AccessLog:
         else:
             logger.info(
                 '%s "POST %s" %d %.2fms queue=%.2fms compute=%.2fms model=%s version=%s id=%s',
-                client, path, status, duration_ms, queue_ms, compute_ms, model, record.model_version, record.request_id,
+                _escaped(client), _escaped(path), status, duration_ms, queue_ms, compute_ms, _escaped(model),
+                record.model_version, _escaped(record.request_id),
             )

@@ -8,13 +8,13 @@ A client that disconnects while its request waits has the request cancelled befo
 from __future__ import annotations
 
 import asyncio
-import gzip
 import re
 import time
 import zlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from server import dataplane
 from server.dataplane import DataPlane
 from server.errors import Cancelled, InvalidInput, PayloadTooLarge
 from server.http.access_log import AccessLog
@@ -33,6 +33,7 @@ _HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode()
 _JSON = [(b"content-type", b"application/json")]
 _BINARY = [(b"content-type", b"application/octet-stream")]
 WATCH_AFTER_S = 0.002
+CLIENT_CLOSED = 499  # nginx's status for a client that left first: logged, never sent
 
 
 class InferEndpoint:
@@ -45,7 +46,7 @@ class InferEndpoint:
         started = time.perf_counter_ns()
         record = RequestRecord() if self._access_log.enabled else None
         status = await self._respond(scope, receive, send, model, version, record)
-        if record is not None and status is not None:
+        if record is not None:
             client = scope.get("client")
             self._access_log.write(
                 f"{client[0]}:{client[1]}" if client else "-", scope["path"], model, status, started, record
@@ -53,19 +54,20 @@ class InferEndpoint:
 
     async def _respond(
         self, scope: Scope, receive: Receive, send: Send, model: str, version: str | None, record: RequestRecord | None
-    ) -> int | None:
-        """Answer one infer call; the status sent, or None when the client left first."""
+    ) -> int:
+        """Answer one infer call; the status sent, or CLIENT_CLOSED when the client left first
+        (one access log line per request, dropped ones included)."""
         headers = dict(scope["headers"])
         try:
             body = await self._body(headers, receive)
             header_length = _header_length(headers)
         except Cancelled:
-            return None  # the client is gone; nobody to answer
+            return CLIENT_CLOSED  # the client is gone; nobody to answer
         except Exception as exc:
             return await _send(send, *error_parts(exc))
         outcome = await self._infer_unless_disconnected(receive, model, version, body, header_length, record)
         if outcome is None:
-            return None  # the client left; its request was dropped, nobody to answer
+            return CLIENT_CLOSED  # the client left; its request was dropped, nobody to answer
         if isinstance(outcome, BaseException):
             return await _send(send, *error_parts(outcome))
         content, binary_header_length = outcome
@@ -90,9 +92,13 @@ class InferEndpoint:
         handler = asyncio.current_task()
         assert handler is not None
         watcher: asyncio.Future[Message] | None = None
+        answered = False
 
         def on_disconnect(_: asyncio.Future[Message]) -> None:
-            handler.cancel()
+            # A disconnect seen in the same loop turn as the result runs this callback after
+            # the handler moved on: cancelling then would hit it mid-answer, not mid-wait.
+            if not answered:
+                handler.cancel()
 
         def watch() -> None:
             nonlocal watcher
@@ -110,6 +116,7 @@ class InferEndpoint:
         except Exception as exc:
             return exc
         finally:
+            answered = True
             timer.cancel()
             if watcher is not None and not watcher.done():
                 watcher.remove_done_callback(on_disconnect)
@@ -133,22 +140,60 @@ class InferEndpoint:
             if not message.get("more_body", False):
                 break
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        return _decompressed(body, headers.get(b"content-encoding", b"identity").decode("latin-1").lower(), self._limit)
+        encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
+        if encoding in _IDENTITY:
+            return body
+        if len(body) > dataplane.OFFLOAD_BYTES:  # inflating megabytes would stall the shared loop
+            return await asyncio.to_thread(_decompressed, body, encoding, self._limit)
+        return _decompressed(body, encoding, self._limit)
+
+
+_IDENTITY = ("identity", "")
+_GZIP_WBITS = 16 + zlib.MAX_WBITS
 
 
 def _decompressed(body: bytes, encoding: str, limit: int) -> bytes:
+    """The body without its Content-Encoding, refused as soon as it passes `limit`: a body of
+    kilobytes can inflate to gigabytes, so it is never inflated further than the limit."""
+    if encoding in ("gzip", "x-gzip"):  # RFC 9110 8.4.1.3: x-gzip is gzip
+        return _inflate(body, _GZIP_WBITS, "gzip", limit)
+    if encoding == "deflate":
+        # RFC 9110 means the zlib format (what tritonclient, curl and browsers send), but some
+        # clients send bare deflate; accept both, as browsers and urllib3 do for responses.
+        try:
+            return _inflate(body, zlib.MAX_WBITS, "deflate", limit)
+        except InvalidInput as wrapped:
+            try:
+                return _inflate(body, -zlib.MAX_WBITS, "deflate", limit)
+            except InvalidInput:
+                raise wrapped from None
+    raise InvalidInput(f"unsupported Content-Encoding {encoding!r}; use gzip or deflate")
+
+
+def _inflate(body: bytes, wbits: int, name: str, limit: int) -> bytes:
+    """Inflate every member of `body` (gzip allows several, one after another) in steps that
+    never produce more than the limit allows."""
+    out = bytearray()
+    rest = body
     try:
-        if encoding == "gzip":
-            body = gzip.decompress(body)
-        elif encoding == "deflate":
-            body = zlib.decompress(body)
-        elif encoding != "identity":
-            raise InvalidInput(f"unsupported Content-Encoding {encoding!r}; use gzip or deflate")
-    except (OSError, zlib.error, EOFError) as exc:
-        raise InvalidInput(f"the body is not valid {encoding}: {exc}") from exc
-    if len(body) > limit:
-        raise PayloadTooLarge(f"the decompressed request body exceeds the limit of {limit} bytes")
-    return body
+        while True:
+            inflater = zlib.decompressobj(wbits)
+            pending = rest
+            while not inflater.eof:
+                piece = inflater.decompress(pending, limit + 1 - len(out))
+                out += piece
+                if len(out) > limit:
+                    raise PayloadTooLarge(f"the decompressed request body exceeds the limit of {limit} bytes")
+                pending = inflater.unconsumed_tail
+                if not pending and not piece:
+                    raise InvalidInput(f"the body is not valid {name}: it ends before the compressed stream does")
+            rest = inflater.unused_data
+            if not rest:
+                return bytes(out)
+            if wbits != _GZIP_WBITS:
+                raise InvalidInput(f"the body is not valid {name}: data follows the end of the compressed stream")
+    except zlib.error as exc:
+        raise InvalidInput(f"the body is not valid {name}: {exc}") from exc
 
 
 def _header_length(headers: dict[bytes, bytes]) -> int | None:
