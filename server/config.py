@@ -325,6 +325,13 @@ class ModelConfig(_Strict):
     instance_group: list[InstanceGroup] = Field(default_factory=lambda: [InstanceGroup()])
     version_policy: VersionPolicy = Field(default_factory=VersionPolicy)
     warmup: Warmup = Field(default_factory=Warmup)
+    execution_timeout_seconds: float = Field(
+        default=30,
+        ge=0,
+        description="The watchdog of one engine run on an instance: past it, the batch's requests fail and the"
+        " stuck instance is replaced by a fresh one. 0 disables it (an unload then waits for a stuck batch)."
+        " 30 s keeps a shutdown within the deploy manifests' 60 s grace period.",
+    )
     preprocess: Preprocess | None = None
     onnxruntime: OnnxRuntimeOptions = Field(default_factory=OnnxRuntimeOptions)
     torch: TorchOptions = Field(default_factory=TorchOptions)

@@ -46,6 +46,10 @@ class DataPlane:
     def server_metadata() -> dict[str, Any]:
         return {"name": "batchline", "version": __version__, "extensions": EXTENSIONS}
 
+    def server_live(self) -> bool:
+        """False once a model lost every instance to a hung engine: only a restart frees them."""
+        return self.repository.live()
+
     def server_ready(self) -> bool:
         return self._startup is not None and self._startup.done() and self.repository.all_ready()
 

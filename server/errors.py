@@ -57,3 +57,12 @@ class PayloadTooLarge(BatchlineError):
 
 class Unsupported(BatchlineError):
     """The request asks for a feature this server does not implement."""
+
+
+class ExecutionTimeout(EngineError):
+    """A batch ran past the model's execution_timeout_seconds. Its requests fail with this; the
+    instance stuck in the engine is taken out of service (a thread cannot be killed) and replaced."""
+
+
+class OutOfMemory(EngineError):
+    """The engine ran out of memory even for a batch of a single item."""

@@ -63,6 +63,27 @@ class BatchlineCollector(Collector):
         pending = GaugeMetricFamily("batchline_pending_requests", "Requests admitted, not yet answered.", labels=MODEL_LABELS)
         in_flight = GaugeMetricFamily("batchline_batches_in_flight", "Batches running now.", labels=MODEL_LABELS)
         ready = GaugeMetricFamily("batchline_model_ready", "1 when the version serves.", labels=MODEL_LABELS)
+        in_service = GaugeMetricFamily(
+            "batchline_instances_in_service", "Instances taking batches (stuck ones retired are not).", labels=MODEL_LABELS
+        )
+        stuck = GaugeMetricFamily(
+            "batchline_instances_stuck", "Instances abandoned by the watchdog whose thread is still in the engine.",
+            labels=MODEL_LABELS,
+        )
+        timeouts = CounterMetricFamily(
+            "batchline_execution_timeouts",
+            "Batches past execution_timeout_seconds; each took its instance out of service.", labels=MODEL_LABELS,
+        )
+        replaced = CounterMetricFamily(
+            "batchline_instances_replaced", "Fresh instances, warmed up, that took a stuck one's place.", labels=MODEL_LABELS
+        )
+        splits = CounterMetricFamily(
+            "batchline_memory_splits", "Batches halved and retried after the engine ran out of memory.", labels=MODEL_LABELS
+        )
+        caps = GaugeMetricFamily(
+            "batchline_instance_batch_cap", "Most items an instance takes in one batch (lowered when memory ran out).",
+            labels=[*MODEL_LABELS, "model_instance"],
+        )
         for model in self._repository.loaded():
             labels = [model.config.name, str(model.version)]
             stats = model.stats
@@ -83,7 +104,15 @@ class BatchlineCollector(Collector):
             pending.add_metric(labels, stats.pending)
             in_flight.add_metric(labels, model.batches_in_flight)
             ready.add_metric(labels, 1.0 if model.ready else 0.0)
+            in_service.add_metric(labels, stats.instances_in_service)
+            stuck.add_metric(labels, stats.instances_stuck)
+            timeouts.add_metric(labels, stats.instances_abandoned)
+            replaced.add_metric(labels, stats.instances_replaced)
+            splits.add_metric(labels, stats.memory_splits)
+            for instance, cap in sorted(stats.instance_batch_caps.items()):
+                caps.add_metric([*labels, instance], cap)
         yield from (requests, inferences, batches, dispatch, busy, *histograms.values(), queue_depth, pending, in_flight, ready)
+        yield from (in_service, stuck, timeouts, replaced, splits, caps)
 
 
 def _histogram(name: str, documentation: str) -> HistogramMetricFamily:

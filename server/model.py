@@ -3,6 +3,12 @@
 Loading builds one engine per placement, warms every instance up (profiling the batch ladder
 when asked), and only then reports ready; a failure leaves the version unavailable with the
 reason, and other models unaffected.
+
+While serving, an instance stuck in its engine past execution_timeout_seconds is replaced by a
+fresh one, built and warmed up the same way, so the version keeps serving; the stuck thread is
+left to finish (or not) on its own. Replacement stops when more threads are stuck than the
+version has instances (each may hold a core or device memory): the lost instances stay lost,
+and a version with none left is unavailable until it is reloaded.
 """
 
 from __future__ import annotations
@@ -17,13 +23,13 @@ from typing import Any
 import numpy as np
 
 from server.config import ModelConfig, TensorConfig
-from server.devices import placements
+from server.devices import Device, placements
 from server.engines import create_engine
 from server.errors import BatchlineError, EngineError, InvalidInput, Unavailable
 from server.preprocess import TextTokenizer
 from server.protocol.datatypes import numpy_dtype
 from server.scheduler.admission import Admission
-from server.scheduler.batcher import Batcher, QueueSettings
+from server.scheduler.batcher import Batcher, BatchRunner, QueueSettings
 from server.scheduler.policy import BatchPolicy
 from server.scheduler.request import InferenceRequest, RequestRecord
 from server.stats import ModelStatistics
@@ -48,9 +54,16 @@ class ModelVersion:
         self.state = ModelState.LOADING
         self.reason = ""
         self.stats = ModelStatistics()
-        self.instances: list[ModelInstance] = []
+        self.instances: list[ModelInstance] = []  # in service (the batcher says which are idle)
+        self._abandoned: list[ModelInstance] = []  # stuck past the watchdog, maybe forever
+        self._pads: dict[str, float] = {}
+        self._instance_count = 0  # as configured (placements)
         self._admission: Admission | None = None
         self._batcher: Batcher | None = None
+        self._closed = False
+        self._admitting = 0  # requests inside admission: an unload lets them reach the queue
+        self._admitted = asyncio.Event()
+        self._admitted.set()
 
     @property
     def ready(self) -> bool:
@@ -71,7 +84,10 @@ class ModelVersion:
             logger.exception("loading %s failed", self.label)
             self._fail(f"{type(exc).__name__}: {exc}")
             return
-        self._batcher = Batcher(self._policy(), self._queue_settings(), list(self.instances), self.stats)
+        self._batcher = Batcher(
+            self._policy(), self._queue_settings(), list(self.instances), self.stats,
+            replace=self._replace, on_exhausted=self._exhausted,
+        )
         self.state = ModelState.READY
         for instance in self.instances:
             d = instance.pipeline.engine.describe()
@@ -91,17 +107,69 @@ class ModelVersion:
         tokenize = self.config.tokenize
         tokenizer = TextTokenizer(tokenize, self.path) if tokenize else None
         self._admission = Admission(self.config, tokenizer)
-        pads = paddable_inputs(self.config, tokenizer.outputs if tokenizer else {})
+        self._pads = paddable_inputs(self.config, tokenizer.outputs if tokenizer else {})
         try:
             for index, device in enumerate(placements(self.config.instance_group)):
-                engine = create_engine(self.config, self.path, device)
-                label = f"{self.config.name}-{self.version}-{index}"
-                self.instances.append(ModelInstance(ModelPipeline(self.config, engine, pads), device, label))
-                self._warm_up(self.instances[-1].pipeline)
+                self.instances.append(self._new_instance(device, f"{self.config.name}-{self.version}-{index}"))
+            self._instance_count = len(self.instances)
             self.stats.batch_cap = self._batch_cap(self.instances[0].pipeline)
         except BaseException:
             self._close_instances()
             raise
+
+    def _new_instance(self, device: Device, label: str) -> ModelInstance:
+        """An instance on `device`, warmed up: at load, and in place of a stuck one."""
+        engine = create_engine(self.config, self.path, device)
+        instance = ModelInstance(
+            ModelPipeline(self.config, engine, self._pads), device, label, timeout_s=self.config.execution_timeout_seconds
+        )
+        try:
+            self._warm_up(instance.pipeline)
+        except BaseException:
+            instance.close()
+            raise
+        return instance
+
+    async def _replace(self, stuck: BatchRunner) -> BatchRunner:
+        """A fresh instance for one the watchdog took out of service (the batcher asks)."""
+        assert isinstance(stuck, ModelInstance)
+        if stuck in self.instances:
+            self.instances.remove(stuck)
+        self._abandoned.append(stuck)
+        self.stats.instances_stuck += 1
+        stuck.on_return(lambda: self._returned(stuck))
+        still_stuck = sum(i.stuck for i in self._abandoned)
+        limit = self._instance_count
+        if still_stuck > limit:
+            raise Unavailable(
+                f"{still_stuck} instances are stuck in the engine (more than the {limit} configured);"
+                " no more are started: restart the server to free them"
+            )
+        logger.warning("model %s: replacing instance %s, stuck in the engine", self.label, stuck.label)
+        fresh = await asyncio.to_thread(self._new_instance, stuck.device, stuck.label)
+        if self._closed:  # unloaded while the fresh one warmed up
+            await asyncio.to_thread(fresh.close)
+            raise Unavailable(f"model {self.label} was unloaded")
+        self.instances.append(fresh)
+        return fresh
+
+    def _returned(self, instance: ModelInstance) -> None:
+        """An abandoned run came back at last: its thread closes the engine and ends."""
+        self.stats.instances_stuck -= 1
+        self._abandoned.remove(instance)
+        logger.warning("model %s: the stuck run of instance %s came back; it was discarded", self.label, instance.label)
+
+    def _exhausted(self, reason: str) -> None:
+        """No instance is left in service and none is coming: the version no longer serves."""
+        if self.state is ModelState.READY:
+            self.state = ModelState.UNAVAILABLE
+            self.reason = f"no instance in service: {reason}"
+            logger.error("model %s is not ready: %s", self.label, self.reason)
+
+    @property
+    def wedged(self) -> bool:
+        """Lost for good to threads stuck in the engine: only a new process frees them."""
+        return self.state is not ModelState.READY and any(i.stuck for i in self._abandoned) and not self.instances
 
     def _warm_up(self, pipeline: ModelPipeline) -> None:
         if not self.config.warmup.enabled:
@@ -205,13 +273,20 @@ class ModelVersion:
         record: RequestRecord | None,
         received_ns: int,
     ) -> dict[str, np.ndarray]:
+        self._admitting += 1
+        self._admitted.clear()
         try:
             admitted = await admission.admit(inputs, parameters)
         except InvalidInput:
             self.stats.count_failure("invalid")
             raise
-        if not self.ready:  # unloading began while this request was being tokenized
-            raise Unavailable(f"model '{self.config.name}' version {self.version} is unloading")
+        finally:
+            self._admitting -= 1
+            if not self._admitting:
+                self._admitted.set()
+        # An unload that began meanwhile waited for this request: it is queued and drained.
+        if self._closed or self.state not in (ModelState.READY, ModelState.UNLOADING):
+            raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready: {self.reason}")
         request = InferenceRequest(
             admitted.feed,
             admitted.batch_size,
@@ -235,18 +310,22 @@ class ModelVersion:
         return self._batcher.batches_running if self._batcher else 0
 
     async def unload(self) -> None:
-        """Stop taking requests, let queued ones finish, then free the engines."""
+        """Stop taking requests, let those already taken in finish, then free the engines.
+        Bounded by the watchdog: a stuck batch fails at execution_timeout_seconds."""
         self.state = ModelState.UNLOADING
+        await self._admitted.wait()  # requests being admitted reach the queue, then drain with it
         if self._batcher is not None:
             await self._batcher.drain()
-        await asyncio.to_thread(self._close_instances)
+        self._closed = True  # on the loop, so a replacement warming up now is closed, not kept
+        instances, self.instances = self.instances, []
+        await asyncio.to_thread(_close_all, instances)
         self.state = ModelState.UNAVAILABLE
         self.reason = "unloaded"
 
     def _close_instances(self) -> None:
-        for instance in self.instances:
-            instance.close()
-        self.instances = []
+        self._closed = True
+        instances, self.instances = self.instances, []
+        _close_all(instances)
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -256,3 +335,8 @@ class ModelVersion:
 
     def _tensor_metadata(self, tensor: TensorConfig) -> dict[str, Any]:
         return {"name": tensor.name, "datatype": tensor.datatype, "shape": self.config.api_shape(tensor)}
+
+
+def _close_all(instances: list[ModelInstance]) -> None:
+    for instance in instances:
+        instance.close()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from server.config import CONFIG_FILENAME, ModelConfig, load_model_config
-from server.errors import ConfigError, EngineError, InvalidInput, ModelNotFound, Unavailable
+from server.errors import BatchlineError, ConfigError, EngineError, InvalidInput, ModelNotFound, Unavailable
 from server.model import ModelState, ModelVersion
 from server.quantize.ensure import ensure_built
 
@@ -64,9 +64,14 @@ class ModelRepository:
                 logger.error("model %s was not loaded: %s", name, result)
 
     async def load(self, name: str) -> None:
-        """(Re)load a model: new versions are loaded before the old ones are unloaded."""
+        """(Re)load a model. The new versions load and warm up while the old ones serve; they
+        take over only when every one of them is ready, then the old ones drain. A reload that
+        fails (config, build, artifact, warm-up, memory) leaves the old versions serving and
+        raises the reason, as Triton does."""
         path = self._model_dir(name)
         async with self._locks.setdefault(name, asyncio.Lock()):
+            old = self._versions.get(name, {})
+            serving = sorted(v for v, m in old.items() if m.ready)
             try:
                 config = self._with_overrides(load_model_config(path / CONFIG_FILENAME))
                 if config.build is not None:  # a variant built from another model: build or reuse
@@ -77,23 +82,32 @@ class ModelRepository:
                 if not selected:
                     raise ConfigError(f"{path}: no version folder (e.g. {path}/1) to serve")
             except ConfigError as exc:
-                self._failures[name] = exc.message
-                logger.error("model %s: %s", name, exc.message)
-                raise InvalidInput(f"failed to load '{name}': {exc.message}") from exc
+                raise self._failed(name, exc.message, serving, InvalidInput) from exc
             except EngineError as exc:
-                self._failures[name] = exc.message
-                logger.error("model %s: %s", name, exc.message)
-                raise Unavailable(f"failed to load '{name}': {exc.message}") from exc
-            self._failures.pop(name, None)
-            self._unloaded.discard(name)
+                raise self._failed(name, exc.message, serving, Unavailable) from exc
             fresh = {v: ModelVersion(config, v, path / str(v)) for v in selected}
             await asyncio.gather(*(m.load() for m in fresh.values()))
-            old = self._versions.get(name, {})
+            failed = [m for m in fresh.values() if not m.ready]
+            if failed and serving:  # swap only a wholly ready set; the old one serves on
+                await asyncio.gather(*(m.unload() for m in fresh.values() if m.ready))
+                reasons = "; ".join(f"version {m.version}: {m.reason}" for m in failed)
+                raise self._failed(name, reasons, serving, Unavailable)
+            self._failures.pop(name, None)
+            self._unloaded.discard(name)
             self._versions[name] = fresh
             await asyncio.gather(*(m.unload() for m in old.values()))
-            failed = [m for m in fresh.values() if not m.ready]
             if failed and len(failed) == len(fresh):
                 raise Unavailable(f"failed to load '{name}': {failed[0].reason}")
+
+    def _failed(self, name: str, reason: str, serving: list[int], error: type[BatchlineError]) -> BatchlineError:
+        """The error a failed (re)load answers; with nothing serving, the model shows it too."""
+        if not serving:
+            self._failures[name] = reason
+            logger.error("model %s: %s", name, reason)
+            return error(f"failed to load '{name}': {reason}")
+        kept = f"version {serving[0]} serves" if len(serving) == 1 else f"versions {', '.join(map(str, serving))} serve"
+        logger.error("model %s was not reloaded, %s on: %s", name, kept, reason)
+        return error(f"failed to load '{name}': {reason} ({kept} on)")
 
     def _with_overrides(self, config: ModelConfig) -> ModelConfig:
         """Apply server-wide settings that win over each model's own (engine threads)."""
@@ -149,6 +163,11 @@ class ModelRepository:
 
     def loaded(self) -> list[ModelVersion]:
         return [m for name in sorted(self._versions) for m in self.versions(name)]
+
+    def live(self) -> bool:
+        """False once a model lost every instance to threads stuck in its engine: a thread cannot
+        be killed, so only a new process frees them (liveness asks the orchestrator for one)."""
+        return not any(m.wedged for m in self.loaded())
 
     def all_ready(self) -> bool:
         """Strict readiness, as Triton: every model asked for is loaded and ready."""

@@ -86,6 +86,14 @@ class ModelStatistics:
     queue_seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
     compute_seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
     batch_sizes: Histogram = field(default_factory=lambda: Histogram(BATCH_SIZE_BUCKETS))
+    # Faults: instances taken out of service by the watchdog, their replacements, and the
+    # working batch caps that running out of memory lowered.
+    instances_in_service: int = 0
+    instances_abandoned: int = 0  # batches past execution_timeout_seconds: each retires its instance
+    instances_replaced: int = 0  # fresh instances, warmed up, that took a stuck one's place
+    instances_stuck: int = 0  # abandoned threads still inside their engine now
+    memory_splits: int = 0  # batches halved after running out of memory
+    instance_batch_caps: dict[str, int] = field(default_factory=dict)  # in-service instance -> working cap
 
     def count_failure(self, reason: str) -> None:
         assert reason in OUTCOMES and reason != "success", reason
@@ -152,4 +160,12 @@ class ModelStatistics:
             "failures": dict(self.failures),
             "batch_cap": self.batch_cap,
             "batch_profile": self.batch_profile,
+            "instances": {
+                "in_service": self.instances_in_service,
+                "stuck": self.instances_stuck,
+                "timed_out": self.instances_abandoned,
+                "replaced": self.instances_replaced,
+                "batch_caps": dict(sorted(self.instance_batch_caps.items())),
+            },
+            "memory_splits": self.memory_splits,
         }

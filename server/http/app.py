@@ -71,7 +71,9 @@ def create_app(
 
     @v2.get("/health/live", summary="Liveness")
     async def live() -> Response:
-        return _status_only(True, "server")
+        if plane.server_live():
+            return Response(_EMPTY_JSON, media_type="application/json")
+        return error_response(503, "a model lost every instance to a hung engine; restart the server")
 
     @v2.get("/health/ready", summary="Readiness: every model asked for is loaded and ready")
     async def ready() -> Response:

@@ -15,8 +15,10 @@ from server.errors import (
     ConfigError,
     DeadlineExceeded,
     EngineError,
+    ExecutionTimeout,
     InvalidInput,
     ModelNotFound,
+    OutOfMemory,
     PayloadTooLarge,
     QueueFull,
     Unavailable,
@@ -35,8 +37,10 @@ STATUS_BY_ERROR: dict[type[BatchlineError], int] = {
     QueueFull: 429,
     Cancelled: 499,  # the client closed the request (nginx's convention)
     EngineError: 500,
+    OutOfMemory: 500,  # a single item too large for the device, after its batch was split
     Unavailable: 503,
     DeadlineExceeded: 504,
+    ExecutionTimeout: 504,  # not 503: clients retry that, and an input that hangs the engine would take the next instance
 }
 
 

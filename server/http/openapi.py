@@ -30,12 +30,13 @@ _INFER_ERRORS = {
     413: "The body, or the body once decompressed, is larger than the server accepts",
     429: "The model's queue is full; retry after Retry-After seconds",
     500: "The engine failed while running the batch that held this request",
-    504: "The request's timeout passed while it was queued; it was not run",
+    504: "The request's timeout passed while it was queued (it was not run), or its batch ran past the"
+    " model's execution_timeout_seconds",
 }
 
 ERROR_STATUSES: dict[str, dict[int, str]] = {
     "GET /v2": {},
-    "GET /v2/health/live": {},
+    "GET /v2/health/live": {503: "A model lost every instance to a hung engine: only a restart frees them"},
     "GET /v2/health/ready": {503: "A model asked for is still loading, or failed to load"},
     "GET /v2/models/stats": {},
     "GET /v2/models/{model}": {404: _NO_MODEL, 503: _NOT_READY},

@@ -9,21 +9,35 @@ so the next batch is ready the moment one frees: batch k+1 forms while batch k r
 Admission is honest: a full queue refuses at once, a request whose deadline passes while
 queued is answered with DeadlineExceeded and never runs, and a cancelled one is dropped
 before compute. Each future is resolved exactly once.
+
+The batcher also owns which instances are in service. An instance whose batch ran past the
+watchdog (ExecutionTimeout) is stuck in its engine: it is retired, never handed another batch,
+and the model is asked for a fresh one (`replace`); when none is left and none is coming, the
+queued requests are answered at once and the model is told (`on_exhausted`). An instance that
+ran out of memory reports a lowered working cap, and its batches are formed within it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from server.errors import BatchlineError, DeadlineExceeded, EngineError, QueueFull, Unavailable
+from server.errors import (
+    BatchlineError,
+    DeadlineExceeded,
+    EngineError,
+    ExecutionTimeout,
+    QueueFull,
+    Unavailable,
+)
 from server.scheduler.policy import BatchPolicy, DispatchReason
 from server.scheduler.request import InferenceRequest, RequestState
 from server.stats import ModelStatistics
@@ -33,10 +47,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class BatchResult:
-    outputs: list[dict[str, np.ndarray]]  # one per request, in request order
+    outputs: list[dict[str, np.ndarray]]  # one per request, in request order ({} where failed)
     compute_input_ns: int = 0
     compute_infer_ns: int = 0
     compute_output_ns: int = 0
+    # request index -> its error, when only part of the batch failed (out of memory on one item)
+    failed: dict[int, BatchlineError] = field(default_factory=dict)
+    batch_cap: int | None = None  # the instance's working cap, once running out of memory lowered it
+    memory_splits: int = 0  # times this batch was halved after running out of memory
 
 
 class BatchRunner(Protocol):
@@ -55,6 +73,9 @@ class QueueSettings:
     preserve_ordering: bool = False
 
 
+Replace = Callable[[BatchRunner], Awaitable[BatchRunner]]
+
+
 class Batcher:
     def __init__(
         self,
@@ -63,10 +84,21 @@ class Batcher:
         instances: list[BatchRunner],
         stats: ModelStatistics,
         clock: Callable[[], int] = time.perf_counter_ns,
+        *,
+        replace: Replace | None = None,
+        on_exhausted: Callable[[str], None] | None = None,
     ) -> None:
+        """`replace(stuck)` makes a fresh instance for one taken out of service (or raises);
+        `on_exhausted(reason)` is told once no instance is left and none is coming."""
         self._policy = policy
         self._settings = settings
         self._idle: list[BatchRunner] = list(instances)
+        self._in_service = len(instances)
+        self._replacing: set[asyncio.Task[None]] = set()
+        self._replace = replace
+        self._on_exhausted = on_exhausted
+        self._caps: dict[BatchRunner, int] = {}  # instances whose working cap memory lowered
+        self._capped: dict[int, BatchPolicy] = {}  # the policy at each lowered cap
         self._queues: list[deque[InferenceRequest]] = [deque() for _ in range(settings.levels)]
         self._queued = 0  # live requests waiting (dead ones are dropped lazily from the deques)
         self._running: set[asyncio.Task[None]] = set()
@@ -77,6 +109,8 @@ class Batcher:
         self._next_release = 0
         self._held: dict[int, Callable[[], None] | None] = {}  # preserve_ordering buffer
         self._draining = False  # unloading: nothing waits for the delay window any more
+        stats.instances_in_service = len(instances)
+        stats.instance_batch_caps = {i.label: policy.max_batch_size for i in instances}
 
     @property
     def queue_depth(self) -> int:
@@ -87,8 +121,15 @@ class Batcher:
     def batches_running(self) -> int:
         return len(self._running)
 
+    @property
+    def instances_in_service(self) -> int:
+        """Instances that take batches (idle or running); stuck ones retired are not counted."""
+        return self._in_service
+
     def submit(self, request: InferenceRequest) -> None:
         """Queue an admitted request, or refuse it at once when the queue is full."""
+        if not self._in_service and not self._replacing:
+            raise Unavailable("no instance of this model is in service")
         limit = self._settings.max_queue_size
         if limit and self._queued >= limit:
             self._stats.count_failure("queue_full")
@@ -131,13 +172,15 @@ class Batcher:
             self._wake.cancel()
             self._wake = None
         while self._idle and self._queued:
-            batch, blocked = self._form_batch()
+            chosen = self._roomiest_idle()
+            policy = self._policy_for(self._idle[chosen])
+            batch, blocked = self._form_batch(policy)
             if not batch:
                 return
             items = sum(r.batch_size for r in batch)
             now = self._clock()
             oldest = min(r.arrival_ns for r in batch)
-            decision = self._policy.decide(items, blocked, oldest, now, busy=bool(self._running) and not self._draining)
+            decision = policy.decide(items, blocked, oldest, now, busy=bool(self._running) and not self._draining)
             if decision.reason is None:
                 assert decision.wake_at_ns is not None
                 delay_s = max(0.0, (decision.wake_at_ns - now) / 1e9)
@@ -148,11 +191,28 @@ class Batcher:
                 if request.expiry is not None:
                     request.expiry.cancel()
             self._queued -= len(batch)
-            task = asyncio.create_task(self._execute(self._idle.pop(), batch, decision.reason, now))
+            task = asyncio.create_task(self._execute(self._idle.pop(chosen), batch, decision.reason, now))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
-    def _form_batch(self) -> tuple[list[InferenceRequest], bool]:
+    def _roomiest_idle(self) -> int:
+        """The idle instance that takes the largest batch (the last one freed, on a tie)."""
+        if not self._caps:
+            return len(self._idle) - 1
+        full = self._policy.max_batch_size
+        return max(range(len(self._idle)), key=lambda i: (self._caps.get(self._idle[i], full), i))
+
+    def _policy_for(self, instance: BatchRunner) -> BatchPolicy:
+        """The policy within the instance's working cap: full and preferred mean what fits it."""
+        cap = self._caps.get(instance)
+        if cap is None or cap >= self._policy.max_batch_size:
+            return self._policy
+        if cap not in self._capped:
+            preferred = tuple(p for p in self._policy.preferred if p <= cap)
+            self._capped[cap] = dataclasses.replace(self._policy, max_batch_size=cap, preferred=preferred)
+        return self._capped[cap]
+
+    def _form_batch(self, policy: BatchPolicy) -> tuple[list[InferenceRequest], bool]:
         """The oldest live request of the highest level and the compatible ones behind it;
         `blocked` says a compatible request had to stay behind for lack of room."""
         for queue in self._queues:
@@ -172,15 +232,15 @@ class Batcher:
                 if candidate.shape_key != head.shape_key:
                     continue
                 grown = max(longest, candidate.longest)
-                if not self._policy.fits(items + candidate.batch_size, grown):
+                if not policy.fits(items + candidate.batch_size, grown):
                     blocked = True
                     break
                 batch.append(candidate)
                 items += candidate.batch_size
                 longest = grown
-                if items >= self._policy.max_batch_size:
+                if items >= policy.max_batch_size:
                     break
-            if blocked or items >= self._policy.max_batch_size:
+            if blocked or items >= policy.max_batch_size:
                 break
         return batch, blocked
 
@@ -192,37 +252,106 @@ class Batcher:
             self._stats.record_queued(dispatched_ns - request.arrival_ns)
             if request.record is not None:
                 request.record.queue_ns = dispatched_ns - request.arrival_ns
+        retired = False
         try:
             result = await instance.run([r.feed for r in batch])
         except BaseException as exc:  # one bad batch fails its own requests, nobody else's
             self._stats.record_busy(instance.label, self._clock() - dispatched_ns)
+            retired = isinstance(exc, ExecutionTimeout)  # its thread is still in the engine
             error = exc if isinstance(exc, BatchlineError) else EngineError(f"{type(exc).__name__}: {exc}")
-            if not isinstance(exc, BatchlineError):
+            if retired:
+                logger.error("%s", error.message)
+            elif not isinstance(exc, BatchlineError):
                 logger.exception("batch of %d requests failed on %s", len(batch), instance.label)
             done = self._clock()
             for request in batch:
-                self._stats.fail.add(done - request.received_ns)
-                self._stats.count_failure("engine_error")
-                self._release(request, lambda r=request: r.fail(error))
+                self._fail_request(request, error, done)
             if isinstance(exc, asyncio.CancelledError):
                 raise
         else:
             self._stats.record_busy(instance.label, self._clock() - dispatched_ns)
-            self._stats.record_batch(
-                sum(r.batch_size for r in batch), len(batch),
-                result.compute_input_ns, result.compute_infer_ns, result.compute_output_ns,
-            )
+            self._note_memory(instance, result)
+            served = [r for i, r in enumerate(batch) if i not in result.failed]
+            if served:
+                self._stats.record_batch(
+                    sum(r.batch_size for r in served), len(served),
+                    result.compute_input_ns, result.compute_infer_ns, result.compute_output_ns,
+                )
             done = self._clock()
             compute_ns = result.compute_input_ns + result.compute_infer_ns + result.compute_output_ns
-            for request, outputs in zip(batch, result.outputs):
+            for index, (request, outputs) in enumerate(zip(batch, result.outputs)):
+                if index in result.failed:
+                    self._fail_request(request, result.failed[index], done)
+                    continue
                 self._stats.record_success(done - request.received_ns)
                 if request.record is not None:
                     request.record.compute_ns = compute_ns
                 self._release(request, lambda r=request, o=outputs: r.resolve(o))
         finally:
             self._running.discard(asyncio.current_task())  # this batch no longer counts as busy
-            self._idle.append(instance)
+            if retired:
+                self._retire(instance)
+            else:
+                self._idle.append(instance)
             self._dispatch()
+
+    def _fail_request(self, request: InferenceRequest, error: BaseException, done_ns: int) -> None:
+        self._stats.fail.add(done_ns - request.received_ns)
+        self._stats.count_failure("engine_error")
+        self._release(request, lambda: request.fail(error))
+
+    def _note_memory(self, instance: BatchRunner, result: BatchResult) -> None:
+        """Record a working cap lowered by running out of memory; later batches fit within it."""
+        self._stats.memory_splits += result.memory_splits
+        if result.batch_cap is not None and result.batch_cap < self._caps.get(instance, self._policy.max_batch_size):
+            self._caps[instance] = result.batch_cap
+            self._stats.instance_batch_caps[instance.label] = result.batch_cap
+
+    def _retire(self, stuck: BatchRunner) -> None:
+        """Take a stuck instance out of service for good and ask for a fresh one."""
+        self._in_service -= 1
+        self._caps.pop(stuck, None)
+        self._stats.instances_abandoned += 1
+        self._stats.instances_in_service = self._in_service
+        self._stats.instance_batch_caps.pop(stuck.label, None)
+        if self._replace is None or self._draining:
+            self._check_exhausted(f"instance {stuck.label} is stuck in the engine and none replaces it")
+            return
+        task = asyncio.create_task(self._bring_replacement(stuck))
+        self._replacing.add(task)
+        task.add_done_callback(self._replacing.discard)
+
+    async def _bring_replacement(self, stuck: BatchRunner) -> None:
+        assert self._replace is not None
+        try:
+            fresh = await self._replace(stuck)
+        except BatchlineError as exc:  # the fresh one did not load: serve on with those left
+            self._not_replaced(stuck, exc.message)
+            return
+        except Exception as exc:
+            logger.exception("replacing instance %s failed", stuck.label)
+            self._not_replaced(stuck, f"{type(exc).__name__}: {exc}")
+            return
+        self._in_service += 1
+        self._stats.instances_replaced += 1
+        self._stats.instances_in_service = self._in_service
+        self._stats.instance_batch_caps[fresh.label] = self._policy.max_batch_size
+        self._idle.append(fresh)
+        logger.warning("instance %s was replaced by a fresh one, warmed up", stuck.label)
+        self._dispatch()
+
+    def _not_replaced(self, stuck: BatchRunner, reason: str) -> None:
+        logger.error("instance %s was not replaced: %s", stuck.label, reason)
+        self._replacing.discard(asyncio.current_task())  # type: ignore[arg-type]
+        self._check_exhausted(f"instance {stuck.label} is stuck in the engine and was not replaced: {reason}")
+
+    def _check_exhausted(self, reason: str) -> None:
+        """No instance left and none coming: answer the queue now instead of never."""
+        if self._in_service or self._replacing:
+            return
+        self._fail_queued(Unavailable(f"no instance of this model is in service: {reason}"))
+        if self._on_exhausted is not None:
+            self._on_exhausted(reason)
 
     def _release(self, request: InferenceRequest, complete: Callable[[], None] | None) -> None:
         """Complete a request now, or (preserve_ordering) once every earlier one has."""
@@ -238,7 +367,8 @@ class Batcher:
                 ready()
 
     async def drain(self) -> None:
-        """Run everything already queued to completion (the caller stops new submissions)."""
+        """Run everything already queued to completion (the caller stops new submissions).
+        Bounded: a stuck batch ends at the instance's watchdog, and no replacement is awaited."""
         self._draining = True
         self._dispatch()
         while self._running or self._queued:

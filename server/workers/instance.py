@@ -2,31 +2,270 @@
 
 Batches are merged, run and split on that thread, so the event loop only hands requests over
 and resolves futures; engines release the GIL while computing, so instances run in parallel.
+
+Faults stay within the batch that met them:
+- Watchdog: a batch still running after `timeout_s` is answered with ExecutionTimeout and the
+  instance is abandoned. A Python thread cannot be killed, so it is never handed another batch
+  (the batcher retires it and the model replaces it). The thread is a daemon, so a stuck one
+  never holds the process at exit; should it ever come back, it closes its engine and ends.
+- Out of memory: the batch is cut in halves and each half retried, down to single items; a
+  single item that still does not fit fails alone, with OutOfMemory, and the others are
+  answered. The instance then lowers its working batch cap below the smallest size that ran out
+  of memory, so later batches are formed within it; sizes that failed only because they held
+  such an item do not count (one huge request must not shrink every later batch).
 """
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+import logging
+import queue
+import threading
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 from server.devices import Device
+from server.errors import BatchlineError, EngineError, ExecutionTimeout, OutOfMemory, Unavailable
 from server.scheduler.batcher import BatchResult
+from server.workers.faults import is_out_of_memory
 from server.workers.pipeline import ModelPipeline
+
+logger = logging.getLogger(__name__)
+
+Feed = dict[str, np.ndarray]
+
+
+@dataclass
+class _Job:
+    call: Callable[[], BatchResult]
+    future: asyncio.Future[BatchResult]
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Piece:
+    """Rows of one request of the batch: all of them, or a part once the request was cut."""
+
+    request: int
+    feed: Feed
+    rows: int
 
 
 class ModelInstance:
-    def __init__(self, pipeline: ModelPipeline, device: Device, label: str) -> None:
+    def __init__(self, pipeline: ModelPipeline, device: Device, label: str, *, timeout_s: float = 0) -> None:
         self.pipeline = pipeline
         self.device = device
         self.label = label
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=label)
+        self.timeout_s = timeout_s  # the watchdog of one engine run; 0: none
+        self.batch_cap: int | None = None  # lowered when memory ran out; None: what the batcher forms
+        self.abandoned = False
+        self._stuck: asyncio.Future[BatchResult] | None = None  # the run the watchdog gave up on
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # None: close and end
+        self._thread = threading.Thread(target=self._serve, name=label, daemon=True)
+        self._thread.start()
 
-    async def run(self, feeds: list[dict[str, np.ndarray]]) -> BatchResult:
+    @property
+    def stuck(self) -> bool:
+        """Abandoned, and its thread is still inside the engine."""
+        return self.abandoned and self._thread.is_alive()
+
+    def on_return(self, callback: Callable[[], None]) -> None:
+        """Call `callback` on the event loop once the run it was abandoned in comes back."""
+        if self._stuck is None or self._stuck.done():
+            callback()
+        else:
+            self._stuck.add_done_callback(lambda _: callback())
+
+    async def run(self, feeds: list[Feed]) -> BatchResult:
+        """Run one batch (the module docstring says how faults are met)."""
+        if self.abandoned:
+            raise Unavailable(f"instance {self.label} is out of service")
+        if not self.pipeline.batched:  # nothing to cut: the request is the batch
+            try:
+                return await self._call(feeds)
+            except ExecutionTimeout:
+                raise
+            except Exception as exc:
+                if is_out_of_memory(exc):
+                    raise OutOfMemory(f"instance {self.label} ran out of memory: {_reason(exc)}") from exc
+                raise
+        return await self._run_in_parts([_Piece(i, f, _rows(f)) for i, f in enumerate(feeds)])
+
+    async def _run_in_parts(self, pieces: list[_Piece]) -> BatchResult:
+        work = deque(_packed(pieces, self.batch_cap))
+        whole = len(work) == 1  # the batch as dispatched: its failure fails it whole, as ever
+        parts: dict[int, list[Feed]] = defaultdict(list)
+        failed: dict[int, BatchlineError] = {}
+        ran_out: list[tuple[int, set[int]]] = []  # (rows, requests) of each group that ran out of memory
+        total = BatchResult([])
+        while work:
+            group = [p for p in work.popleft() if p.request not in failed]
+            if not group:
+                continue
+            try:
+                result = await self._call([p.feed for p in group])
+            except ExecutionTimeout:
+                raise
+            except Exception as exc:
+                rows = sum(p.rows for p in group)
+                if not is_out_of_memory(exc):
+                    if whole:
+                        raise
+                    logger.error("part of a batch (%d items) failed on %s", rows, self.label, exc_info=exc)
+                    error = exc if isinstance(exc, BatchlineError) else EngineError(f"{type(exc).__name__}: {exc}")
+                    failed.update((p.request, error) for p in group)
+                elif rows == 1:
+                    failed[group[0].request] = OutOfMemory(
+                        f"instance {self.label} ran out of memory on a single item: {_reason(exc)}"
+                    )
+                    logger.warning("%s", failed[group[0].request].message)
+                else:
+                    ran_out.append((rows, {p.request for p in group}))
+                    total.memory_splits += 1
+                    work.extendleft(reversed(_halves(group)))
+                whole = False
+                continue
+            whole = False
+            total.compute_input_ns += result.compute_input_ns
+            total.compute_infer_ns += result.compute_infer_ns
+            total.compute_output_ns += result.compute_output_ns
+            for piece, outputs in zip(group, result.outputs):
+                parts[piece.request].append(outputs)
+        too_big = {i for i, error in failed.items() if isinstance(error, OutOfMemory)}
+        sizes = [rows for rows, requests in ran_out if not requests & too_big]
+        if sizes:
+            self._lower_cap(min(sizes))
+        total.outputs = [{} if i in failed else _joined(parts[i]) for i in range(len(pieces))]
+        total.failed = failed
+        total.batch_cap = self.batch_cap
+        return total
+
+    def _lower_cap(self, rows: int) -> None:
+        cap = (rows + 1) // 2  # the larger half of the smallest batch that did not fit
+        if self.batch_cap is None or cap < self.batch_cap:
+            self.batch_cap = cap
+            logger.warning(
+                "instance %s ran out of memory on a batch of %d items and ran it in smaller parts; "
+                "its working batch cap is now %d", self.label, rows, cap,
+            )
+
+    async def _call(self, feeds: list[Feed]) -> BatchResult:
+        """One engine run on the instance's thread, under the watchdog."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, self.pipeline.run_batch, feeds)
+        future: asyncio.Future[BatchResult] = loop.create_future()
+        future.add_done_callback(_retrieve)
+        self._jobs.put(_Job(partial(self.pipeline.run_batch, feeds), future, loop))
+        if not self.timeout_s:
+            return await future
+        done, _ = await asyncio.wait({future}, timeout=self.timeout_s)
+        if not done:
+            self._abandon(future)
+            raise ExecutionTimeout(
+                f"instance {self.label} did not finish a batch within execution_timeout_seconds "
+                f"({self.timeout_s:g} s); the instance was taken out of service"
+            )
+        return future.result()
+
+    def _abandon(self, run: asyncio.Future[BatchResult]) -> None:
+        self.abandoned = True
+        self._stuck = run
+        self._jobs.put(None)  # if the run ever returns, the thread closes the engine and ends
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            result: BatchResult | None = None
+            error: BaseException | None = None
+            try:
+                result = job.call()
+            except BaseException as exc:  # noqa: BLE001 (every outcome goes back to the waiting loop)
+                error = exc if isinstance(exc, Exception) else EngineError(f"{type(exc).__name__}: {exc}")
+            try:
+                job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+            except RuntimeError:  # the loop is closed: nobody waits for this run any more
+                pass
+        try:
+            self.pipeline.engine.close()
+        except Exception:
+            logger.exception("closing the engine of %s failed", self.label)
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)
-        self.pipeline.engine.close()
+        """Free the engine once the thread is idle. An abandoned instance is not waited for: its
+        thread closes the engine itself if its run ever comes back."""
+        if self.abandoned:
+            return
+        self._jobs.put(None)
+        self._thread.join()
+
+
+def _settle(future: asyncio.Future[BatchResult], result: BatchResult | None, error: BaseException | None) -> None:
+    if future.done():  # the waiter was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)  # type: ignore[arg-type]
+
+
+def _retrieve(future: asyncio.Future[BatchResult]) -> None:
+    """Mark an error as seen, so a run nobody awaits any more logs no 'never retrieved'."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _reason(error: BaseException) -> str:
+    return error.message if isinstance(error, BatchlineError) else f"{type(error).__name__}: {error}"
+
+
+def _rows(feed: Feed) -> int:
+    return len(next(iter(feed.values())))
+
+
+def _rows_of(piece: _Piece, start: int, stop: int) -> _Piece:
+    return _Piece(piece.request, {name: array[start:stop] for name, array in piece.feed.items()}, stop - start)
+
+
+def _packed(pieces: list[_Piece], cap: int | None) -> list[list[_Piece]]:
+    """The batch as groups of at most `cap` rows, in order; a request larger than the cap is cut."""
+    if cap is None or sum(p.rows for p in pieces) <= cap:
+        return [pieces]
+    groups: list[list[_Piece]] = []
+    current: list[_Piece] = []
+    rows = 0
+    for piece in pieces:
+        cuts = [piece] if piece.rows <= cap else [
+            _rows_of(piece, start, min(start + cap, piece.rows)) for start in range(0, piece.rows, cap)
+        ]
+        for cut in cuts:
+            if current and rows + cut.rows > cap:
+                groups.append(current)
+                current, rows = [], 0
+            current.append(cut)
+            rows += cut.rows
+    groups.append(current)
+    return groups
+
+
+def _halves(group: list[_Piece]) -> list[list[_Piece]]:
+    """Two groups of about half the rows each; a lone request is cut between its rows."""
+    if len(group) == 1:
+        piece = group[0]
+        cut = (piece.rows + 1) // 2
+        return [[_rows_of(piece, 0, cut)], [_rows_of(piece, cut, piece.rows)]]
+    total = sum(p.rows for p in group)
+    running, split = 0, 1
+    for split, piece in enumerate(group[:-1], start=1):
+        running += piece.rows
+        if running * 2 >= total:
+            break
+    return [group[:split], group[split:]]
+
+
+def _joined(parts: list[Feed]) -> Feed:
+    """A request's outputs, put back together from the parts it was run in."""
+    if len(parts) == 1:
+        return parts[0]
+    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}

@@ -38,6 +38,11 @@ class ModelPipeline:
         self._buckets = config.batch_buckets or []
         self._outputs = [(t.name, t.source_name, numpy_dtype(t.datatype)) for t in config.outputs]
 
+    @property
+    def batched(self) -> bool:
+        """Whether feeds carry a leading batch dim (so a batch can be cut into smaller ones)."""
+        return self._batched
+
     def run_batch(self, feeds: list[dict[str, np.ndarray]], *, verify: bool = False) -> BatchResult:
         """Run the requests' feeds as one batch. `verify` (warm-up) checks the engine's own
         outputs against the declared ones before they are cast, since an artifact's static

@@ -87,7 +87,8 @@ PROBES = [
     Probe("POST", "/v2/repository/models/digits/load", 400, b'{"parameters": ["config"]}', "parameters a list"),
     Probe("POST", "/v2/repository/models/badconfig/load", 400),
     Probe("POST", "/v2/repository/models/broken/load", 503),
-    Probe("POST", "/v2/repository/models/digits/load", 200),
+    Probe("POST", "/v2/repository/models/digits/load", 503),  # version 2 fails: nothing swaps, 1 serves on
+    Probe("POST", "/v2/repository/models/idle/load", 200),
     Probe("POST", "/v2/repository/models/nope/unload", 404),
     Probe("POST", "/v2/repository/models/idle/unload", 200),
     Probe("GET", "/metrics", 200),
@@ -111,7 +112,7 @@ PROBES = [
 
 # What the tests below provoke besides PROBES: readiness in its own apps; a busy model's queue
 # and an engine failure on each infer route.
-READINESS = {("GET", "/v2/health/ready", status) for status in (200, 503)}
+READINESS = {("GET", "/v2/health/ready", status) for status in (200, 503)} | {("GET", "/v2/health/live", 503)}
 ON_A_BUSY_OR_FAILING_MODEL = {("POST", route, status) for route in (INFER, VERSION_INFER) for status in (429, 500, 504)}
 
 
@@ -247,6 +248,17 @@ async def test_readiness_is_503_when_a_model_failed_to_load_and_200_when_all_ser
     async with started(empty, []), client_of(create_app(empty, [])) as client:
         await until(empty.server_ready, "an empty repository to load")
         check(document, "GET", "/v2/health/ready", await client.get("/v2/health/ready"), 200)
+
+
+async def test_liveness_is_503_once_a_model_lost_every_instance_to_a_hung_engine(
+    served: tuple[httpx.AsyncClient, DataPlane], document: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The route reads the repository's liveness (how a model gets wedged is tested with the
+    watchdog, in tests/unit/test_model_faults.py)."""
+    client, plane = served
+    check(document, "GET", "/v2/health/live", await client.get("/v2/health/live"), 200)
+    monkeypatch.setattr(type(plane.repository.get("digits", "1")), "wedged", property(lambda _: True))
+    check(document, "GET", "/v2/health/live", await client.get("/v2/health/live"), 503)
 
 
 @pytest.mark.parametrize("path", ["/v2/models/digits/infer", "/v2/models/digits/versions/1/infer"])

@@ -1,0 +1,196 @@
+"""Reloading a model that serves: the new versions load and warm up beside the old ones and take
+over only when all are ready; a reload that fails in any way (config, build gate, artifact,
+warm-up, memory) leaves the old version serving and says why, as Triton does."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+import server.repository
+from server.errors import EngineError, InvalidInput, Unavailable
+from server.repository import ModelRepository
+from server.scheduler.admission import Admission
+from tests.unit.fault_engines import Faults, eventually, injected_faults, rows
+from tests.unit.onnx_models import DOUBLING_CONFIG, doubling, write_model
+
+
+@pytest.fixture
+def faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[Faults]:
+    yield from injected_faults(monkeypatch)
+
+
+@pytest.fixture
+async def repository(tmp_path: Path) -> AsyncIterator[ModelRepository]:
+    repository = ModelRepository(tmp_path)
+    write_model(tmp_path, "double", {**DOUBLING_CONFIG, "dynamic_batching": {}}, doubling)
+    await repository.load("double")
+    yield repository
+    await repository.unload_all()
+
+
+def index(repository: ModelRepository) -> list[tuple[str, str, str]]:
+    return [(e.version, e.state, e.reason) for e in repository.index() if e.name == "double"]
+
+
+async def assert_version_1_serves(repository: ModelRepository) -> None:
+    model = repository.get("double")
+    assert model.version == 1 and model.ready
+    assert (await model.infer({"x": rows(1.5)}))["y"].tolist() == [[3.0, 3.0]]
+    assert index(repository) == [("1", "READY", "")]
+    assert repository.all_ready()
+
+
+async def test_a_new_version_with_a_bad_artifact_leaves_the_old_one_serving(repository: ModelRepository) -> None:
+    version_2 = repository.root / "double" / "2"
+    version_2.mkdir()
+    (version_2 / "model.onnx").write_bytes(b"not an onnx model")
+    with pytest.raises(Unavailable) as failed:
+        await repository.load("double")
+    await assert_version_1_serves(repository)
+    assert "version 2: ONNX Runtime cannot load" in failed.value.message
+    assert failed.value.message.endswith("(version 1 serves on)")
+
+
+async def test_a_new_version_whose_warm_up_fails_leaves_the_old_one_serving(
+    repository: ModelRepository, faults: Faults
+) -> None:
+    doubling(repository.root / "double" / "2")
+    config = yaml.safe_load((repository.root / "double" / "config.yaml").read_text())
+    config["warmup"] = {"inputs": {"x": 13.0}}  # RAISE: every warm-up of the new load fails
+    (repository.root / "double" / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(Unavailable) as failed:
+        await repository.load("double")
+    await assert_version_1_serves(repository)
+    assert "version 2: warm-up at batch size 1 failed: the engine failed on purpose" in failed.value.message
+
+
+async def test_a_new_version_that_runs_out_of_memory_loading_leaves_the_old_one_serving(
+    repository: ModelRepository, faults: Faults
+) -> None:
+    doubling(repository.root / "double" / "2")
+    faults.refuse_load = lambda folder: MemoryError("no room for the new engine") if folder.name == "2" else None
+    with pytest.raises(Unavailable) as failed:
+        await repository.load("double")
+    await assert_version_1_serves(repository)
+    assert "version 2: MemoryError: no room for the new engine" in failed.value.message
+
+
+async def test_a_broken_config_on_reload_leaves_the_old_version_serving(repository: ModelRepository) -> None:
+    (repository.root / "double" / "config.yaml").write_text("name: double\nengine: onnxruntime\nmax_batch_size: many\n")
+    with pytest.raises(InvalidInput) as failed:
+        await repository.load("double")
+    await assert_version_1_serves(repository)
+    assert "max_batch_size" in failed.value.message and "version 1 serves on" in failed.value.message
+
+
+async def test_a_build_that_fails_its_quality_gate_leaves_the_old_version_serving(
+    repository: ModelRepository, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def gate_fails(*_: object) -> None:
+        raise EngineError("double: the onnxruntime int8 build failed its quality gate (accuracy 0.5 < 0.99)")
+
+    monkeypatch.setattr(server.repository, "ensure_built", gate_fails)
+    config = yaml.safe_load((repository.root / "double" / "config.yaml").read_text())
+    config["build"] = {"source": "elsewhere", "engine": "onnxruntime", "precision": "int8"}
+    (repository.root / "double" / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(Unavailable) as failed:
+        await repository.load("double")
+    await assert_version_1_serves(repository)
+    assert "failed its quality gate" in failed.value.message and "version 1 serves on" in failed.value.message
+
+
+async def test_a_first_load_that_fails_still_shows_the_reason(tmp_path: Path) -> None:
+    repository = ModelRepository(tmp_path)
+    (tmp_path / "double" / "1").mkdir(parents=True)
+    (tmp_path / "double" / "config.yaml").write_text(yaml.safe_dump({"name": "double", **DOUBLING_CONFIG}))
+    with pytest.raises(Unavailable, match="missing"):
+        await repository.load("double")
+    [(_, state, reason)] = index(repository)
+    assert state == "UNAVAILABLE" and "missing" in reason and not repository.all_ready()
+    await repository.unload_all()
+
+
+async def test_a_reload_under_load_fails_nothing_and_the_new_version_warms_up_first(
+    repository: ModelRepository, faults: Faults
+) -> None:
+    """Clients keep calling while version 2 loads: every call is answered, by version 1 until the
+    swap and by version 2 after; version 2's engine ran its warm-up before any request."""
+    doubling(repository.root / "double" / "2")
+    old = repository.get("double")
+    answered: list[int] = []
+    stop = asyncio.Event()
+
+    async def client(value: float) -> None:
+        while not stop.is_set():
+            model = repository.get("double")
+            outputs = await model.infer({"x": rows(value)})
+            assert outputs["y"].tolist() == [[2 * value, 2 * value]]
+            answered.append(model.version)
+
+    clients = [asyncio.create_task(client(float(i + 1))) for i in range(4)]
+    await eventually(lambda: len(answered) >= 20, "version 1 answered some requests")
+    await repository.load("double")
+    seen = len(answered)
+    await eventually(lambda: len(answered) >= seen + 20, "version 2 answered some requests")
+    stop.set()
+    await asyncio.gather(*clients)  # a failed request would raise here
+    assert answered[-1] == 2 and answered.index(2) >= 20
+    assert set(answered) == {1, 2}
+    assert old.state.value == "UNAVAILABLE" and old.reason == "unloaded"
+    version_2_runs = faults.runs(version="2")
+    assert version_2_runs[0] == [0.0, 0.0]  # the warm-up (zeros) came before any request
+    assert all(any(v) for v in version_2_runs[1:])
+
+
+async def test_a_request_in_admission_when_the_swap_comes_is_still_answered(
+    repository: ModelRepository, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that took the old version and is still in admission (a big text being tokenized)
+    when the new version takes over reaches the old one's queue and is answered; the drain
+    waits for it."""
+    doubling(repository.root / "double" / "2")
+    entered, proceed = asyncio.Event(), asyncio.Event()
+    real_admit = Admission.admit
+
+    async def slow_admit(self: Admission, inputs: dict, parameters: dict):  # type: ignore[no-untyped-def]
+        if float(inputs["x"][1][0][0]) == 5.0:
+            entered.set()
+            await proceed.wait()
+        return await real_admit(self, inputs, parameters)
+
+    monkeypatch.setattr(Admission, "admit", slow_admit)
+    old = repository.get("double")
+    slow = asyncio.create_task(old.infer({"x": rows(5.0)}))
+    await asyncio.wait_for(entered.wait(), 5)
+    reload = asyncio.create_task(repository.load("double"))
+    await eventually(lambda: repository.get("double") is not old, "the new version took over")
+    finished_first = reload.done()
+    proceed.set()
+    assert (await asyncio.wait_for(slow, 5))["y"].tolist() == [[10.0, 10.0]]
+    await asyncio.wait_for(reload, 5)
+    assert not finished_first  # the old version's drain waited for the request in admission
+    assert repository.get("double").version == 2
+
+
+async def test_a_reload_keeps_the_old_version_when_one_of_several_new_ones_fails(tmp_path: Path) -> None:
+    """All or nothing: a policy serving two versions swaps both or neither."""
+    repository = ModelRepository(tmp_path)
+    config = {**DOUBLING_CONFIG, "version_policy": {"latest": {"num_versions": 2}}}
+    write_model(tmp_path, "double", config, doubling)
+    doubling(tmp_path / "double" / "2")
+    await repository.load("double")
+    doubling(tmp_path / "double" / "3")
+    (tmp_path / "double" / "2" / "model.onnx").write_bytes(b"broken since")
+    with pytest.raises(Unavailable) as failed:
+        await repository.load("double")
+    assert [(v, s) for v, s, _ in index(repository)] == [("1", "READY"), ("2", "READY")]
+    assert (await repository.get("double", "2").infer({"x": rows(1.0)}))["y"].tolist() == [[2.0, 2.0]]
+    assert "version 2: ONNX Runtime cannot load" in failed.value.message
+    assert failed.value.message.endswith("(versions 1, 2 serve on)")
+    await repository.unload_all()
+
