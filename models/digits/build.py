@@ -10,11 +10,15 @@ Writes into the output dir (default: models/digits/1):
   heldout.npz   the stratified 20% held-out split: images float32
                 [n, 1, 8, 8] (raw 0..16), labels int64 [n]; for tests and
                 quantization calibration
+  SHA256SUMS    both files' sha256 (`sha256sum -c SHA256SUMS`), checked by
+                the server before it loads the model
 
 Training is seeded and deterministic. The build fails (exit 1) if held-out
 accuracy is below 95% or the reloaded program disagrees with the eager model.
 Artifacts are written under temporary names and renamed only after the
-checks pass, so a failed build never leaves a half model behind.
+checks pass, so a failed build never leaves a half model behind; the record
+is written last (a crash before it leaves a record that no longer matches,
+and the server refuses the model until it is rebuilt).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
+
+from server.engines.digests import record_digests
 
 SEED = 0
 MAX_BATCH = 4096
@@ -217,6 +223,7 @@ def main() -> int:
             return 1
         for tmp, final in staged.items():
             os.replace(tmp, final)
+        record_digests(out, [final.name for final in staged.values()])
     except BaseException:
         discard(staged)
         raise

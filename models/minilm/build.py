@@ -7,6 +7,8 @@ Writes into the output dir (default: models/minilm/1):
                   token_type_ids (int64 [batch, sequence]), output
                   sentence_embedding (float32 [batch, 384], L2-normalised)
   tokenizer.json  the model's own tokenizer, copied verbatim
+  SHA256SUMS      both files' sha256 (`sha256sum -c SHA256SUMS`), checked by
+                  the server before it loads the model
 
 The graph is BERT + mean pooling over attention_mask + L2 normalisation, the
 same pipeline sentence-transformers runs for this model (modules.json:
@@ -14,7 +16,9 @@ Transformer -> Pooling(mean) -> Normalize), so the server needs no post-step.
 The build fails (exit 1) unless the ONNX model matches sentence-transformers
 to cosine >= 0.999, both padded in one batch and one sentence at a time.
 Artifacts are written under temporary names and renamed only after the
-check passes, so a failed build never leaves a half model behind.
+check passes, so a failed build never leaves a half model behind; the record
+is written last (a crash before it leaves a record that no longer matches,
+and the server refuses the model until it is rebuilt).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ import onnx
 import onnxruntime as ort
 import torch
 from tokenizers import Encoding, Tokenizer
+
+from server.engines.digests import record_digests
 
 # Known and harmless here, nothing a user can act on: torchao's optional GPU kernels that a CPU
 # machine cannot load, torch's deprecation notes about torchao's enums, the ONNX exporter's
@@ -258,9 +264,10 @@ def verify(onnx_path: Path, tokenizer_path: Path, model_path: Path, max_length: 
 
 
 def publish(staged: dict[Path, Path]) -> None:
-    """Rename verified temp files onto their final names."""
+    """Rename verified temp files onto their final names, then record their digests."""
     for tmp, final in staged.items():
         os.replace(tmp, final)
+    record_digests(next(iter(staged.values())).parent, [final.name for final in staged.values()])
 
 
 def discard(staged: dict[Path, Path]) -> None:

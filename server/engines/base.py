@@ -7,7 +7,6 @@ tensors are object arrays of `bytes` both ways, whatever the runtime wants insid
 
 from __future__ import annotations
 
-import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ import numpy as np
 
 from server.config import ModelConfig
 from server.devices import Device
+from server.engines.digests import verify_artifact
 from server.engines.signature import EngineSignature
 from server.errors import EngineError
 
@@ -55,17 +55,12 @@ class Engine(ABC):
 
 
 def artifact_path(config: ModelConfig, version_dir: Path, default_filename: str) -> Path:
+    """The artifact an engine loads, checked against the version folder's recorded digests
+    before anything reads it: every engine resolves its artifact here, so every engine gets the
+    same check (`server/engines/digests.py`; a folder without a record loads with a warning)."""
     path = version_dir / (config.model_filename or default_filename)
     if not path.is_file():
         raise EngineError(f"model artifact {path} is missing (was the model built?)")
+    verify_artifact(path, version_dir)
     return path
 
-
-def file_digest(path: Path, chunk: int = 1 << 20) -> str:
-    """sha256 of a file's bytes, streamed (artifacts may be GBs): what a cache keyed by an
-    artifact must use, since a rebuilt model keeps its file name."""
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()

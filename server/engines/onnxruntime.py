@@ -19,7 +19,8 @@ import onnxruntime as ort
 
 from server.config import ModelConfig
 from server.devices import Device
-from server.engines.base import Engine, EngineDescription, artifact_path, file_digest
+from server.engines.base import Engine, EngineDescription, artifact_path
+from server.engines.digests import file_digest
 from server.engines.profiles import cache_root, provider_shapes
 from server.engines.signature import EngineSignature, TensorSignature
 from server.errors import EngineError

@@ -1,6 +1,9 @@
 """PyTorch engine: programs saved with `torch.export`, run eagerly under inference mode.
 
-Only `torch.export` archives are loaded, never pickles, so a model file cannot run code on load.
+Only `torch.export` archives are loaded, never plain pickles; an archive may still unpickle parts
+of itself (constants, custom objects), so it is code like any artifact: `artifact_path` checks it
+against its version folder's recorded digests before torch opens it (docs/operations.md, trust
+boundary).
 Inputs map to the program's positional arguments in config order (a tokenized text input as its
 token tensors), outputs likewise; the program's own tensor names play no part.
 """

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from server.config import CONFIG_FILENAME, BuildGate, BuildSpec, ModelConfig, load_model_config
-from server.engines.base import file_digest
+from server.engines.digests import file_digest, record_digests, verify_artifact
 from server.quantize import variant as variants
 from server.quantize.builders import BuildContext, resolve_options, select
 from server.quantize.cache import cache_key, library_versions
@@ -147,6 +147,7 @@ def _build(
         if source_config.tokenize is not None:
             tokenizer = source_config.tokenize.tokenizer
             shutil.copyfile(source_version_dir / tokenizer, stage / tokenizer)
+        record_digests(stage)  # evaluated and timed as it will serve: verified; publish records the rest
         base = variants.read_raw_config(variant_dir if (variant_dir / CONFIG_FILENAME).is_file() else repository / source_info["model"])
         spec = BuildSpec(source=source_info["model"], engine=engine, precision=precision, device=device,
                          options=given, gate=gate)
@@ -225,6 +226,7 @@ def _source(repository: Path, model: str) -> tuple[ModelConfig, int, Path, Path]
     artifact = version_dir / (config.model_filename or DEFAULT_ARTIFACTS[config.engine])
     if not artifact.is_file():
         raise BuildError(f"the source artifact {artifact} is missing (was the model built?)")
+    verify_artifact(artifact, version_dir)  # a build loads it (a torch program) as serving would
     return config, selected[-1], version_dir, artifact
 
 
@@ -236,7 +238,9 @@ def published_build(repository: Path, variant: str, spec: BuildSpec) -> BuildRep
         _, _, _, artifact = _source(Path(repository), spec.source)
     except BuildError:
         return None
-    published = [(f, r) for f, r in find_reports(Path(repository) / variant) if f.name.isdigit() and r.servable]
+    served = variants.served_versions(Path(repository) / variant)
+    published = [(f, r) for f, r in find_reports(Path(repository) / variant)
+                 if f.name.isdigit() and int(f.name) in served and r.servable]
     if not published:
         return None
     _, report = max(published, key=lambda item: int(item[0].name))
@@ -260,9 +264,12 @@ def _existing_variant(variant_dir: Path, model: str) -> ModelConfig | None:
 
 
 def _cached(variant_dir: Path, key: str, gate: BuildGate) -> BuildReport | None:
-    """A previous build with this key: the latest published version, or a rejection under this gate."""
+    """A previous build with this key: the latest version the variant's config serves, or a
+    rejection under this gate. A version folder the config does not name (a publish that crashed
+    before its config, or one rolled back) is not a hit: the config would not serve it."""
     reports = find_reports(variant_dir)
-    published = [(f, r) for f, r in reports if f.name.isdigit()]
+    served = variants.served_versions(variant_dir)
+    published = [(f, r) for f, r in reports if f.name.isdigit() and int(f.name) in served]
     if published:
         latest = max(published, key=lambda item: int(item[0].name))
         if latest[1].cache_key == key:
@@ -339,6 +346,7 @@ def _same_engine_time(timing: _Timing, config: ModelConfig, exported: Path, batc
     folder = timing.work / "fp32-same-engine"
     folder.mkdir(exist_ok=True)
     shutil.copyfile(exported, folder / "model.onnx")
+    record_digests(folder)
     fp32 = config.model_copy(update={"precision": "fp32", "build": None, "model_filename": None})
     return timing.run(fp32, folder, batches, "timing FP32 in the build's engine")
 

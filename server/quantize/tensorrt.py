@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import shutil
 import tempfile
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from server.config import ModelConfig
+from server.engines.digests import file_digest
 from server.engines.profiles import Profile, cache_root, optimization_profiles
 from server.quantize.builders import BuildContext, BuildOutput, Options
 from server.quantize.data import EvalData
@@ -32,6 +34,7 @@ NOT_INSTALLED = (
     " with CUDA); build the onnxruntime variant instead"
 )
 QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
+logger = logging.getLogger("server.quantize")
 
 
 def engine_cache_key(
@@ -118,8 +121,8 @@ def build_engine(
     """Parse the ONNX graph, add one profile per batch bucket, build and save the plan.
 
     A plan already in the engine cache under the same key (GPU model, compute capability,
-    TensorRT version, graph, precision, profiles) is copied instead of rebuilt; a new build
-    reads and then extends the timing cache of this GPU model and TensorRT version. Written
+    TensorRT version, graph, precision, profiles) is copied instead of rebuilt, when the copy
+    matches the sha256 stored with it (`reuse_cached_plan`); a new build reads and then extends the timing cache of this GPU model and TensorRT version. Written
     against the TensorRT 10 Python API; it has NOT been run (no TensorRT on the machines this
     was written on). Returns the cache key, the profiles and whether the engine cache had it.
     """
@@ -128,8 +131,6 @@ def build_engine(
     except ImportError as exc:
         raise BuildError(NOT_INSTALLED) from exc
     import torch
-
-    from server.engines.base import file_digest
 
     cache = cache or cache_root()
     profiles = optimization_profiles(config)
@@ -142,8 +143,7 @@ def build_engine(
     result = {"cache_key": key, "profiles": [p.as_dict() for p in profiles], "gpu": gpu[0],
               "compute_capability": list(gpu[1]), "tensorrt": gpu[2]}
     cached_plan = cache / "engines" / f"{key}.plan"
-    if cached_plan.is_file():
-        shutil.copyfile(cached_plan, plan_path)
+    if reuse_cached_plan(cached_plan, plan_path):
         return {**result, "engine_cache_hit": True}
 
     logger = trt.Logger(trt.Logger.WARNING)
@@ -174,7 +174,38 @@ def build_engine(
     if timings is not None:
         _write_atomically(timing_path, bytes(timings.serialize()))
     _write_atomically(cached_plan, bytes(plan))
+    # after the plan: a crash between the two leaves a plan without its digest, which is rebuilt
+    digest = hashlib.sha256(bytes(plan)).hexdigest()
+    _write_atomically(plan_digest_path(cached_plan), f"{digest}  {cached_plan.name}\n".encode())
     return {**result, "engine_cache_hit": False}
+
+
+def plan_digest_path(cached_plan: Path) -> Path:
+    """`<key>.plan.sha256` beside the plan, a `sha256sum -c` line (checkable by hand)."""
+    return cached_plan.with_name(cached_plan.name + ".sha256")
+
+
+def reuse_cached_plan(cached_plan: Path, plan_path: Path) -> bool:
+    """Copy a cached plan to `plan_path` if the copy matches the digest recorded when the plan
+    was stored; else (no plan, no digest, damaged or swapped) leave nothing and say so: the plan
+    is built again. The copy is what is checked, so what was checked is what serves; a plan is
+    code TensorRT deserializes, and a cache other users may share is no place to trust one."""
+    digest_path = plan_digest_path(cached_plan)
+    if not cached_plan.is_file():
+        return False
+    try:
+        recorded = digest_path.read_text(encoding="utf-8").split()[0].lower()
+    except (OSError, UnicodeDecodeError, IndexError):
+        logger.warning("TensorRT engine cache: %s has no readable digest (%s); building the plan again",
+                       cached_plan, digest_path)
+        return False
+    shutil.copyfile(cached_plan, plan_path)
+    if file_digest(plan_path) != recorded:
+        plan_path.unlink(missing_ok=True)
+        logger.warning("TensorRT engine cache: %s does not match its recorded sha256 (damaged or replaced); "
+                       "building the plan again", cached_plan)
+        return False
+    return True
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from server.config import load_model_config
+from server.engines.digests import record_digests
 from server.errors import EngineError
 from server.quantize import build
 from server.quantize.ensure import ensure_built
@@ -60,5 +61,8 @@ def test_a_changed_source_artifact_is_not_served_from_the_old_build(served: Path
     shutil.copytree(served, repository)
     artifact = repository / "digits" / "1" / "model.pt2"
     artifact.write_bytes(artifact.read_bytes() + b"\0")  # another source than the one built from
+    with pytest.raises(EngineError, match="model.pt2 does not match its recorded sha256"):
+        _ensure(repository)  # not recorded: a damaged source, said as such
+    record_digests(artifact.parent)  # a new source, recorded
     with pytest.raises(EngineError, match="no build of this spec is published"):
         _ensure(repository)

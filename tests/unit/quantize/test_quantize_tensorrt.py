@@ -70,10 +70,8 @@ def test_build_engine_says_tensorrt_is_missing(monkeypatch: pytest.MonkeyPatch, 
         tensorrt.build_engine(tmp_path / "m.onnx", tmp_path / "m.plan", ModelConfig.model_validate(IMAGE), "fp16")
 
 
-def test_build_engine_with_a_fake_tensorrt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """The builder calls TensorRT's API in order: profiles per bucket, precision flags, a plan."""
-    calls: list[tuple] = []
-
+def fake_tensorrt(calls: list[tuple]) -> tuple[type, type]:
+    """A fake `tensorrt` and `torch` that record the builder's calls; the plan built is b"PLAN"."""
     class Fake:
         __version__ = "10.0-fake"
 
@@ -153,6 +151,13 @@ def test_build_engine_with_a_fake_tensorrt(monkeypatch: pytest.MonkeyPatch, tmp_
                     name, major, minor = "Fake GPU", 9, 0
                 return P()
 
+    return Fake, FakeTorch
+
+
+def test_build_engine_with_a_fake_tensorrt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The builder calls TensorRT's API in order: profiles per bucket, precision flags, a plan."""
+    calls: list[tuple] = []
+    Fake, FakeTorch = fake_tensorrt(calls)
     monkeypatch.setitem(sys.modules, "tensorrt", Fake)
     monkeypatch.setitem(sys.modules, "torch", FakeTorch)
     onnx_path = tmp_path / "m.onnx"
@@ -177,6 +182,37 @@ def test_build_engine_with_a_fake_tensorrt(monkeypatch: pytest.MonkeyPatch, tmp_
     calls.clear()  # another precision: built, reading the timings the first build left
     other = tensorrt.build_engine(onnx_path, tmp_path / "int8.plan", config, "int8", cache=cache)
     assert not other["engine_cache_hit"] and ("timing cache read", b"TIMINGS") in calls
+
+
+def test_a_cached_plan_is_reused_only_when_it_matches_its_digest(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    """A plan is code TensorRT deserializes: a damaged or swapped cache entry, or one without its
+    digest, is built again, never copied into a version."""
+    import subprocess
+
+    calls: list[tuple] = []
+    Fake, FakeTorch = fake_tensorrt(calls)
+    monkeypatch.setitem(sys.modules, "tensorrt", Fake)
+    monkeypatch.setitem(sys.modules, "torch", FakeTorch)
+    onnx_path, cache = tmp_path / "m.onnx", tmp_path / "cache"
+    onnx_path.write_bytes(b"graph")
+    config = ModelConfig.model_validate(IMAGE)
+    key = tensorrt.build_engine(onnx_path, tmp_path / "first.plan", config, "fp16", cache=cache)["cache_key"]
+    cached = cache / "engines" / f"{key}.plan"
+    digest = tensorrt.plan_digest_path(cached)
+    subprocess.run(["sha256sum", "-c", digest.name], cwd=digest.parent, check=True, capture_output=True)
+
+    for damage in (lambda: cached.write_bytes(b"PLAN, swapped"), lambda: digest.unlink()):
+        damage()
+        calls.clear()
+        result = tensorrt.build_engine(onnx_path, tmp_path / "again.plan", config, "fp16", cache=cache)
+        assert not result["engine_cache_hit"] and ("build",) in calls  # built again, not reused
+        assert (tmp_path / "again.plan").read_bytes() == b"PLAN"
+        assert cached.read_bytes() == b"PLAN" and digest.is_file()  # and the cache entry repaired
+
+    calls.clear()
+    assert tensorrt.build_engine(onnx_path, tmp_path / "third.plan", config, "fp16", cache=cache)["engine_cache_hit"]
+    assert ("build",) not in calls
 
 
 def test_the_tensorrt_cache_root_is_configurable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from server.config import BuildSpec, load_model_config
-from server.engines.base import file_digest
+from server.engines.digests import file_digest
 from server.quantize import variant
 from server.quantize.cache import cache_key
 from server.quantize.cli import parse_option
