@@ -46,7 +46,7 @@ def test_every_help_speaks_of_commands_a_user_types(capsys: pytest.CaptureFixtur
     a Python module or the project's issue titles."""
     from loadtest.bench import build_parser as bench_parser
 
-    modes = [a for a in bench_parser()._actions if a.dest == "mode"][0].choices
+    modes = next(a for a in bench_parser()._actions if a.dest == "mode").choices
     assert modes and "closed" in modes
     commands = [(), ("serve",), ("build",), ("bench",), *(("bench", mode) for mode in modes)]
     for argv in commands:
