@@ -12,7 +12,15 @@ from typing import Annotated, Literal
 
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from server.errors import ConfigError
@@ -38,6 +46,15 @@ class ServerSettings(BaseSettings):
         default=None, description="Load only these models at start (default: every model)."
     )
     max_body_bytes: int = Field(default=64 << 20, gt=0, description="Largest request body accepted.")
+    max_in_flight: int = Field(
+        default=512, gt=0,
+        description="Infer requests served at once; past it a request is answered 429 before its body is read.",
+    )
+    max_in_flight_bytes: int = Field(
+        default=1 << 30, gt=0,
+        description="Bytes of infer bodies held at once (declared Content-Length, or max_body_bytes when"
+        " undeclared); past it 429 before the body is read. Bounds request memory at about 3x this.",
+    )
     access_log: Literal["off", "text", "json"] = Field(
         default="off", description="One line per infer request (id, model, status, queue and compute times)."
     )
@@ -47,6 +64,17 @@ class ServerSettings(BaseSettings):
     engine_threads: int | None = Field(
         default=None, gt=0, description="Threads per engine instance for every model (overrides configs)."
     )
+    model_control: bool = Field(
+        default=False, description="Allow repository load/unload (Triton's --model-control-mode=explicit)."
+    )
+    admin_token: SecretStr | None = Field(
+        default=None, description="Bearer token that load/unload need; admin_token_file keeps it out of the environment."
+    )
+    admin_token_file: Path | None = Field(default=None, description="File holding the admin token.")
+    inference_token: SecretStr | None = Field(
+        default=None, description="Bearer token that every route but health, /metrics and the docs needs, when set."
+    )
+    inference_token_file: Path | None = Field(default=None, description="File holding the inference token.")
 
 
 class _Strict(BaseModel):
@@ -331,6 +359,12 @@ class ModelConfig(_Strict):
         description="The watchdog of one engine run on an instance: past it, the batch's requests fail and the"
         " stuck instance is replaced by a fresh one. 0 disables it (an unload then waits for a stuck batch)."
         " 30 s keeps a shutdown within the deploy manifests' 60 s grace period.",
+    )
+    max_item_bytes: int = Field(
+        default=64 << 10,
+        gt=0,
+        description="Largest item of a BYTES input (one string), in bytes; a larger one is refused (400) before"
+        " any decoding or tokenizing. 64 KiB holds thousands of tokens, far past a text model's max_length.",
     )
     preprocess: Preprocess | None = None
     onnxruntime: OnnxRuntimeOptions = Field(default_factory=OnnxRuntimeOptions)

@@ -1,13 +1,20 @@
-"""GPU counters through NVML (nvidia-ml-py), read at scrape time; nothing on machines without."""
+"""GPU counters through NVML (nvidia-ml-py); nothing on machines without.
+
+NVML calls block, and a GPU that fell off the bus can make one fail or hang. So the counters are
+read by `GpuSampler` on a thread of its own at a fixed interval, each call guarded on its own,
+and a scrape (on the event loop every request shares) serves the last reading with its age.
+"""
 
 from __future__ import annotations
 
 import functools
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,37 +47,165 @@ def _nvml():  # type: ignore[no-untyped-def]
     return pynvml
 
 
+def nvml_available() -> bool:
+    """Whether NVML is installed and initialised (the first call initialises it, and may block)."""
+    return _nvml() is not None
+
+
 def read_gpus() -> list[GpuReading]:
+    """Every GPU's counters; never raises. Each NVML call is guarded on its own: a counter that
+    fails (not on this GPU, or the GPU is lost: NVMLError_GpuIsLost) drops that reading only, a
+    GPU whose handle fails is left out, and a failing count means no GPUs this time."""
     nvml = _nvml()
     if nvml is None:
         return []
+    count = _guarded("nvmlDeviceGetCount", nvml.nvmlDeviceGetCount)
+    if not isinstance(count, int):
+        return []
     readings = []
-    for index in range(nvml.nvmlDeviceGetCount()):
-        handle = nvml.nvmlDeviceGetHandleByIndex(index)
-
-        def read(call, scale: float = 1.0):  # type: ignore[no-untyped-def]
-            try:
-                value = call(handle)
-            except nvml.NVMLError:
-                return None  # not every counter exists on every GPU
-            return value * scale if scale != 1.0 else value
-
-        memory = read(nvml.nvmlDeviceGetMemoryInfo)
-        utilization = read(nvml.nvmlDeviceGetUtilizationRates)
-        name = read(nvml.nvmlDeviceGetName)
-        readings.append(
-            GpuReading(
-                index=index,
-                name=name.decode() if isinstance(name, bytes) else str(name),
-                utilization_ratio=utilization.gpu / 100 if utilization is not None else None,
-                memory_used_bytes=memory.used if memory is not None else None,
-                memory_total_bytes=memory.total if memory is not None else None,
-                power_watts=read(nvml.nvmlDeviceGetPowerUsage, 1e-3),
-                temperature_celsius=read(lambda h: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)),
-                energy_joules=read(nvml.nvmlDeviceGetTotalEnergyConsumption, 1e-3),
-            )
-        )
+    for index in range(count):
+        handle = _guarded("nvmlDeviceGetHandleByIndex", nvml.nvmlDeviceGetHandleByIndex, index)
+        if handle is not None:
+            readings.append(_reading(nvml, index, handle))
     return readings
+
+
+def _reading(nvml: Any, index: int, handle: Any) -> GpuReading:
+    def read(call: str, *args: Any) -> Any:
+        return _guarded(call, getattr(nvml, call), handle, *args)
+
+    memory = read("nvmlDeviceGetMemoryInfo")
+    utilization = read("nvmlDeviceGetUtilizationRates")
+    name = read("nvmlDeviceGetName")
+    power_mw = read("nvmlDeviceGetPowerUsage")
+    energy_mj = read("nvmlDeviceGetTotalEnergyConsumption")
+    return GpuReading(
+        index=index,
+        name=name.decode(errors="replace") if isinstance(name, bytes) else str(name or f"GPU {index}"),
+        utilization_ratio=_number(utilization, "gpu", 100),
+        memory_used_bytes=_whole(memory, "used"),
+        memory_total_bytes=_whole(memory, "total"),
+        power_watts=_number(power_mw, None, 1000),
+        temperature_celsius=_number(read("nvmlDeviceGetTemperature", getattr(nvml, "NVML_TEMPERATURE_GPU", 0)), None),
+        energy_joules=_number(energy_mj, None, 1000),
+    )
+
+
+def _number(value: Any, attribute: str | None, divisor: float = 1) -> float | None:
+    """value (or its attribute) as a float over divisor (NVML counts %, mW, mJ); None where NVML
+    gave nothing usable."""
+    try:
+        raw = getattr(value, attribute) if attribute is not None else value
+        return None if raw is None else float(raw) / divisor
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _whole(value: Any, attribute: str) -> int | None:
+    try:
+        raw = getattr(value, attribute)
+        return None if raw is None else int(raw)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+_reported: set[str] = set()  # NVML calls whose failure was logged: once each, not every interval
+
+
+def _guarded(call: str, function: Callable[..., T], *args: Any) -> T | None:
+    """function(*args), or None when it raises anything: one failing reading must not cost the
+    others (a metrics reader is no place to crash)."""
+    try:
+        return function(*args)
+    except Exception as exc:  # noqa: BLE001 (NVMLError and its many subclasses, or a broken binding)
+        if call not in _reported:
+            _reported.add(call)
+            logger.warning("NVML %s failed (%s: %s); that GPU reading is left out", call, type(exc).__name__, exc)
+        return None
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """The GPU readings a scrape may show, and how old they are."""
+
+    readings: list[GpuReading]
+    age_s: float
+
+
+class GpuSampler:
+    """Reads the GPUs on a daemon thread every `interval_s` and keeps the last reading.
+
+    A slow or hung NVML call stalls this thread only: scrapes keep answering with the last
+    reading and its age, and once that is older than `max_age_s` (the thread is stuck) with no
+    readings at all, rather than stale ones passed off as current.
+    """
+
+    def __init__(
+        self,
+        read: Callable[[], list[GpuReading]] = read_gpus,
+        interval_s: float = 5.0,
+        max_age_s: float | None = None,
+        available: Callable[[], bool] = nvml_available,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._read = read
+        self._interval_s = interval_s
+        self.max_age_s = max_age_s if max_age_s is not None else 3 * interval_s
+        self._available = available
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._readings: list[GpuReading] = []
+        self._taken_at: float | None = None  # when the last reading completed
+        self._reading_since: float | None = None  # when the read in progress began
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Self:
+        """Start the thread (once); it ends by itself where there is no NVML."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="batchline-gpu-sampler", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Ask the thread to end after its current read (a hung read keeps it, as a daemon)."""
+        self._stop.set()
+
+    def sample(self) -> GpuSample | None:
+        """The readings to show and their age; None where there is nothing to say: no GPU seen,
+        and no read overdue."""
+        now = self._clock()
+        with self._lock:
+            readings, taken_at, since = self._readings, self._taken_at, self._reading_since
+        if taken_at is not None:
+            age = now - taken_at
+        elif since is not None:
+            age = now - since  # the first read has not finished: as old as its wait
+        else:
+            return None
+        stale = age > self.max_age_s
+        if not readings and not stale:
+            return None
+        return GpuSample([] if stale else readings, age)
+
+    def read_now(self) -> None:
+        """One read, on the calling thread (the thread's loop; tests)."""
+        with self._lock:
+            self._reading_since = self._clock()
+        try:
+            readings = self._read()
+        except Exception:  # read_gpus never raises; another reader might
+            logger.exception("reading the GPUs failed")
+            readings = []
+        with self._lock:
+            self._readings, self._taken_at, self._reading_since = readings, self._clock(), None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._available():
+                return  # no NVML on this machine: nothing to read, ever
+            self.read_now()
+            self._stop.wait(self._interval_s)
 
 
 def _query(cuda_index: int, read: Callable[[Any, Any], T]) -> T | None:

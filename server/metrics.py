@@ -1,8 +1,10 @@
 """Prometheus metrics: the only module that knows Prometheus.
 
-A custom collector reads each model version's statistics (server/stats.py) and the GPUs at
-scrape time, so the hot path never touches prometheus-client and /metrics always agrees with
-the statistics extension. Names follow Prometheus conventions: base units, `_total` counters.
+A custom collector reads each model version's statistics (server/stats.py) at scrape time, so
+the hot path never touches prometheus-client and /metrics always agrees with the statistics
+extension. The GPUs are not read at scrape time: NVML calls block, and the scrape runs on the
+event loop, so a `GpuSampler` reads them on its own thread and the scrape shows its last reading
+and that reading's age. Names follow Prometheus conventions: base units, `_total` counters.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from server.gpu import GpuReading, read_gpus
+from server.gpu import GpuReading, GpuSampler
 from server.repository import ModelRepository
 from server.stats import OUTCOMES, Histogram
 
@@ -22,25 +24,43 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class BatchlineCollector(Collector):
+    """Model statistics, GPU counters and the device price, at scrape time.
+
+    The GPUs come from `sampler` (its last reading, never a blocking NVML call), or from `gpus`,
+    a callable that must answer at once (fixed readings in tests); neither: no GPU metrics.
+    """
+
     def __init__(
         self,
         repository: ModelRepository,
         price_per_hour: float | None = None,
-        gpus: Callable[[], list[GpuReading]] = read_gpus,
+        gpus: Callable[[], list[GpuReading]] | None = None,
+        sampler: GpuSampler | None = None,
     ) -> None:
         self._repository = repository
         self._price = price_per_hour
         self._gpus = gpus
+        self._sampler = sampler
 
     def collect(self) -> Iterator[Metric]:
         yield from self._model_metrics()
-        gpus = self._gpus()
+        gpus = self._gpus() if self._gpus is not None else []
+        on_gpu = bool(gpus)
+        if self._sampler is not None and (sample := self._sampler.sample()) is not None:
+            gpus, on_gpu = sample.readings, True  # a GPU was seen, even if its reading is stale now
+            age = GaugeMetricFamily(
+                "batchline_gpu_reading_age_seconds",
+                "Seconds since the GPU counters were read; past the sampler's max age (a hung NVML call),"
+                " the counters are left out.",
+            )
+            age.add_metric([], sample.age_s)
+            yield age
         yield from _gpu_metrics(gpus)
         if self._price is not None:
             price = GaugeMetricFamily(
                 "batchline_device_price_per_hour", "Configured price of this replica's device per hour.", labels=["device"]
             )
-            price.add_metric(["gpu" if gpus else "cpu"], self._price)
+            price.add_metric(["gpu" if on_gpu else "cpu"], self._price)
             yield price
 
     def _model_metrics(self) -> Iterator[Metric]:
@@ -144,9 +164,14 @@ def _gpu_metrics(gpus: list[GpuReading]) -> Iterator[Metric]:
         yield family
 
 
-def build_registry(repository: ModelRepository, price_per_hour: float | None = None) -> CollectorRegistry:
+def build_registry(
+    repository: ModelRepository, price_per_hour: float | None = None, sampler: GpuSampler | None = None
+) -> CollectorRegistry:
+    """The server's registry; the GPUs are read by `sampler`, by default one started here (its
+    thread ends at once where there is no NVML)."""
     registry = CollectorRegistry()
-    registry.register(BatchlineCollector(repository, price_per_hour))
+    gpus = sampler if sampler is not None else GpuSampler().start()
+    registry.register(BatchlineCollector(repository, price_per_hour, sampler=gpus))
     ProcessCollector(registry=registry)
     return registry
 

@@ -48,8 +48,16 @@ class ModelRepository:
         return sorted(p.name for p in self.root.iterdir() if (p / CONFIG_FILENAME).is_file())
 
     def _model_dir(self, name: str) -> Path:
+        """The model's folder; any name that cannot be one (a path, too long for the file system,
+        not encodable) is a model the repository does not have, never an OSError."""
+        if not _is_folder_name(name):
+            raise ModelNotFound(unknown_model(name))
         path = self.root / name
-        if "/" in name or name in ("", ".", "..") or not (path / CONFIG_FILENAME).is_file():
+        try:
+            found = (path / CONFIG_FILENAME).is_file()
+        except (OSError, ValueError):  # ENAMETOOLONG, an embedded NUL, a name not encodable
+            found = False
+        if not found:
             raise ModelNotFound(unknown_model(name))
         return path
 
@@ -139,9 +147,10 @@ class ModelRepository:
             self._model_dir(name)  # ModelNotFound when not on disk at all
             raise Unavailable(f"model '{name}' is not loaded")
         if version:
-            if not version.isdigit() or int(version) not in versions:
+            number = version_number(version)
+            if number is None or number not in versions:
                 raise ModelNotFound(unknown_model(name, version))
-            chosen = versions[int(version)]
+            chosen = versions[number]
             if not chosen.ready:
                 raise Unavailable(f"model '{name}' version {version} is not ready: {chosen.reason}")
             return chosen
@@ -198,8 +207,33 @@ def unknown_model(name: str, version: str | None = None) -> str:
     return f"Request for unknown model: '{name}'" + (f" version {version}" if version else "") + " is not found"
 
 
+# A model name is one folder name: at most NAME_MAX (255) bytes on the file systems we serve from.
+_MAX_NAME_BYTES = 255
+# Versions are folder names of digits; no real one has more digits than an int64 (19).
+_MAX_VERSION_DIGITS = 19
+
+
+def _is_folder_name(name: str) -> bool:
+    if name in ("", ".", "..") or "/" in name or "\0" in name:
+        return False
+    try:
+        return len(name.encode("utf-8", "surrogateescape")) <= _MAX_NAME_BYTES
+    except UnicodeEncodeError:  # a lone surrogate that no file name can hold
+        return False
+
+
+def version_number(version: str) -> int | None:
+    """The version a client names, or None when it names none: ASCII digits only ("²" and "١"
+    pass str.isdigit but are not folder names), and few enough of them that int() stays cheap
+    (Python refuses over 4300 digits with ValueError). "01" is version 1, as Triton reads it."""
+    if not (version.isascii() and version.isdigit()) or len(version) > _MAX_VERSION_DIGITS:
+        return None
+    return int(version)
+
+
 def _versions_on_disk(path: Path) -> list[int]:
-    return sorted(int(p.name) for p in path.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) > 0)
+    numbers = (version_number(p.name) for p in path.iterdir() if p.is_dir())
+    return sorted(n for n in numbers if n)
 
 
-__all__ = ["IndexEntry", "ModelRepository", "ModelState", "unknown_model"]
+__all__ = ["IndexEntry", "ModelRepository", "ModelState", "unknown_model", "version_number"]

@@ -3,7 +3,9 @@
 The control plane is ordinary FastAPI routes, documented at /docs; the infer route is a bare
 ASGI endpoint in front of them (`infer.py`), described in the same OpenAPI document (`openapi.py`).
 The documentation pages load their scripts and styles from this server, never from a CDN:
-it often runs where there is no internet.
+it often runs where there is no internet. In front of both sits the access gate (`auth.py`):
+tokens, model control and the media type of state-changing calls are checked there, before
+any route runs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from server import __version__
 from server.dataplane import DataPlane
 from server.errors import InvalidInput
 from server.http.access_log import AccessLog
+from server.http.auth import AccessGate, AccessPolicy
 from server.http.errors import error_response, install_error_handlers
 from server.http.infer import FastInferApp, InferEndpoint
 from server.http.openapi import openapi_document
@@ -46,8 +49,12 @@ def create_app(
     max_body_bytes: int = 64 << 20,
     metrics: CollectorRegistry | None = None,
     access_log: AccessLog | None = None,
-) -> FastInferApp:
-    """The ASGI app; models load in the background once it starts."""
+    access: AccessPolicy | None = None,
+    max_in_flight: int = 512,
+    max_in_flight_bytes: int = 1 << 30,
+) -> AccessGate:
+    """The ASGI app; models load in the background once it starts. `access` defaults to the
+    closed policy: model control off, no tokens."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -130,7 +137,8 @@ def create_app(
             return Response(exposition(metrics), media_type=CONTENT_TYPE)
 
     app.openapi = lambda: _cached_openapi(app)  # type: ignore[method-assign]
-    return FastInferApp(app, InferEndpoint(plane, max_body_bytes, access_log))
+    routes = FastInferApp(app, InferEndpoint(plane, max_body_bytes, access_log, max_in_flight, max_in_flight_bytes))
+    return AccessGate(routes, access or AccessPolicy())
 
 
 def _cached_openapi(app: FastAPI) -> dict[str, Any]:

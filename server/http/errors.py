@@ -44,6 +44,35 @@ STATUS_BY_ERROR: dict[type[BatchlineError], int] = {
 }
 
 
+class Refusal(Exception):
+    """A request the HTTP front end refuses before any route runs: who may call what, and how.
+    Not a core error: the core knows nothing of tokens or media types."""
+
+    def __init__(self, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+
+class NotAuthenticated(Refusal):
+    """No bearer token, or not the one this route takes."""
+
+
+class ControlDisabled(Refusal):
+    """Repository load/unload while model control is off, or from a page that is not local."""
+
+
+class UnsupportedMediaType(Refusal):
+    """A state-changing call that is not JSON: what a cross-site form would send."""
+
+
+STATUS_BY_REFUSAL: dict[type[Refusal], int] = {
+    NotAuthenticated: 401,
+    ControlDisabled: 403,  # Triton answers 503, which clients and balancers retry: this will not change
+    UnsupportedMediaType: 415,
+}
+
+
 def status_of(error: BatchlineError) -> int:
     for cls in type(error).__mro__:
         if cls in STATUS_BY_ERROR:
@@ -53,6 +82,8 @@ def status_of(error: BatchlineError) -> int:
 
 def error_parts(error: BaseException) -> tuple[int, bytes, dict[str, str]]:
     """Status, KServe error body and extra headers for any exception (500 for the unexpected)."""
+    if isinstance(error, Refusal):
+        return STATUS_BY_REFUSAL[type(error)], encode_error(error.message), error.headers
     if not isinstance(error, BatchlineError):
         logger.error("unexpected error", exc_info=error)
         return 500, encode_error(f"internal error: {type(error).__name__}"), {}

@@ -3,6 +3,11 @@
 FastAPI's routing, middleware and request objects cost more per call than a small model's
 inference; here a request is a path match, a body read, one data-plane call and two sends.
 A client that disconnects while its request waits has the request cancelled before compute.
+
+Overload is refused at the door: past `max_in_flight` requests, or `max_in_flight_bytes` of
+bodies, a request is answered 429 with a constant body before its body is read (uvicorn then
+reads and discards the body, keeping the connection; a client that waits for 100 Continue is
+answered with `connection: close`, as it may never send the body).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from server.dataplane import DataPlane
 from server.errors import Cancelled, InvalidInput, PayloadTooLarge
 from server.http.access_log import AccessLog
 from server.http.errors import error_parts
+from server.protocol.v2 import encode_error
 from server.scheduler.request import RequestRecord
 
 Scope = MutableMapping[str, Any]
@@ -34,30 +40,90 @@ _JSON = [(b"content-type", b"application/json")]
 _BINARY = [(b"content-type", b"application/octet-stream")]
 WATCH_AFTER_S = 0.002
 CLIENT_CLOSED = 499  # nginx's status for a client that left first: logged, never sent
+BUSY = 429
+# The refusal under overload is a constant: no encoding, no allocation per refused request.
+_BUSY_BODY = encode_error("the server is at its limit of requests in flight; retry after Retry-After seconds")
+_BUSY_HEADERS = [*_JSON, (b"content-length", str(len(_BUSY_BODY)).encode()), (b"retry-after", b"1")]
+_BUSY_CLOSE_HEADERS = [*_BUSY_HEADERS, (b"connection", b"close")]
+_BUSY_START = {"type": "http.response.start", "status": BUSY, "headers": _BUSY_HEADERS}
+_BUSY_CLOSE_START = {"type": "http.response.start", "status": BUSY, "headers": _BUSY_CLOSE_HEADERS}
+_BUSY_END = {"type": "http.response.body", "body": _BUSY_BODY}
+_EXPECT = b"expect"
+_CONTENT_LENGTH = b"content-length"
+_CONTENT_ENCODING = b"content-encoding"
+
+# Control-plane bodies (repository index, load, unload) are a small JSON object at most.
+CONTROL_BODY_BYTES = 64 << 10
 
 
 class InferEndpoint:
-    def __init__(self, plane: DataPlane, max_body_bytes: int, access_log: AccessLog | None = None) -> None:
+    def __init__(
+        self,
+        plane: DataPlane,
+        max_body_bytes: int,
+        access_log: AccessLog | None = None,
+        max_in_flight: int = 512,
+        max_in_flight_bytes: int = 1 << 30,
+    ) -> None:
         self._plane = plane
         self._limit = max_body_bytes
         self._access_log = access_log or AccessLog()
+        self._max_in_flight = max_in_flight
+        self._max_in_flight_bytes = max_in_flight_bytes
+        self.in_flight = 0  # requests between admission at the door and their answer
+        self.in_flight_bytes = 0  # body bytes they hold (declared, or the limit when undeclared)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, model: str, version: str | None) -> None:
         started = time.perf_counter_ns()
-        record = RequestRecord() if self._access_log.enabled else None
-        status = await self._respond(scope, receive, send, model, version, record)
+        headers = dict(scope["headers"])
+        declared = _length(headers.get(_CONTENT_LENGTH))
+        reserved = self._limit if declared is None else min(declared, self._limit + 1)
+        if _CONTENT_ENCODING in headers:  # it may inflate up to the limit
+            reserved = self._limit
+        if self.in_flight >= self._max_in_flight or (
+            self.in_flight_bytes and self.in_flight_bytes + reserved > self._max_in_flight_bytes
+        ):
+            await self._refuse_busy(scope, send, headers, model, started)
+            return
+        self.in_flight += 1
+        self.in_flight_bytes += reserved
+        try:
+            record = RequestRecord() if self._access_log.enabled else None
+            status = await self._respond(headers, receive, send, model, version, record)
+        finally:
+            self.in_flight -= 1
+            self.in_flight_bytes -= reserved
         if record is not None:
             client = scope.get("client")
             self._access_log.write(
                 f"{client[0]}:{client[1]}" if client else "-", scope["path"], model, status, started, record
             )
 
+    async def _refuse_busy(
+        self, scope: Scope, send: Send, headers: dict[bytes, bytes], model: str, started: int
+    ) -> None:
+        """429 + Retry-After without reading the body. A client waiting for 100 Continue may
+        never send its body, so its connection is closed rather than left out of step."""
+        expects = headers.get(_EXPECT, b"").lower() == b"100-continue"
+        await send(_BUSY_CLOSE_START if expects else _BUSY_START)
+        await send(_BUSY_END)
+        if self._access_log.enabled:
+            client = scope.get("client")
+            self._access_log.write(
+                f"{client[0]}:{client[1]}" if client else "-", scope["path"], model, BUSY, started, RequestRecord()
+            )
+
     async def _respond(
-        self, scope: Scope, receive: Receive, send: Send, model: str, version: str | None, record: RequestRecord | None
+        self,
+        headers: dict[bytes, bytes],
+        receive: Receive,
+        send: Send,
+        model: str,
+        version: str | None,
+        record: RequestRecord | None,
     ) -> int:
         """Answer one infer call; the status sent, or CLIENT_CLOSED when the client left first
         (one access log line per request, dropped ones included)."""
-        headers = dict(scope["headers"])
         try:
             body = await self._body(headers, receive)
             header_length = _header_length(headers)
@@ -123,8 +189,8 @@ class InferEndpoint:
                 watcher.cancel()
 
     async def _body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self._limit:
+        declared = _length(headers.get(_CONTENT_LENGTH))
+        if declared is not None and declared > self._limit:
             raise PayloadTooLarge(f"the request body exceeds the limit of {self._limit} bytes")
         chunks: list[bytes] = []
         size = 0
@@ -143,12 +209,13 @@ class InferEndpoint:
         encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
         if encoding in _IDENTITY:
             return body
-        if len(body) > dataplane.OFFLOAD_BYTES:  # inflating megabytes would stall the shared loop
+        if len(body) * _MAX_DEFLATE_RATIO > dataplane.INLINE_DECODE_BYTES:  # it may inflate to megabytes
             return await asyncio.to_thread(_decompressed, body, encoding, self._limit)
         return _decompressed(body, encoding, self._limit)
 
 
 _IDENTITY = ("identity", "")
+_MAX_DEFLATE_RATIO = 1032  # deflate's largest expansion: a 1 KiB body can inflate to ~1 MiB
 _GZIP_WBITS = 16 + zlib.MAX_WBITS
 
 
@@ -196,13 +263,28 @@ def _inflate(body: bytes, wbits: int, name: str, limit: int) -> bytes:
         raise InvalidInput(f"the body is not valid {name}: {exc}") from exc
 
 
+_MAX_DIGITS = 18  # past a quintillion bytes a length is as good as infinite; int() of 5000 digits raises
+
+
+def _length(raw: bytes | None) -> int | None:
+    """A length header's value; None when absent or not a plain non-negative integer. A value
+    of more digits than any body could have reads as larger than any limit, without int()."""
+    if raw is None:
+        return None
+    digits = raw.strip()
+    if not digits.isdigit():  # bytes.isdigit is ASCII digits only
+        return None
+    return int(digits) if len(digits) <= _MAX_DIGITS else 10**_MAX_DIGITS
+
+
 def _header_length(headers: dict[bytes, bytes]) -> int | None:
     raw = headers.get(_HEADER_LENGTH_KEY)
     if raw is None:
         return None
-    if not raw.strip().isdigit():
-        raise InvalidInput(f"{HEADER_LENGTH} must be a non-negative integer, got {raw.decode('latin-1')!r}")
-    return int(raw)
+    length = _length(raw)
+    if length is None or length >= 10**_MAX_DIGITS:
+        raise InvalidInput(f"{HEADER_LENGTH} must be a non-negative integer, got {raw.decode('latin-1')[:40]!r}")
+    return length
 
 
 async def _send(
@@ -216,11 +298,13 @@ async def _send(
 
 
 class FastInferApp:
-    """Routes POST .../infer to the bare endpoint and everything else to the FastAPI app."""
+    """Routes POST .../infer to the bare endpoint and everything else to the FastAPI app, whose
+    POST bodies (the control plane's small JSON objects) are capped at CONTROL_BODY_BYTES."""
 
-    def __init__(self, app: ASGIApp, endpoint: InferEndpoint) -> None:
+    def __init__(self, app: ASGIApp, endpoint: InferEndpoint, control_body_bytes: int = CONTROL_BODY_BYTES) -> None:
         self.app = app
         self._endpoint = endpoint
+        self._control_limit = control_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -228,4 +312,30 @@ class FastInferApp:
             if match is not None:
                 await self._endpoint(scope, receive, send, match["model"], match["version"])
                 return
+            await self._control(scope, receive, send)
+            return
         await self.app(scope, receive, send)
+
+    async def _control(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A control-plane POST: 413 at once for a declared length over the limit; otherwise
+        the body is counted as the app reads it, and PayloadTooLarge (413) raised past it."""
+        limit = self._control_limit
+        declared = _length(dict(scope["headers"]).get(_CONTENT_LENGTH))
+        if declared is not None and declared > limit:
+            await _send(send, *error_parts(PayloadTooLarge(_control_too_large(limit))))
+            return
+        size = 0
+
+        async def counted() -> Message:
+            nonlocal size
+            message = await receive()
+            size += len(message.get("body", b""))
+            if size > limit:
+                raise PayloadTooLarge(_control_too_large(limit))
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def _control_too_large(limit: int) -> str:
+    return f"the request body exceeds the control plane's limit of {limit} bytes"

@@ -4,6 +4,8 @@ FastAPI sees neither the bare infer endpoint nor the statuses the data plane rai
 would list 422 for request validation errors, which this server answers with 400. So the error
 statuses of every operation are declared here, in one table (`ERROR_STATUSES`), each with the
 KServe error body; the tests send each of them to the real app and compare with the table.
+The access gate's refusals (401, 403, 415: `auth.py`) are in the table too, and the routes that
+may need a bearer token say so (`security`), which gives /docs its Authorize button.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from server.http.infer import HEADER_LENGTH
+from server.http.auth import Access, access_of
+from server.http.infer import CONTROL_BODY_BYTES, HEADER_LENGTH
 from server.protocol.datatypes import DATATYPES
 
 INFER = "/v2/models/{model}/infer"
@@ -25,41 +28,54 @@ _NOT_LOADED = "The model is not loaded"
 _NOT_READY = "The model is not loaded, or none of its versions is ready"
 _VERSION_NOT_READY = "The model is not loaded, or this version of it is not ready"
 _NOT_AN_OBJECT = "The body is not a JSON object"
+_TOKEN = {401: "An inference token is set and the request does not carry it (or the admin token) as "
+               "Authorization: Bearer"}
+_CONTROL = {
+    401: "An admin token is set and the request does not carry it as Authorization: Bearer (the inference "
+         "token is not it)",
+    403: "Model control is off (start the server with --model-control); or it is on without an admin token "
+         "and the request's Host is not localhost, 127.0.0.1 or [::1]",
+    415: "The Content-Type is not application/json",
+}
 _INFER_ERRORS = {
     400: "The body is malformed, or does not match the model's inputs and outputs",
     413: "The body, or the body once decompressed, is larger than the server accepts",
-    429: "The model's queue is full; retry after Retry-After seconds",
+    429: "The model's queue is full, or the server is at its limit of requests in flight; retry after"
+    " Retry-After seconds",
     500: "The engine failed while running the batch that held this request",
     504: "The request's timeout passed while it was queued (it was not run), or its batch ran past the"
     " model's execution_timeout_seconds",
 }
 
+_CONTROL_TOO_LARGE = f"The body is larger than the control plane accepts ({CONTROL_BODY_BYTES >> 10} KiB)"
+
 ERROR_STATUSES: dict[str, dict[int, str]] = {
-    "GET /v2": {},
+    "GET /v2": _TOKEN,
     "GET /v2/health/live": {503: "A model lost every instance to a hung engine: only a restart frees them"},
     "GET /v2/health/ready": {503: "A model asked for is still loading, or failed to load"},
-    "GET /v2/models/stats": {},
-    "GET /v2/models/{model}": {404: _NO_MODEL, 503: _NOT_READY},
-    "GET /v2/models/{model}/versions/{version}": {404: _NO_VERSION, 503: _VERSION_NOT_READY},
-    "GET /v2/models/{model}/ready": {404: _NO_MODEL, 503: _NOT_READY},
-    "GET /v2/models/{model}/versions/{version}/ready": {404: _NO_VERSION, 503: _VERSION_NOT_READY},
-    "GET /v2/models/{model}/config": {
+    "GET /v2/models/stats": _TOKEN,
+    "GET /v2/models/{model}": _TOKEN | {404: _NO_MODEL, 503: _NOT_READY},
+    "GET /v2/models/{model}/versions/{version}": _TOKEN | {404: _NO_VERSION, 503: _VERSION_NOT_READY},
+    "GET /v2/models/{model}/ready": _TOKEN | {404: _NO_MODEL, 503: _NOT_READY},
+    "GET /v2/models/{model}/versions/{version}/ready": _TOKEN | {404: _NO_VERSION, 503: _VERSION_NOT_READY},
+    "GET /v2/models/{model}/config": _TOKEN | {
         400: "The model is not loaded and its config.yaml is invalid; the message says where",
         404: _NO_MODEL,
     },
-    "GET /v2/models/{model}/versions/{version}/config": {404: _NO_VERSION, 503: _VERSION_NOT_READY},
-    "GET /v2/models/{model}/stats": {404: _NO_MODEL, 503: _NOT_LOADED},
-    "GET /v2/models/{model}/versions/{version}/stats": {404: _NO_VERSION, 503: _VERSION_NOT_READY},
-    "POST /v2/repository/index": {400: _NOT_AN_OBJECT},
-    "POST /v2/repository/models/{model}/load": {
+    "GET /v2/models/{model}/versions/{version}/config": _TOKEN | {404: _NO_VERSION, 503: _VERSION_NOT_READY},
+    "GET /v2/models/{model}/stats": _TOKEN | {404: _NO_MODEL, 503: _NOT_LOADED},
+    "GET /v2/models/{model}/versions/{version}/stats": _TOKEN | {404: _NO_VERSION, 503: _VERSION_NOT_READY},
+    "POST /v2/repository/index": _TOKEN | {400: _NOT_AN_OBJECT, 413: _CONTROL_TOO_LARGE},
+    "POST /v2/repository/models/{model}/load": _CONTROL | {
+        413: _CONTROL_TOO_LARGE,
         400: f"{_NOT_AN_OBJECT}, asks for a config override or files, or the model's config.yaml is invalid",
         404: _NO_MODEL,
         503: "No version of the model could be loaded (or built); the message says why",
     },
-    "POST /v2/repository/models/{model}/unload": {404: _NO_MODEL},
+    "POST /v2/repository/models/{model}/unload": _CONTROL | {404: _NO_MODEL, 413: _CONTROL_TOO_LARGE},
     "GET /metrics": {},
-    f"POST {INFER}": _INFER_ERRORS | {404: _NO_MODEL, 503: _NOT_READY},
-    f"POST {VERSION_INFER}": _INFER_ERRORS | {404: _NO_VERSION, 503: _VERSION_NOT_READY},
+    f"POST {INFER}": _TOKEN | _INFER_ERRORS | {404: _NO_MODEL, 503: _NOT_READY},
+    f"POST {VERSION_INFER}": _TOKEN | _INFER_ERRORS | {404: _NO_VERSION, 503: _VERSION_NOT_READY},
 }
 """'METHOD /path' -> the error statuses that operation sends, and when. Every operation also
 answers 200. An operation missing here fails the document: a new route declares its own."""
@@ -149,6 +165,21 @@ _HEADER_LENGTH = {
     }
 }
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "integer"}}}
+_WWW_AUTHENTICATE = {
+    "WWW-Authenticate": {
+        "description": 'The challenge: Bearer realm="batchline", with error="invalid_token" when a token was wrong',
+        "schema": {"type": "string"},
+    }
+}
+BEARER = "bearer"
+SECURITY_SCHEMES = {
+    BEARER: {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "The inference token (data routes, when the server sets one) or the admin token (load, "
+        "unload and the data routes). Health, /metrics and these pages need none.",
+    }
+}
 
 
 def _infer_operation(summary: str, path: str) -> dict[str, Any]:
@@ -203,7 +234,10 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
             operation["responses"] = {"200": operation["responses"]["200"]} | {
                 str(status): _error_response(status, why) for status, why in sorted(ERROR_STATUSES[route].items())
             }
-    schemas = document.setdefault("components", {}).setdefault("schemas", {})
+            if access_of(method.upper(), path) is not Access.OPEN:  # a token when the server sets one
+                operation["security"] = [{BEARER: []}, {}]
+    document.setdefault("components", {})["securitySchemes"] = SECURITY_SCHEMES
+    schemas = document["components"].setdefault("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):  # the 422 FastAPI would list; never sent
         schemas.pop(unused, None)
     schemas.update(SCHEMAS)
@@ -214,4 +248,6 @@ def _error_response(status: int, why: str) -> dict[str, Any]:
     response: dict[str, Any] = {"description": why, "content": {"application/json": {"schema": _ref("Error")}}}
     if status == 429:
         response["headers"] = _RETRY_AFTER
+    if status == 401:
+        response["headers"] = _WWW_AUTHENTICATE
     return response

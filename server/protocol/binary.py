@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from server.errors import InvalidInput
-from server.protocol.datatypes import BYTES, numpy_dtype
+from server.protocol.datatypes import BYTES, MAX_DIMS, numpy_dtype
 
 Buffer = bytes | bytearray | memoryview
 
@@ -138,6 +138,8 @@ def _element_count(shape: Sequence[int], name: str) -> int:
         raise InvalidInput(
             f"tensor '{name}' has shape {shape!r}; a shape must be a list of non-negative integers"
         )
+    if len(shape) > MAX_DIMS:
+        raise InvalidInput(f"tensor '{name}' has {len(shape)} dimensions; at most {MAX_DIMS} are allowed")
     return math.prod(int(dim) for dim in shape)
 
 

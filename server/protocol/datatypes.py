@@ -40,6 +40,11 @@ _DATATYPES_BY_DTYPE: dict[np.dtype[Any], str] = {
 DATATYPES: tuple[str, ...] = tuple(_NUMPY_DTYPES)
 """Every v2 datatype this server accepts, in the protocol's customary order."""
 
+MAX_DIMS = 64
+"""The most dimensions a tensor may have: numpy's own limit (NPY_MAXDIMS). Checked before any
+arithmetic on a shape, so a shape of thousands of huge dims costs nothing (their product would
+grow to megabits, and formatting it past 4300 digits raises ValueError)."""
+
 
 def numpy_dtype(datatype: str) -> np.dtype[Any]:
     """The numpy dtype that holds tensors of a v2 datatype (object dtype for BYTES)."""

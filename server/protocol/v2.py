@@ -16,7 +16,7 @@ import orjson
 
 from server.errors import InvalidInput, Unsupported
 from server.protocol.binary import BinaryCursor, split_body, tensor_from_bytes, tensor_to_bytes
-from server.protocol.datatypes import numpy_dtype
+from server.protocol.datatypes import MAX_DIMS, numpy_dtype
 
 
 @dataclass
@@ -34,8 +34,39 @@ class DecodedRequest:
     binary_output: bool = False
 
 
+@dataclass(slots=True)
+class DeclaredInput:
+    """One input as the header declares it, before any per-element work: `data` is the JSON
+    data as parsed, or None when the tensor's bytes are `binary` (a view of the body)."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    data: object
+    binary: memoryview | None
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """A request whose header is read and whose tensors are not yet built: what a server can
+    check against the model's config (names, datatypes, shapes, batch size) at no per-element cost."""
+
+    id: str | None
+    parameters: dict[str, Any]
+    inputs: list[DeclaredInput]
+    outputs: list[RequestedOutput] | None
+    binary_output: bool
+    decode_bytes: int  # what building the tensors walks: the JSON header and any binary BYTES data
+
+
 def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequest:
     """Parse an infer request body; `header_length` is Inference-Header-Content-Length."""
+    return build_tensors(parse_request(body, header_length))
+
+
+def parse_request(body: bytes, header_length: int | None = None) -> ParsedRequest:
+    """Read the JSON header and cut the binary section; no tensor is built yet. Its cost grows
+    with the header's size only (orjson's parse)."""
     if header_length is None:
         header, binary = body, memoryview(b"")
     else:
@@ -49,19 +80,43 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidInput("'inputs' must be a non-empty list of tensors")
     cursor = BinaryCursor(binary)
-    inputs: dict[str, tuple[str, np.ndarray]] = {}
+    inputs: list[DeclaredInput] = []
+    names: set[str] = set()
+    decode_bytes = len(header)
     for raw in raw_inputs:
-        name, datatype, array = _decode_input(raw, cursor)
-        if name in inputs:
-            raise InvalidInput(f"input '{name}' is given more than once")
-        inputs[name] = (datatype, array)
+        declared = _declared_input(raw, cursor)
+        if declared.name in names:
+            raise InvalidInput(f"input '{declared.name}' is given more than once")
+        names.add(declared.name)
+        if declared.binary is not None and declared.datatype == "BYTES":
+            decode_bytes += len(declared.binary)  # read element by element; numbers are zero-copy
+        inputs.append(declared)
     cursor.finish()
-    return DecodedRequest(
+    return ParsedRequest(
         id=request_id,
         parameters=parameters,
         inputs=inputs,
         outputs=_requested_outputs(document.get("outputs")),
         binary_output=bool(parameters.get("binary_data_output", False)),
+        decode_bytes=decode_bytes,
+    )
+
+
+def build_tensors(parsed: ParsedRequest) -> DecodedRequest:
+    """The numpy arrays of a parsed request: the per-element work, proportional to its data."""
+    inputs: dict[str, tuple[str, np.ndarray]] = {}
+    for declared in parsed.inputs:
+        if declared.binary is not None:
+            array = tensor_from_bytes(declared.binary, declared.datatype, declared.shape, declared.name)
+        else:
+            array = json_tensor(declared.data, declared.datatype, declared.shape, declared.name)
+        inputs[declared.name] = (declared.datatype, array)
+    return DecodedRequest(
+        id=parsed.id,
+        parameters=parsed.parameters,
+        inputs=inputs,
+        outputs=parsed.outputs,
+        binary_output=parsed.binary_output,
     )
 
 
@@ -86,7 +141,7 @@ def _parameters(value: object, where: str) -> dict[str, Any]:
     return value
 
 
-def _decode_input(raw: object, cursor: BinaryCursor) -> tuple[str, str, np.ndarray]:
+def _declared_input(raw: object, cursor: BinaryCursor) -> DeclaredInput:
     if not isinstance(raw, dict):
         raise InvalidInput("each input must be an object with name, datatype, shape and data")
     name = raw.get("name")
@@ -98,15 +153,28 @@ def _decode_input(raw: object, cursor: BinaryCursor) -> tuple[str, str, np.ndarr
     shape = raw.get("shape")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise InvalidInput(f"input '{name}': 'shape' must be a list of non-negative integers")
+    if len(shape) > MAX_DIMS:
+        raise InvalidInput(f"input '{name}': 'shape' has {len(shape)} dimensions; at most {MAX_DIMS} are allowed")
     parameters = _parameters(raw.get("parameters"), f"input '{name}'")
     size = parameters.get("binary_data_size")
     if size is not None:
         if "data" in raw:
             raise InvalidInput(f"input '{name}' has both 'data' and 'binary_data_size'")
-        return name, datatype, tensor_from_bytes(cursor.take(size, name), datatype, shape, name)
+        return DeclaredInput(name, datatype, shape, None, cursor.take(size, name))
     if "data" not in raw:
         raise InvalidInput(f"input '{name}' has neither 'data' nor 'binary_data_size'")
-    return name, datatype, json_tensor(raw["data"], datatype, shape, name)
+    data = raw["data"]
+    _check_flat_count(data, shape, name)
+    return DeclaredInput(name, datatype, shape, data, None)
+
+
+def _check_flat_count(data: object, shape: list[int], name: str) -> None:
+    """Flat data's length against the shape, at no cost: a tensor of a million values declared
+    as three is refused before any value is read. Nested data is counted as it is built."""
+    if isinstance(data, list) and data and not isinstance(data[0], list):
+        expected = math.prod(shape)
+        if len(data) != expected:
+            raise InvalidInput(f"input '{name}': shape {shape} needs {expected} elements, data has {len(data)}")
 
 
 def json_tensor(data: object, datatype: str, shape: list[int], name: str) -> np.ndarray:
@@ -138,11 +206,20 @@ def json_tensor(data: object, datatype: str, shape: list[int], name: str) -> np.
 
 
 def _flatten(data: list[Any]) -> list[Any]:
+    """The elements of nested lists in row-major order. A loop, not recursion: JSON may nest
+    deeper (orjson allows 1024 levels) than Python's recursion limit."""
     if not any(isinstance(x, list) for x in data):
         return data
     flat: list[Any] = []
-    for x in data:
-        flat.extend(_flatten(x) if isinstance(x, list) else [x])
+    pending = [iter(data)]
+    while pending:
+        for x in pending[-1]:
+            if isinstance(x, list):
+                pending.append(iter(x))
+                break
+            flat.append(x)
+        else:
+            pending.pop()
     return flat
 
 

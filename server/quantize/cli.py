@@ -94,6 +94,8 @@ def run_build(args: argparse.Namespace) -> int:
         return 2
     print(result.to_json() if args.json else result.markdown())
     if result.servable:
-        print(f"{variant}: a running server serves this version after `curl -X POST "
-              f"localhost:8000/v2/repository/models/{variant}/load` (or a restart)", file=sys.stderr)
+        print(f"{variant}: a running server serves this version after a restart or, if it was started with "
+              f"--model-control, after `curl -X POST -H 'Content-Type: application/json' "
+              f"[-H \"Authorization: Bearer $ADMIN_TOKEN\"] localhost:8000/v2/repository/models/{variant}/load`",
+              file=sys.stderr)
     return 0 if result.servable else 1

@@ -16,8 +16,10 @@ from server.config import ModelConfig
 from server.errors import InvalidInput
 from server.preprocess import TextTokenizer
 
-# Requests with more text than this are tokenized on a worker thread, not the event loop.
-INLINE_TOKENIZE_CHARS = 4096
+# Text of more bytes than this (UTF-8 check, tokenizing), or more BYTES items than
+# INLINE_ITEMS, is prepared on a worker thread, not the event loop: ~0.5 ms at most inline.
+INLINE_TEXT_BYTES = 4096
+INLINE_ITEMS = 256
 
 
 @dataclass
@@ -30,47 +32,115 @@ class Admitted:
     deadline_ns: int | None
 
 
+@dataclass(frozen=True)
+class _Declared:
+    """A model's inputs as check_declared compares them, built once per config: the hot path
+    then allocates nothing per input but the loop."""
+
+    names: frozenset[str]
+    inputs: tuple[tuple[str, str, list[int], tuple[tuple[int, int], ...]], ...]  # name, datatype, shape, fixed dims
+
+
+_plans: dict[int, tuple[ModelConfig, _Declared]] = {}
+
+
+def _declared_plan(config: ModelConfig) -> _Declared:
+    cached = _plans.get(id(config))
+    if cached is not None and cached[0] is config:
+        return cached[1]
+    inputs = []
+    for tensor in config.inputs:
+        shape = config.api_shape(tensor)
+        inputs.append((tensor.name, tensor.datatype, shape, tuple((i, d) for i, d in enumerate(shape) if d != -1)))
+    plan = _Declared(frozenset(t.name for t in config.inputs), tuple(inputs))
+    if len(_plans) > 256:  # configs of unloaded models: never many, never kept for long
+        _plans.clear()
+    _plans[id(config)] = (config, plan)
+    return plan
+
+
+def check_declared(config: ModelConfig, declared: dict[str, tuple[str, list[int]]]) -> int:
+    """The request's batch size (1 for unbatched models), from names, datatypes and shapes alone:
+    every check here costs the same for one item as for a million, so it runs before any."""
+    plan = _declared_plan(config)
+    if not plan.names.issuperset(declared):
+        unknown = sorted(set(declared) - plan.names)
+        expected = ", ".join(t.name for t in config.inputs)
+        raise InvalidInput(f"unexpected input {unknown[0]!r} for model '{config.name}' (inputs: {expected})")
+    batch_size = -1
+    for name, datatype, expected, fixed in plan.inputs:
+        given = declared.get(name)
+        if given is None:
+            raise InvalidInput(f"model '{config.name}' expects input '{name}', which is missing")
+        if given[0] != datatype:
+            raise InvalidInput(f"input '{name}' has datatype {given[0]}, model '{config.name}' expects {datatype}")
+        shape = given[1]
+        if len(shape) != len(expected) or any(shape[i] != d for i, d in fixed):
+            raise InvalidInput(f"input '{name}' has shape {list(shape)}, model '{config.name}' expects {expected}")
+        if config.batched:
+            if batch_size != -1 and shape[0] != batch_size:
+                sizes = sorted({declared[n][1][0] for n, *_ in plan.inputs})
+                raise InvalidInput(f"inputs disagree on the batch size: {sizes}")
+            batch_size = shape[0]
+    if not config.batched:
+        return 1
+    if not 1 <= batch_size <= config.max_batch_size:
+        raise InvalidInput(
+            f"batch size {batch_size} is outside 1..{config.max_batch_size} (max_batch_size of '{config.name}');"
+            " split the request"
+        )
+    return batch_size
+
+
 def validate_inputs(
     config: ModelConfig, inputs: dict[str, tuple[str, np.ndarray]]
 ) -> tuple[dict[str, np.ndarray], int]:
     """The inputs in config order and the request's batch size (1 for unbatched models)."""
-    unknown = sorted(set(inputs) - {t.name for t in config.inputs})
-    if unknown:
-        expected = ", ".join(t.name for t in config.inputs)
-        raise InvalidInput(f"unexpected input {unknown[0]!r} for model '{config.name}' (inputs: {expected})")
+    batch_size = _checked(config, inputs)
+    check_item_bytes(config, inputs)
+    return _texts_decoded(config, inputs), batch_size
+
+
+def _checked(config: ModelConfig, inputs: dict[str, tuple[str, np.ndarray]]) -> int:
+    return check_declared(config, {name: (datatype, list(array.shape)) for name, (datatype, array) in inputs.items()})
+
+
+def bytes_items(config: ModelConfig, inputs: dict[str, tuple[str, np.ndarray]]) -> int:
+    """How many BYTES items the request holds, without looking at one (sizes of arrays)."""
+    return sum(inputs[t.name][1].size for t in config.inputs if t.datatype == "BYTES")
+
+
+def check_item_bytes(config: ModelConfig, inputs: dict[str, tuple[str, np.ndarray]]) -> int:
+    """Refuse a BYTES item over max_item_bytes before it is decoded or tokenized; the total of
+    the items' bytes (one len() each, no decoding)."""
+    limit = config.max_item_bytes
+    total = 0
+    for tensor in config.inputs:
+        if tensor.datatype != "BYTES":
+            continue
+        for i, item in enumerate(inputs[tensor.name][1].reshape(-1)):
+            size = len(item)
+            if size > limit:
+                raise InvalidInput(
+                    f"input '{tensor.name}' item {i} is {size} bytes, over the model's max_item_bytes of {limit}"
+                )
+            total += size
+    return total
+
+
+def _texts_decoded(config: ModelConfig, inputs: dict[str, tuple[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The inputs in config order, the text to tokenize decoded to str and other BYTES checked
+    as UTF-8: per-item work, after every cheap check."""
     text_input = config.tokenize.input if config.tokenize else None
     validated: dict[str, np.ndarray] = {}
-    batch_sizes: set[int] = set()
     for tensor in config.inputs:
-        if tensor.name not in inputs:
-            raise InvalidInput(f"model '{config.name}' expects input '{tensor.name}', which is missing")
-        datatype, array = inputs[tensor.name]
-        if datatype != tensor.datatype:
-            raise InvalidInput(
-                f"input '{tensor.name}' has datatype {datatype}, model '{config.name}' expects {tensor.datatype}"
-            )
-        shape = list(array.shape)
-        expected = config.api_shape(tensor)
-        if len(shape) != len(expected) or any(e != -1 and e != s for e, s in zip(expected, shape)):
-            raise InvalidInput(
-                f"input '{tensor.name}' has shape {shape}, model '{config.name}' expects {expected}"
-            )
-        if config.batched:
-            batch_sizes.add(shape[0])
+        array = inputs[tensor.name][1]
         if tensor.name == text_input:
             array = _decoded_text(array, tensor.name)
         elif tensor.datatype == "BYTES":
             _check_text(array, tensor.name)
         validated[tensor.name] = array
-    if len(batch_sizes) > 1:
-        raise InvalidInput(f"inputs disagree on the batch size: {sorted(batch_sizes)}")
-    batch_size = batch_sizes.pop() if batch_sizes else 1
-    if config.batched and not 1 <= batch_size <= config.max_batch_size:
-        raise InvalidInput(
-            f"batch size {batch_size} is outside 1..{config.max_batch_size} (max_batch_size of '{config.name}');"
-            " split the request"
-        )
-    return validated, batch_size
+    return validated
 
 
 def _decoded_text(array: np.ndarray, name: str) -> np.ndarray:
@@ -114,13 +184,30 @@ class Admission:
         self._timeout_override = policy.allow_timeout_override if policy else True
 
     async def admit(self, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any]) -> Admitted:
+        """Cheap checks first (options, shapes, batch size, bytes per item), then the per-item
+        work (UTF-8, tokenizing) inline when small, on a worker thread when not."""
         priority, deadline_ns = self._options(parameters)
-        arrays, batch_size = validate_inputs(self._config, inputs)
+        batch_size = _checked(self._config, inputs)
+        if bytes_items(self._config, inputs) > INLINE_ITEMS:
+            return await asyncio.to_thread(self._prepared, inputs, batch_size, priority, deadline_ns, True)
+        if check_item_bytes(self._config, inputs) > INLINE_TEXT_BYTES:
+            return await asyncio.to_thread(self._prepared, inputs, batch_size, priority, deadline_ns, False)
+        return self._prepared(inputs, batch_size, priority, deadline_ns, False)
+
+    def _prepared(
+        self,
+        inputs: dict[str, tuple[str, np.ndarray]],
+        batch_size: int,
+        priority: int,
+        deadline_ns: int | None,
+        check_bytes: bool,
+    ) -> Admitted:
+        """Decode and tokenize checked inputs (pure: safe on a worker thread)."""
+        if check_bytes:
+            check_item_bytes(self._config, inputs)
+        arrays = _texts_decoded(self._config, inputs)
         texts = self._texts(arrays)
-        if texts is not None and sum(len(t) for t in texts) > INLINE_TOKENIZE_CHARS:
-            tokens = await asyncio.to_thread(self._tokenizer.encode, texts)
-        else:
-            tokens = self._tokenizer.encode(texts) if texts is not None else None
+        tokens = self._tokenizer.encode(texts) if texts is not None and self._tokenizer is not None else None
         return self._admitted(arrays, batch_size, tokens, priority, deadline_ns)
 
     def admit_now(self, inputs: dict[str, np.ndarray], batch_size: int) -> Admitted:

@@ -31,7 +31,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     for name in ("reloaded", "kept"):
         write_model(root, name, CONFIG, doubling)
     log = tmp_path_factory.mktemp("faults-log") / "server.log"
-    with running_server(root, "--engine-threads", "1", log_path=log) as url:
+    with running_server(root, "--engine-threads", "1", "--model-control", log_path=log) as url:  # loopback: no token
         yield url, root
 
 
@@ -103,7 +103,7 @@ def test_a_reload_to_a_new_version_under_load_fails_no_request(served: tuple[str
     try:
         wait_until(lambda: all(len(c.answers) >= 10 for c in clients), "every client was answered by version 1")
         doubling(root / "reloaded" / "2")
-        reload = httpx.post(f"{url}/v2/repository/models/reloaded/load", timeout=WAIT_S)
+        reload = httpx.post(f"{url}/v2/repository/models/reloaded/load", json={}, timeout=WAIT_S)
         assert reload.status_code == 200, reload.text
         wait_until(lambda: all(c.versions().count("2") >= 10 for c in clients), "every client was answered by version 2")
     finally:
@@ -128,7 +128,7 @@ def test_a_reload_whose_new_version_cannot_load_keeps_the_old_one_serving(served
     broken = root / "kept" / "2"
     broken.mkdir()
     (broken / "model.onnx").write_bytes(b"this is not an ONNX model")
-    response = httpx.post(f"{url}/v2/repository/models/kept/load", timeout=WAIT_S)
+    response = httpx.post(f"{url}/v2/repository/models/kept/load", json={}, timeout=WAIT_S)
     assert response.status_code == 503, response.text
     assert index(url, "kept") == [("1", "READY")]
     assert httpx.get(f"{url}/v2/models/kept/ready").status_code == 200

@@ -123,7 +123,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
         "max_queue_delay_microseconds": 0, "preserve_ordering": True})
     write_spin_model(root, "reloaded", warmup=one_at_a_time)
     log = tmp_path_factory.mktemp("lifecycle-log") / "server.log"
-    with running_server(root, "--access-log", "json", log_path=log) as url:
+    with running_server(root, "--access-log", "json", "--model-control", log_path=log) as url:  # loopback: no token
         yield url, log
 
 
@@ -167,7 +167,7 @@ def test_a_reload_under_load_finishes_what_is_queued(served: tuple[str, Path]) -
     waiting = Call(url, "reloaded", 2.0)
     wait_until(queued(url, "reloaded", 1), "a request is queued behind the slow one")
     assert not slow.done, f"SLOW ({SLOW:g} iterations) is too fast on this machine to hold the instance"
-    reload = httpx.post(f"{url}/v2/repository/models/reloaded/load", timeout=WAIT_S)  # returns once drained
+    reload = httpx.post(f"{url}/v2/repository/models/reloaded/load", json={}, timeout=WAIT_S)  # returns once drained
     assert reload.status_code == 200, reload.text
     assert (slow.echoed(), waiting.echoed()) == (SLOW, 2.0)
     fresh = Call(url, "reloaded", 3.0)

@@ -14,10 +14,12 @@ from tritonclient.utils import InferenceServerException
 
 from tests.integration.conftest import running_server
 
+JSON = {"Content-Type": "application/json"}  # load and unload take JSON only; tritonclient sends no type
+
 
 @pytest.fixture(scope="module")
 def scratch_url(scratch_repository: Path) -> Iterator[str]:
-    with running_server(scratch_repository, wait_ready=False) as url:
+    with running_server(scratch_repository, "--model-control", wait_ready=False) as url:  # loopback: no token
         client = triton.InferenceServerClient(url.removeprefix("http://"))
         for _ in range(600):
             states = {e["name"]: e.get("state") for e in client.get_model_repository_index()}
@@ -62,29 +64,29 @@ def test_index_ready_filter(scratch_url) -> None:
 
 
 def test_unload_then_load(scratch_url, client) -> None:
-    client.unload_model("digits")
+    client.unload_model("digits", headers=JSON)
     assert not client.is_model_ready("digits")
     entry = next(e for e in client.get_model_repository_index() if e["name"] == "digits")
     assert entry["state"] == "UNAVAILABLE" and entry["reason"] == "unloaded"
     with pytest.raises(InferenceServerException, match="not loaded"):
         _digits_infer(client)
-    client.load_model("digits")
+    client.load_model("digits", headers=JSON)
     assert client.is_model_ready("digits")
     assert _digits_infer(client).shape == (1, 10)
     assert client.get_inference_statistics("digits")["model_stats"][0]["inference_count"] == 1
 
 
 def test_load_errors(scratch_url, client) -> None:
-    response = httpx.post(f"{scratch_url}/v2/repository/models/nosuchmodel/load")
+    response = httpx.post(f"{scratch_url}/v2/repository/models/nosuchmodel/load", json={})
     assert response.status_code == 404 and "nosuchmodel" in response.json()["error"]
-    response = httpx.post(f"{scratch_url}/v2/repository/models/badconfig/load")
+    response = httpx.post(f"{scratch_url}/v2/repository/models/badconfig/load", json={})
     assert response.status_code == 400 and "max_batch_size" in response.json()["error"]
-    response = httpx.post(f"{scratch_url}/v2/repository/models/broken/load")
+    response = httpx.post(f"{scratch_url}/v2/repository/models/broken/load", json={})
     assert response.status_code == 503 and "model.pt2" in response.json()["error"]
     response = httpx.post(f"{scratch_url}/v2/repository/models/digits/load", json={"parameters": {"config": "{}"}})
     assert response.status_code == 400
     with pytest.raises(InferenceServerException):
-        client.load_model("badconfig")
+        client.load_model("badconfig", headers=JSON)
 
 
 def test_the_version_policy_picks_what_serves(scratch_url, client) -> None:

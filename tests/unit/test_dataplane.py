@@ -62,29 +62,26 @@ async def test_unknown_output_is_refused_before_any_compute() -> None:
 
 async def test_large_bodies_and_outputs_are_coded_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     threads: list[str] = []
-    real_decode, real_encode = dataplane.decode_request, dataplane.encode_response
 
-    def decode(*args):
-        threads.append(threading.current_thread().name)
-        return real_decode(*args)
+    def on_thread(real):
+        def spy(*args):
+            threads.append(threading.current_thread().name)
+            return real(*args)
 
-    def encode(*args):
-        threads.append(threading.current_thread().name)
-        return real_encode(*args)
+        return spy
 
-    monkeypatch.setattr(dataplane, "decode_request", decode)
-    monkeypatch.setattr(dataplane, "encode_response", encode)
+    for name in ("parse_request", "build_tensors", "encode_response"):
+        monkeypatch.setattr(dataplane, name, on_thread(getattr(dataplane, name)))
     plane = DataPlane(StubRepository())  # type: ignore[arg-type]
     small, _ = await plane.infer("double", None, body([1.0, 2.0]), None)
-    monkeypatch.setattr(dataplane, "OFFLOAD_BYTES", 4)
+    monkeypatch.setattr(dataplane, "INLINE_DECODE_BYTES", 4)
+    monkeypatch.setattr(dataplane, "INLINE_ENCODE_JSON_BYTES", 4)
     large, _ = await plane.infer("double", None, body([1.0, 2.0]), None)
     main = threading.main_thread().name
-    assert threads[:2] == [main, main]
-    assert main not in threads[2:] and len(threads) == 4
+    assert threads[:3] == [main, main, main]
+    assert main not in threads[3:] and len(threads) == 6
     assert orjson.loads(small) == orjson.loads(large)
     assert np.allclose(orjson.loads(large)["outputs"][0]["data"], [2.0, 4.0])
-
-
 
 
 class ServedModel:

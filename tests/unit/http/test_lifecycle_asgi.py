@@ -16,23 +16,28 @@ import pytest
 
 from server.dataplane import DataPlane
 from server.http.app import create_app
+from server.http.auth import AccessPolicy
 from server.model import ModelState
 from server.repository import ModelRepository
 from tests.unit.http.conftest import HOLD, Gate, eventually, infer_body
 from tests.unit.http.tiny_models import write_spin_model
 
 Order = list[float]
+ADMIN_TOKEN = "lifecycle-admin-token-0123"
+AS_ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"}
 
 
 @asynccontextmanager
 async def serving(root: Path, gate: Gate, **overrides: Any) -> AsyncIterator[tuple[httpx.AsyncClient, ModelRepository]]:
-    """`spin` with its config.yaml changed by `overrides`, loaded, behind the whole app."""
+    """`spin` with its config.yaml changed by `overrides`, loaded, behind the whole app, with
+    model control on; the client sends the admin token and JSON, as load and unload want."""
     write_spin_model(root, "spin", **overrides)
     repository = ModelRepository(root)
     await repository.load("spin")
-    transport = httpx.ASGITransport(app=create_app(DataPlane(repository)))  # type: ignore[arg-type]
+    app = create_app(DataPlane(repository), access=AccessPolicy(model_control=True, admin_token=ADMIN_TOKEN))
+    transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
     try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://batchline") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://batchline", headers=AS_ADMIN) as client:
             yield client, repository
     finally:
         gate.released.set()

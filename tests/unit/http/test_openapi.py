@@ -26,7 +26,9 @@ from server.protocol.v2 import encode_error, encode_response
 from server.repository import ModelRepository
 
 INFER_ROUTES = ["/v2/models/{model}/infer", "/v2/models/{model}/versions/{version}/infer"]
-INFER_STATUSES = {"200", "400", "404", "413", "429", "500", "503", "504"}
+INFER_STATUSES = {"200", "400", "401", "404", "413", "429", "500", "503", "504"}
+OPEN_ROUTES = {"GET /v2/health/live", "GET /v2/health/ready", "GET /metrics"}
+CONTROL_ROUTES = {"POST /v2/repository/models/{model}/load", "POST /v2/repository/models/{model}/unload"}
 
 
 def operations(document: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -114,12 +116,25 @@ def test_the_infer_request_schema_takes_a_kserve_request(document: dict[str, Any
     assert not request.is_valid({"inputs": []})
 
 
+def test_health_and_metrics_are_open_and_every_other_route_may_need_a_bearer_token(document: dict[str, Any]) -> None:
+    """Probes and scrapes carry no credentials; the rest says so to /docs' Authorize button."""
+    scheme = document["components"]["securitySchemes"]["bearer"]
+    assert (scheme["type"], scheme["scheme"]) == ("http", "bearer")
+    for route, op in operations(document):
+        if route in OPEN_ROUTES:
+            assert "security" not in op and "401" not in op["responses"], route
+        else:
+            assert op["security"] == [{"bearer": []}, {}], route  # {}: no token when the server sets none
+            assert "WWW-Authenticate" in op["responses"]["401"]["headers"], route
+    assert {route for route, op in operations(document) if {"403", "415"} <= set(op["responses"])} == CONTROL_ROUTES
+
+
 def test_the_table_names_exactly_the_routes_of_the_app(document: dict[str, Any]) -> None:
     assert {route for route, _ in operations(document)} == set(ERROR_STATUSES)
 
 
 def test_a_route_without_declared_statuses_fails_the_document(tmp_path: Path) -> None:
-    app = create_app(DataPlane(ModelRepository(tmp_path))).app
+    app = create_app(DataPlane(ModelRepository(tmp_path))).app.app  # the gate, the infer router, FastAPI
     assert isinstance(app, FastAPI)
 
     @app.get("/v2/undeclared")

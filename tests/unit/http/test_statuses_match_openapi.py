@@ -1,6 +1,10 @@
 """Every status a route sends is declared for it in the OpenAPI document, and every declared
 status is one the route really sends: each is provoked here against the real app (real data
 plane, repository and engine, driven through ASGI), so the document cannot drift from it.
+
+The app serves with model control on and both tokens set, so the access gate's refusals (401,
+403, 415) are provoked on the routes that declare them, and every other probe carries the token
+its route takes (the admin token and a JSON Content-Type on load and unload).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from prometheus_client import CollectorRegistry
 
 from server.dataplane import DataPlane
 from server.http.app import create_app
-from server.http.infer import HEADER_LENGTH
+from server.http.auth import Access, AccessPolicy, access_of
+from server.http.infer import CONTROL_BODY_BYTES, HEADER_LENGTH
 from server.repository import ModelRepository
 from tests.integration.conftest import MODELS, require_built_models
 
@@ -35,6 +40,15 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 MAX_BODY_BYTES = 4096
 INFER = "/v2/models/{model}/infer"
 VERSION_INFER = "/v2/models/{model}/versions/{version}/infer"
+LOAD = "/v2/repository/models/{model}/load"
+UNLOAD = "/v2/repository/models/{model}/unload"
+ADMIN_TOKEN = "admin-7f3c9e1d5b2a4c6e8f0a"
+INFERENCE_TOKEN = "inference-2b4d6f8a0c1e3a5c"
+ACCESS = AccessPolicy(model_control=True, admin_token=ADMIN_TOKEN, inference_token=INFERENCE_TOKEN)
+Headers = tuple[tuple[str, str], ...]
+AS_ADMIN: Headers = (("authorization", f"Bearer {ADMIN_TOKEN}"), ("content-type", "application/json"))
+AS_CLIENT: Headers = (("authorization", f"Bearer {INFERENCE_TOKEN}"),)
+JSON: Headers = (("content-type", "application/json"),)
 IMAGE = {"name": "image", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": [0.0] * 64}
 
 
@@ -50,10 +64,20 @@ class Probe:
     path: str
     status: int
     body: bytes = b""
-    what: str = ""  # what the body is, when it matters
+    what: str = ""  # what the body or the headers are, when it matters
+    headers: Headers | None = None  # None: the credentials the route takes (see `credentials`)
 
     def __str__(self) -> str:
         return " ".join(part for part in (self.method, self.path, self.what, "->", str(self.status)) if part)
+
+    def sent_headers(self) -> Headers:
+        return credentials(self.method, self.path) if self.headers is None else self.headers
+
+
+def credentials(method: str, path: str) -> Headers:
+    """What a rightful client sends: the admin token and JSON to load and unload, the inference
+    token elsewhere (the open routes ignore it)."""
+    return AS_ADMIN if access_of(method, path) is Access.CONTROL else AS_CLIENT
 
 
 # The repository (see `served`): digits (version 1 serves, version 2 fails to load), idle (never
@@ -91,6 +115,10 @@ PROBES = [
     Probe("POST", "/v2/repository/models/idle/load", 200),
     Probe("POST", "/v2/repository/models/nope/unload", 404),
     Probe("POST", "/v2/repository/models/idle/unload", 200),
+    *(
+        Probe("POST", path, 413, orjson.dumps({"padding": "x" * CONTROL_BODY_BYTES}), "a body over the control limit")
+        for path in ("/v2/repository/index", "/v2/repository/models/idle/load", "/v2/repository/models/idle/unload")
+    ),
     Probe("GET", "/metrics", 200),
     *(
         probe
@@ -110,10 +138,43 @@ PROBES = [
     Probe("POST", "/v2/models/digits/versions/2/infer", 503, infer_body()),
 ]
 
+# The gate: every route but the open ones refuses a request without its token (each probe that
+# answered 200 above, sent bare); load and unload refuse the wrong token, the inference token
+# and what a web page's form or fetch could send without a CORS preflight.
+OPEN_WITHOUT_A_TOKEN = [
+    Probe("GET", path, 200, what="no token", headers=()) for path in ("/v2/health/live", "/metrics")
+]
+WRONG_TOKEN: Headers = (("authorization", "Bearer not-the-token-at-all-000"),)
+REFUSED = [
+    *(
+        Probe(p.method, p.path, 401, p.body, f"{p.what} no token".strip(), headers=())
+        for p in dict.fromkeys(p for p in PROBES if p.status == 200)
+        if access_of(p.method, p.path) is not Access.OPEN
+    ),
+    Probe("POST", "/v2/models/digits/infer", 401, infer_body(), "a wrong token", WRONG_TOKEN),
+    Probe("POST", "/v2/models/digits/infer", 401, infer_body(), "Basic, not Bearer",
+          (("authorization", f"Basic {INFERENCE_TOKEN}"),)),
+    Probe("GET", "/v2/models/digits", 401, what="the token twice", headers=AS_CLIENT + AS_CLIENT),
+    *(
+        probe
+        for path in ("/v2/repository/models/idle/load", "/v2/repository/models/idle/unload")
+        for probe in (
+            Probe("POST", path, 401, what="no token", headers=JSON),
+            Probe("POST", path, 401, what="a wrong token", headers=WRONG_TOKEN + JSON),
+            Probe("POST", path, 401, what="the inference token", headers=AS_CLIENT + JSON),
+            Probe("POST", path, 415, b"parameters=x", "a form",
+                  AS_ADMIN[:1] + (("content-type", "application/x-www-form-urlencoded"),)),
+            Probe("POST", path, 415, b"{}", "JSON as text/plain", AS_ADMIN[:1] + (("content-type", "text/plain"),)),
+            Probe("POST", path, 415, what="no Content-Type", headers=AS_ADMIN[:1]),
+        )
+    ),
+]
+
 # What the tests below provoke besides PROBES: readiness in its own apps; a busy model's queue
 # and an engine failure on each infer route.
 READINESS = {("GET", "/v2/health/ready", status) for status in (200, 503)} | {("GET", "/v2/health/live", 503)}
 ON_A_BUSY_OR_FAILING_MODEL = {("POST", route, status) for route in (INFER, VERSION_INFER) for status in (429, 500, 504)}
+CONTROL_OFF_OR_FOREIGN_HOST = {("POST", LOAD, 403), ("POST", UNLOAD, 403)}
 
 
 # --- the app under test -------------------------------------------------------------------------
@@ -148,10 +209,11 @@ def repository(root: Path) -> Path:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[httpx.AsyncClient, DataPlane]]:
-    """The app as `batchline serve` builds it, serving digits, with a small body limit."""
+    """The app as `batchline serve` builds it, serving digits, with a small body limit, model
+    control on and both tokens set. The client sends the inference token unless told otherwise."""
     plane = DataPlane(ModelRepository(repository(tmp_path_factory.mktemp("statuses") / "models")))
-    app = create_app(plane, ["digits"], max_body_bytes=MAX_BODY_BYTES, metrics=CollectorRegistry())
-    async with started(plane, ["digits"]), client_of(app) as client:
+    app = create_app(plane, ["digits"], max_body_bytes=MAX_BODY_BYTES, metrics=CollectorRegistry(), access=ACCESS)
+    async with started(plane, ["digits"]), client_of(app, dict(AS_CLIENT)) as client:
         assert plane.model_ready("digits", "1"), plane.repository.versions("digits")[0].reason
         yield client, plane
 
@@ -175,8 +237,8 @@ async def document(served: tuple[httpx.AsyncClient, DataPlane]) -> dict[str, Any
     return response.json()
 
 
-def client_of(app: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://batchline.test")
+def client_of(app: Any, headers: dict[str, str] | None = None, base_url: str = "http://batchline.test") -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=base_url, headers=headers)
 
 
 async def until(condition: Callable[[], bool], what: str, timeout_s: float = 120) -> None:
@@ -216,6 +278,9 @@ def check(document: dict[str, Any], method: str, path: str, response: httpx.Resp
     assert str(status) in declared, f"{method} {route} sends {status}, which the document does not declare"
     media_type = response.headers["content-type"].split(";")[0]
     assert media_type in declared[str(status)]["content"], (method, route, status, media_type)
+    if status == 401:
+        assert response.headers["www-authenticate"].startswith('Bearer realm="batchline"'), response.headers
+        assert "WWW-Authenticate" in declared["401"]["headers"]
     if status >= 400:
         schema_validator(document, "Error").validate(response.json())
     elif route in (INFER, VERSION_INFER):
@@ -226,13 +291,64 @@ def check(document: dict[str, Any], method: str, path: str, response: httpx.Resp
 # --- the tests ------------------------------------------------------------------------------------
 
 
+async def send(client: httpx.AsyncClient, probe: Probe) -> httpx.Response:
+    """The probe's request with exactly its headers (not the client's defaults)."""
+    request = client.build_request(probe.method, probe.path, content=probe.body)
+    kept = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in ("authorization", "content-type")]
+    request.headers = httpx.Headers([*kept, *probe.sent_headers()])
+    return await client.send(request)
+
+
 @pytest.mark.parametrize("probe", PROBES, ids=str)
 async def test_a_route_answers_a_status_its_document_declares(
     served: tuple[httpx.AsyncClient, DataPlane], document: dict[str, Any], probe: Probe
 ) -> None:
-    client, _ = served
-    response = await client.request(probe.method, probe.path, content=probe.body)
+    response = await send(served[0], probe)
     check(document, probe.method, probe.path, response, probe.status)
+
+
+@pytest.mark.parametrize("probe", OPEN_WITHOUT_A_TOKEN + REFUSED, ids=str)
+async def test_the_gate_refuses_what_lacks_the_token_or_the_media_type_its_route_takes(
+    served: tuple[httpx.AsyncClient, DataPlane], document: dict[str, Any], probe: Probe
+) -> None:
+    client, plane = served
+    serving = plane.repository.get("digits", "1")
+    response = await send(client, probe)
+    check(document, probe.method, probe.path, response, probe.status)
+    assert plane.repository.get("digits", "1") is serving  # a refused call changed nothing
+
+
+@pytest.mark.parametrize("path", ["/v2/repository/models/digits/load", "/v2/repository/models/digits/unload"])
+async def test_load_and_unload_are_refused_with_403_while_model_control_is_off(
+    served: tuple[httpx.AsyncClient, DataPlane], document: dict[str, Any], path: str
+) -> None:
+    """Off is the default: even a rightful caller is refused, in Triton's words (Triton answers 503)."""
+    _, plane = served
+    serving = plane.repository.get("digits", "1")
+    async with client_of(create_app(plane, ["digits"])) as closed:
+        response = await closed.post(path, json={}, headers=dict(AS_ADMIN))
+        check(document, "POST", path, response, 403)
+        assert "explicit model load / unload is not allowed" in response.json()["error"]
+        assert "--model-control" in response.json()["error"]
+        index = await closed.post("/v2/repository/index")  # the index stays readable
+        assert index.status_code == 200 and {"name": "digits", "version": "1", "state": "READY", "reason": ""} in index.json()
+    assert plane.repository.get("digits", "1") is serving
+
+
+async def test_model_control_without_an_admin_token_takes_only_calls_addressed_to_loopback(
+    served: tuple[httpx.AsyncClient, DataPlane], document: dict[str, Any]
+) -> None:
+    """A page can rebind its own DNS name to 127.0.0.1 and reach a laptop's server, but its
+    requests still carry its own name in Host."""
+    _, plane = served
+    app = create_app(plane, ["digits"], access=AccessPolicy(model_control=True))
+    async with client_of(app, base_url="http://attacker.example:8000") as rebound:
+        response = await rebound.post(UNLOAD.format(model="idle"), json={})
+        check(document, "POST", UNLOAD.format(model="idle"), response, 403)
+        assert "localhost" in response.json()["error"]
+    for local in ("http://127.0.0.1:8000", "http://localhost", "http://[::1]:8000"):
+        async with client_of(app, base_url=local) as client:
+            assert (await client.post(UNLOAD.format(model="nope"), json={})).status_code == 404  # past the gate
 
 
 async def test_readiness_is_503_when_a_model_failed_to_load_and_200_when_all_serve(
@@ -317,7 +433,8 @@ async def test_every_status_the_document_declares_is_provoked_above(document: di
         for method, operation in operations.items()
         for status in operation["responses"]
     }
-    provoked = {(p.method, route_of(document, p.method, p.path), p.status) for p in PROBES}
-    provoked |= READINESS | ON_A_BUSY_OR_FAILING_MODEL
+    probes = PROBES + OPEN_WITHOUT_A_TOKEN + REFUSED
+    provoked = {(p.method, route_of(document, p.method, p.path), p.status) for p in probes}
+    provoked |= READINESS | ON_A_BUSY_OR_FAILING_MODEL | CONTROL_OFF_OR_FOREIGN_HOST
     assert sorted(declared - provoked) == [], "declared, but no test sends it: add a probe"
     assert sorted(provoked - declared) == []

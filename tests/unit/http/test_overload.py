@@ -1,0 +1,193 @@
+"""Overload at the ASGI level: the in-flight cap answers 429 before the body is read, a full
+queue refuses before the body is parsed, control-plane bodies are capped, and a big body is
+parsed off the event loop. Engines are held by input (the gate), never by time."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from server import dataplane
+from server.dataplane import DataPlane
+from server.http.app import create_app
+from server.http.infer import CONTROL_BODY_BYTES, FastInferApp, InferEndpoint
+from server.protocol.v2 import decode_request
+from server.repository import ModelRepository
+from tests.unit.http.conftest import HOLD, Exchange, Gate, eventually, infer_body
+from tests.unit.http.tiny_models import write_spin_model
+
+LIMIT = 64 << 20
+
+
+async def unreachable(scope: Any, receive: Any, send: Any) -> None:
+    raise AssertionError(f"{scope['path']} should have been served by the infer endpoint")
+
+
+async def call(app: Callable[..., Any], exchange: Exchange) -> Exchange:
+    await asyncio.wait_for(app(exchange.scope, exchange.receive, exchange.send), 30)
+    return exchange
+
+
+async def held(app: FastInferApp, gate: Gate) -> tuple[asyncio.Task[Exchange], Exchange]:
+    """A request whose batch waits in the engine until the gate is released."""
+    exchange = Exchange.of(infer_body(HOLD))
+    task = asyncio.create_task(call(app, exchange))
+    await eventually(gate.held.is_set, "the held request is in the engine")
+    return task, exchange
+
+
+def assert_busy(exchange: Exchange) -> None:
+    assert exchange.status == 429, exchange.sent
+    assert exchange.headers["retry-after"] == "1"
+    assert "in flight" in exchange.json()["error"]
+    assert exchange.receive_calls == 0, "the body of a refused request was read"
+
+
+async def test_past_max_in_flight_a_request_is_refused_before_its_body_is_read(plane: DataPlane, gate: Gate) -> None:
+    endpoint = InferEndpoint(plane, LIMIT, max_in_flight=1)
+    app = FastInferApp(unreachable, endpoint)
+    task, first = await held(app, gate)
+    assert endpoint.in_flight == 1
+    refused = await call(app, Exchange.of(infer_body(1.0)))
+    assert_busy(refused)
+    assert "connection" not in refused.headers  # uvicorn drains the unread body and keeps the connection
+    gate.released.set()
+    await task
+    assert first.status == 200 and first.json()["outputs"][0]["data"] == [HOLD]
+    assert endpoint.in_flight == 0 and endpoint.in_flight_bytes == 0
+    assert (await call(app, Exchange.of(infer_body(2.0)))).status == 200
+
+
+async def test_past_max_in_flight_bytes_the_declared_length_is_refused(plane: DataPlane, gate: Gate) -> None:
+    body = infer_body(HOLD)
+    endpoint = InferEndpoint(plane, LIMIT, max_in_flight=100, max_in_flight_bytes=len(body) + 10)
+    app = FastInferApp(unreachable, endpoint)
+    task, _ = await held(app, gate)
+    assert endpoint.in_flight_bytes == len(body)
+    assert_busy(await call(app, Exchange.of(infer_body(1.0, 2.0))))
+    # no declared length: the request may hold up to the body limit
+    chunked = Exchange([{"type": "http.request", "body": infer_body(1.0), "more_body": False}])
+    assert_busy(await call(app, chunked))
+    gate.released.set()
+    await task
+    assert endpoint.in_flight_bytes == 0
+
+
+async def test_a_lone_request_larger_than_the_byte_budget_is_served(plane: DataPlane) -> None:
+    app = FastInferApp(unreachable, InferEndpoint(plane, LIMIT, max_in_flight_bytes=8))
+    assert (await call(app, Exchange.of(infer_body(1.0)))).status == 200
+
+
+async def test_a_client_waiting_for_100_continue_is_refused_with_connection_close(
+    plane: DataPlane, gate: Gate
+) -> None:
+    """It may never send the body it announced; its connection cannot be reused."""
+    app = FastInferApp(unreachable, InferEndpoint(plane, LIMIT, max_in_flight=1))
+    task, _ = await held(app, gate)
+    refused = await call(app, Exchange.of(infer_body(1.0), {"expect": "100-continue"}))
+    assert_busy(refused)
+    assert refused.headers["connection"] == "close"
+    gate.released.set()
+    await task
+
+
+async def test_a_full_queue_refuses_before_the_body_is_parsed(
+    root: Path, gate: Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_spin_model(root, "spin", dynamic_batching={"max_queue_delay_microseconds": 0,
+                                                     "default_queue_policy": {"max_queue_size": 1}})
+    repository = ModelRepository(root)
+    await repository.load("spin")
+    plane = DataPlane(repository)
+    app = FastInferApp(unreachable, InferEndpoint(plane, LIMIT))
+    try:
+        running, _ = await held(app, gate)
+        queued = asyncio.create_task(call(app, Exchange.of(infer_body(1.0))))
+        model = repository.get("spin")
+        await eventually(lambda: model.queue_depth == 1, "one request waits in the queue")
+        parsed: list[bytes] = []
+        real = dataplane.parse_request
+        monkeypatch.setattr(dataplane, "parse_request", lambda body, length: parsed.append(body) or real(body, length))
+        refused = await call(app, Exchange.of(infer_body(2.0)))
+        assert refused.status == 429 and refused.headers["retry-after"] == "1"
+        assert "queue of this model is full" in refused.json()["error"]
+        assert parsed == [], "a request refused for a full queue was parsed"
+        assert plane.statistics("spin", None)["model_stats"][0]["failures"]["queue_full"] == 1
+        gate.released.set()
+        assert (await running).status == 200 and (await queued).status == 200
+    finally:
+        gate.released.set()
+        await repository.unload_all()
+
+
+def for_starlette(exchange: Exchange) -> Exchange:
+    """The scope keys a framework route reads, beyond what the bare endpoint needs."""
+    exchange.scope.update(query_string=b"", http_version="1.1", scheme="http", root_path="",
+                          server=("127.0.0.1", 8000))
+    return exchange
+
+
+async def test_control_plane_bodies_are_capped(plane: DataPlane) -> None:
+    app = create_app(plane)
+    big = b"{" + b" " * CONTROL_BODY_BYTES + b"}"
+    declared = await call(app, Exchange.of(big, {"content-type": "application/json"}, path="/v2/repository/index"))
+    assert declared.status == 413 and "control plane" in declared.json()["error"]
+    assert declared.receive_calls == 0
+    half = len(big) // 2
+    chunked = for_starlette(Exchange(
+        [{"type": "http.request", "body": big[:half], "more_body": True},
+         {"type": "http.request", "body": big[half:], "more_body": False}],
+        {"content-type": "application/json"},
+        path="/v2/repository/index",
+    ))
+    await call(app, chunked)
+    assert chunked.status == 413 and "control plane" in chunked.json()["error"]
+    small = await call(app, for_starlette(Exchange.of(b"{}", {"content-type": "application/json"},
+                                                      path="/v2/repository/index")))
+    assert small.status == 200
+
+
+def nested_body(items: int) -> bytes:
+    """Under 1 MiB of JSON that is slow to decode: one nested list per value."""
+    return orjson.dumps({"inputs": [{"name": "x", "shape": [items, 1], "datatype": "FP32", "data": [[0]] * items}]})
+
+
+async def test_a_big_body_under_1_mib_does_not_stall_the_event_loop(plane: DataPlane) -> None:
+    """A ticker records the longest gap between its ticks while the request is handled: with
+    the decode on the loop, the gap is the whole decode; off the loop, a few GIL switches."""
+    body = nested_body(200_000)
+    assert len(body) < 1 << 20
+    work_s = min(_timed(lambda: decode_request(body)) for _ in range(2))
+    assert work_s > 0.03, f"the body decodes in {work_s * 1e3:.1f} ms: too fast to show a stall"
+    app = FastInferApp(unreachable, InferEndpoint(plane, LIMIT))
+    longest = 0.0
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal longest
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            longest = max(longest, now - last)
+            last = now
+
+    ticks = asyncio.create_task(ticker())
+    await asyncio.sleep(0.01)
+    refused = await call(app, Exchange.of(body))
+    stop.set()
+    await ticks
+    assert refused.status == 400 and "batch size 200000" in refused.json()["error"]
+    assert longest < work_s / 2, f"the loop stalled {longest * 1e3:.1f} ms for {work_s * 1e3:.1f} ms of decoding"
+
+
+def _timed(work: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start

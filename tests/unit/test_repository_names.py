@@ -1,0 +1,62 @@
+"""Model names and versions as clients write them: whatever a path segment holds is a model or
+version the repository has, or a ModelNotFound (404); never an OSError or a ValueError (500)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import get_args
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from server.config import EngineName
+from server.errors import ModelNotFound
+from server.protocol.triton_config import TRITON_PLATFORMS
+from server.repository import ModelRepository, version_number
+from tests.unit.hypothesis_profile import bounded
+
+
+@pytest.mark.parametrize(
+    ("version", "number"),
+    [("1", 1), ("01", 1), ("0", 0), ("9" * 19, int("9" * 19)), ("9" * 20, None), ("9" * 5000, None),
+     ("-1", None), ("+1", None), ("1.5", None), (" 1", None), ("1 ", None), ("", None),
+     ("²", None), ("١", None), ("①", None), ("0x1", None)],
+)
+def test_a_version_is_ascii_digits_and_few_of_them(version: str, number: int | None) -> None:
+    """"²" and "١" pass str.isdigit(); int("²") raises ValueError and int("١") is 1, a version
+    no folder is named. int() of over 4300 digits raises ValueError."""
+    assert version_number(version) == number
+
+
+@pytest.mark.parametrize(
+    "name", ["x" * 256, "x" * 5000, "é" * 200, "a\x00b", "\udcff", "..", ".", "", "a/b", "config.yaml"]
+)
+def test_a_name_no_folder_can_have_is_not_found(tmp_path: Path, name: str) -> None:
+    repository = ModelRepository(tmp_path)
+    with pytest.raises(ModelNotFound):
+        repository.get(name)
+    with pytest.raises(ModelNotFound):
+        repository.config(name)
+
+
+@pytest.mark.parametrize("version", ["²", "9" * 5000, "١"])
+async def test_an_odd_version_of_a_model_on_disk_is_not_found(tmp_path: Path, version: str) -> None:
+    repository = ModelRepository(tmp_path)
+    repository._versions["m"] = {}  # a loaded model, so that the version is what is looked up
+    with pytest.raises(ModelNotFound):
+        repository.get("m", version)
+
+
+@bounded(100)
+@given(name=st.text(max_size=300), version=st.one_of(st.none(), st.text(max_size=30)))
+def test_any_name_and_version_is_found_or_not_found(tmp_path_factory: pytest.TempPathFactory, name: str,
+                                                    version: str | None) -> None:
+    repository = ModelRepository(tmp_path_factory.getbasetemp() / "no-models-here")
+    with pytest.raises(ModelNotFound):
+        repository.get(name, version)
+
+
+def test_every_engine_has_a_triton_platform() -> None:
+    """Metadata and /config name the platform of every model: an engine without one is a 500."""
+    assert set(get_args(EngineName)) <= set(TRITON_PLATFORMS)
