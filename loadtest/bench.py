@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loadtest import batchsize, builds, capacity, compare, payloads, precision, report, runs
+from loadtest import batchsize, builds, capacity, compare, overload, payloads, precision, report, runs
 
 DESCRIPTION = """Benchmarks for Batchline. Modes:
 
@@ -28,6 +28,8 @@ DESCRIPTION = """Benchmarks for Batchline. Modes:
   precision the engine alone over every built precision variant of a model, side by side
   builds    builds a model in every precision --device runs (cpu, or gpu where one is lent), each
             judged and timed against FP32 there: the precision table
+  overload  --factor x the measured capacity, open loop: refusals (429) and their latency,
+            accepted latency and throughput (no collapse), deadline errors, the server's memory
 
 Each run writes MODE.json (the record: machine, command line, parameters, every level),
 MODE.md (a table) and MODE.png (a plot, with matplotlib) into --out.
@@ -114,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     batching.add_argument("--url-on", required=True, help="base URL of the server with batching")
     batching.add_argument("--url-off", required=True, help="base URL of the server without batching")
     batching.add_argument("--duration", type=float, default=10.0, help="seconds per concurrency level")
-    for module in (capacity, compare, batchsize, precision, builds):
+    for module in (capacity, compare, batchsize, precision, builds, overload):
         module.add_parser(modes, parents)
     return parser
 
@@ -281,7 +283,7 @@ def run_open(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
 
 MODES = {"engine": run_engine, "closed": run_closed, "open": run_open, "batching": run_batching,
          "capacity": capacity.run, "compare": compare.run, "batchsize": batchsize.run, "precision": precision.run,
-         "builds": builds.run}
+         "builds": builds.run, "overload": overload.run}
 
 
 def main(argv: list[str] | None = None) -> int:
