@@ -89,7 +89,7 @@ ENV BATCHLINE_MODEL_REPOSITORY=/opt/batchline/models \
 WORKDIR /opt/batchline
 USER 10001:10001
 EXPOSE 8000
-# uvicorn drains on SIGTERM (30 s), then the repository finishes the queued work.
+# On SIGTERM readiness turns 503, uvicorn drains (30 s), the repository finishes the queued work, exit 0.
 STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
     CMD ["python", "/opt/batchline/healthcheck.py"]

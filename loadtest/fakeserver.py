@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -246,26 +247,35 @@ async def serve(host: str, port: int, server: FakeServer) -> None:
 
 @contextmanager
 def running(service_ms: float, per_item_ms: float = 0.0, metrics: bool = True, cpu: int | None = None,
-            startup_timeout_s: float = 30.0) -> Iterator[str]:
-    """A fake server in its own process (not to share a GIL with the client); yields its URL."""
+            startup_timeout_s: float = 60.0) -> Iterator[str]:
+    """A fake server in its own process (not to share a GIL with the client), on the port the
+    system picks (it binds port 0 and prints the address it got); yields its URL."""
     command = [sys.executable, "-m", "loadtest.fakeserver", "--port", "0", "--service-ms", str(service_ms),
                "--per-item-ms", str(per_item_ms), *([] if metrics else ["--no-metrics"])]
     if cpu is not None:
         command = ["taskset", "-c", str(cpu), *command]
     root = Path(__file__).resolve().parents[1]
-    process = subprocess.Popen(command, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        deadline = time.monotonic() + startup_timeout_s
-        line = ""
-        assert process.stdout is not None
-        while not line.startswith(READY_LINE):
-            line = process.stdout.readline()
-            if not line and (process.poll() is not None or time.monotonic() > deadline):
-                raise RuntimeError(f"the fake server did not start (exit {process.poll()})")
-        yield line.strip()[len(READY_LINE):]
-    finally:
-        localserver.stop(process, timeout_s=10)
+    with tempfile.TemporaryDirectory(prefix="fakeserver-") as folder:
+        log_path = Path(folder) / "log"
+        with open(log_path, "w") as log:  # a file, not a pipe: nobody has to keep reading it
+            process = subprocess.Popen(command, cwd=root, stdout=log, stderr=subprocess.STDOUT,
+                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            try:
+                yield _ready_url(process, log_path, time.monotonic() + startup_timeout_s)
+            finally:
+                localserver.stop(process, timeout_s=10)
+
+
+def _ready_url(process: subprocess.Popen, log_path: Path, deadline: float) -> str:
+    """The URL of the ready line, once printed; bounded by `deadline` (time.monotonic())."""
+    while True:
+        for line in log_path.read_text(errors="replace").splitlines(keepends=True):
+            if line.startswith(READY_LINE) and line.endswith("\n"):  # a whole line, not one being written
+                return line.strip()[len(READY_LINE):]
+        if process.poll() is not None or time.monotonic() > deadline:
+            tail = log_path.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"the fake server did not start (exit {process.poll()}):\n{tail}")
+        time.sleep(0.05)
 
 
 def main(argv: list[str] | None = None) -> int:

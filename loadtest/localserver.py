@@ -1,6 +1,9 @@
-"""A `batchline serve` process on a free loopback port, for benchmarks and tests: start it, wait
+"""A `batchline serve` process on a loopback port, for benchmarks and tests: start it, wait
 until it answers, stop it. One place, so the suite's pinned servers and the tests' servers start,
-fail and stop the same way."""
+fail and stop the same way.
+
+The server binds port 0 itself and reports the port the system gave it (`--port-file`): a port
+chosen here and bound later by the server could be taken in between on a busy machine."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,6 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
+    """A port nothing listens on right now, for a client that must find no server there. Never
+    for a server to bind later (another process may take it first): serve on port 0 with
+    --port-file and read `bound_port` instead."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -39,37 +46,53 @@ def running_server(
     wait_path: str = "/v2/health/ready", startup_timeout_s: float = 300,
 ) -> Iterator[str]:
     """Serve `repository` (with `extra` flags of `batchline serve`, pinned to `cpu` if given) on
-    127.0.0.1; yield its base URL once `wait_path` answers 200; stop it. Output goes to
-    `log_path`, whose tail a failure to start quotes."""
-    port = free_port()
-    command = [sys.executable, "-m", "server.cli", "serve", "--model-repository", str(repository),
-               "--host", "127.0.0.1", "--http-port", str(port), *extra]
-    if cpu is not None:
-        command = ["taskset", "-c", str(cpu), *command]
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            _wait(url + wait_path, process, log_path, startup_timeout_s)
-            yield url
-        finally:
-            stop(process)
+    127.0.0.1, on the port the system picks; yield its base URL once `wait_path` answers 200;
+    stop it. Output goes to `log_path`, whose tail a failure to start quotes."""
+    with tempfile.TemporaryDirectory(prefix="batchline-port-") as folder:
+        port_file = Path(folder) / "port"
+        command = [sys.executable, "-m", "server.cli", "serve", "--model-repository", str(repository),
+                   "--host", "127.0.0.1", "--http-port", "0", "--port-file", str(port_file), *extra]
+        if cpu is not None:
+            command = ["taskset", "-c", str(cpu), *command]
+        with open(log_path, "w") as log:
+            process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            try:
+                deadline = time.monotonic() + startup_timeout_s
+                port = bound_port(port_file, process, log_path, deadline)
+                url = f"http://127.0.0.1:{port}"
+                _wait(url + wait_path, process, log_path, deadline)
+                yield url
+            finally:
+                stop(process)
 
 
-def _wait(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+def bound_port(port_file: Path, process: subprocess.Popen, log_path: Path, deadline: float) -> int:
+    """The port a server started with `--port-file port_file` listens on, once it has bound it
+    (before time.monotonic() reaches `deadline`); a server that exits first is reported with
+    the tail of `log_path`."""
+    while True:
+        if port_file.is_file():  # the server renames it into place whole
+            return int(port_file.read_text())
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}:\n{_tail(log_path)}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not bind its port in time:\n{_tail(log_path)}")
+        time.sleep(0.05)
+
+
+def _wait(url: str, process: subprocess.Popen, log_path: Path, deadline: float) -> None:
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with {process.returncode}:\n{_tail(log_path)}")
         try:
-            with urllib.request.urlopen(url, timeout=1) as response:
+            with urllib.request.urlopen(url, timeout=5) as response:
                 if response.status == 200:
                     return
         except OSError:
             pass
         time.sleep(0.2)
-    raise RuntimeError(f"the server did not answer {url} within {timeout_s:.0f} s:\n{_tail(log_path)}")
+    raise RuntimeError(f"the server did not answer {url} in time:\n{_tail(log_path)}")
 
 
 def _tail(log_path: Path, chars: int = 8000) -> str:

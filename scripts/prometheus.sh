@@ -104,11 +104,6 @@ case "$command" in
         fi
         [ "${#targets[@]}" -gt 0 ] || targets=(127.0.0.1:8000)
         [ "${#labels[@]}" -gt 0 ] || labels=(namespace=batchline pod=local)
-        [ "$port" != 0 ] || port=$(free_port)
-        if ! port_free "$port"; then
-            echo "prometheus.sh: port $port on 127.0.0.1 is in use; choose another with --port (0: any free one)" >&2
-            exit 1
-        fi
         mkdir -p "$dir/data"
         {
             echo "# written by scripts/prometheus.sh"
@@ -126,29 +121,45 @@ case "$command" in
                 echo "          ${label%%=*}: '${label#*=}'"
             done
         } > "$dir/prometheus.yml"
-        url="http://127.0.0.1:$port"
-        nohup "$prometheus" \
-            --config.file="$dir/prometheus.yml" \
-            --storage.tsdb.path="$dir/data" \
-            --web.listen-address="127.0.0.1:$port" \
-            --web.enable-lifecycle \
-            --log.level=warn \
-            > "$dir/prometheus.log" 2>&1 < /dev/null &
-        pid=$!
-        echo "$pid" > "$pidfile"
-        echo "$url" > "$urlfile"
-        for _ in $(seq 150); do
-            if ready "$url" && kill -0 "$pid" 2>/dev/null; then
-                echo "$url"
-                exit 0
-            fi
-            if ! kill -0 "$pid" 2>/dev/null; then
-                echo "prometheus.sh: prometheus exited; its log ($dir/prometheus.log):" >&2
-                cat "$dir/prometheus.log" >&2
-                rm -f "$pidfile"
+        # --port 0: a free port is picked, then bound by Prometheus a moment later; another process
+        # may take it in between, so a clash is retried on a new port (Prometheus cannot report one).
+        any_port=0
+        [ "$port" != 0 ] || any_port=1
+        for attempt in 1 2 3 4 5; do
+            [ "$any_port" = 0 ] || port=$(free_port)
+            if ! port_free "$port"; then
+                [ "$any_port" = 1 ] && continue
+                echo "prometheus.sh: port $port on 127.0.0.1 is in use; choose another with --port (0: any free one)" >&2
                 exit 1
             fi
-            sleep 0.2
+            url="http://127.0.0.1:$port"
+            nohup "$prometheus" \
+                --config.file="$dir/prometheus.yml" \
+                --storage.tsdb.path="$dir/data" \
+                --web.listen-address="127.0.0.1:$port" \
+                --web.enable-lifecycle \
+                --log.level=warn \
+                > "$dir/prometheus.log" 2>&1 < /dev/null &
+            pid=$!
+            echo "$pid" > "$pidfile"
+            echo "$url" > "$urlfile"
+            for _ in $(seq 150); do
+                if ready "$url" && kill -0 "$pid" 2>/dev/null; then
+                    echo "$url"
+                    exit 0
+                fi
+                if ! kill -0 "$pid" 2>/dev/null; then
+                    rm -f "$pidfile"
+                    if [ "$any_port" = 1 ] && [ "$attempt" -lt 5 ] && grep -q "address already in use" "$dir/prometheus.log"; then
+                        continue 2  # the port was taken in between: another one
+                    fi
+                    echo "prometheus.sh: prometheus exited; its log ($dir/prometheus.log):" >&2
+                    cat "$dir/prometheus.log" >&2
+                    exit 1
+                fi
+                sleep 0.2
+            done
+            break
         done
         echo "prometheus.sh: not ready on $url after 30 s; stopping it. Log:" >&2
         cat "$dir/prometheus.log" >&2

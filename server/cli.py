@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import socket
 import sys
+from pathlib import Path
 
 from server import __version__
 from server.config import ServerSettings
@@ -20,15 +23,32 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
             "model_repository": args.model_repository,
             "host": args.host,
             "http_port": args.http_port,
+            "port_file": args.port_file,
             "log_level": args.log_level,
             "models": args.model or None,
             "engine_threads": args.engine_threads,
             "device_price_per_hour": args.device_price_per_hour,
             "access_log": args.access_log,
+            "max_in_flight": args.max_in_flight,
+            "max_in_flight_bytes": args.max_in_flight_bytes,
+            "model_control": args.model_control,
+            "admin_token_file": args.admin_token_file,
+            "inference_token_file": args.inference_token_file,
         }.items()
         if v is not None
     }
     return ServerSettings(**overrides)
+
+
+class _RefuseToken(argparse.Action):
+    """A token on the command line shows in `ps` to every user of the machine: refused by name,
+    rather than taken by argparse as an abbreviation of --admin-token-file."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        variable = f"BATCHLINE_{str(option_string).removeprefix('--').replace('-', '_').upper()}"
+        parser.error(f"{option_string} takes no token (the command line shows in ps): use {option_string}-file "
+                     f"FILE or {variable}")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -47,28 +67,66 @@ def _serve(args: argparse.Namespace) -> int:
     from server.dataplane import DataPlane
     from server.http.access_log import AccessLog
     from server.http.app import create_app
+    from server.http.auth import AccessPolicy, SettingsError
+    from server.http.stopping import StoppingServer
     from server.metrics import build_registry
     from server.repository import ModelRepository
 
+    try:
+        access = AccessPolicy.from_settings(settings)
+    except SettingsError as exc:
+        logging.getLogger(__name__).error("not starting: %s", exc)
+        return 2
     repository = ModelRepository(settings.model_repository.resolve(), settings.engine_threads)
     plane = DataPlane(repository)
     metrics = build_registry(repository, settings.device_price_per_hour)
-    app = create_app(plane, settings.models, settings.max_body_bytes, metrics, AccessLog(settings.access_log))
-    logging.getLogger(__name__).info(
-        "batchline %s serving %s on http://%s:%d",
-        __version__, settings.model_repository, settings.host, settings.http_port,
+    app = create_app(
+        plane, settings.models, settings.max_body_bytes, metrics, AccessLog(settings.access_log), access,
+        max_in_flight=settings.max_in_flight, max_in_flight_bytes=settings.max_in_flight_bytes,
     )
-    uvicorn.run(
+    try:
+        listener = _listen(settings.host, settings.http_port)
+    except OSError as exc:
+        logging.getLogger(__name__).error("cannot listen on %s port %d: %s", settings.host, settings.http_port, exc)
+        return 1
+    port = int(listener.getsockname()[1])
+    logging.getLogger(__name__).info(
+        "batchline %s serving %s on http://%s:%d", __version__, settings.model_repository, settings.host, port,
+    )
+    if settings.port_file is not None:
+        _write_port_file(settings.port_file, port)
+    server = StoppingServer(plane, uvicorn.Config(
         app,
         host=settings.host,
-        port=settings.http_port,
+        port=port,
         log_level=settings.log_level,
         loop="uvloop",
         http="httptools",
         access_log=False,
         timeout_graceful_shutdown=30,
-    )
-    return 0
+    ))
+    # uvicorn hands the stop signal back to the handler it found once it has drained: a no-op
+    # one here, so a clean stop exits 0 (a container's orchestrator reads anything else as a fault).
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run(sockets=[listener])
+    except KeyboardInterrupt:
+        pass
+    return 0 if server.started else 3  # 3: uvicorn's own code for a server that never started
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound here rather than by uvicorn so that its port is known before the
+    server starts: with port 0 the system picks a free one that nobody can take in between."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048)
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    """Written beside, then renamed: whoever polls for the file never reads half a number."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(f"{port}\n")
+    partial.replace(path)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -92,7 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--model-repository", help="folder of models (default: models)")
     serve.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
-    serve.add_argument("--http-port", type=int, help="HTTP port (default: 8000)")
+    serve.add_argument("--http-port", type=int, help="HTTP port (default: 8000; 0: any free port, see --port-file)")
+    serve.add_argument(
+        "--port-file", metavar="FILE",
+        help="once the HTTP socket is bound, write its port number to FILE (replaced whole, never half "
+        "written): how a caller learns the port of --http-port 0; poll /v2/health/live before sending",
+    )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default: info")
     serve.add_argument(
         "--engine-threads", type=int, metavar="N",
@@ -109,6 +172,32 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--model", action="append", metavar="NAME", help="load only this model at start (repeatable)"
     )
+    serve.add_argument(
+        "--max-in-flight", type=int, metavar="N",
+        help="infer requests served at once; past it 429 + Retry-After before the body is read (default: 512)",
+    )
+    serve.add_argument(
+        "--max-in-flight-bytes", type=int, metavar="BYTES",
+        help="bytes of infer bodies held at once; past it 429 + Retry-After before the body is read "
+        "(default: 1 GiB, so request memory stays near 3 GiB)",
+    )
+    serve.add_argument(
+        "--model-control", action="store_true", default=None,
+        help="allow POST /v2/repository/models/NAME/load and /unload (Triton's --model-control-mode=explicit); "
+        "needs an admin token unless --host is loopback (default: off, both answer 403)",
+    )
+    serve.add_argument(
+        "--admin-token-file", type=Path, metavar="FILE",
+        help="the bearer token load/unload need, read from FILE (or BATCHLINE_ADMIN_TOKEN; never a flag: "
+        "argv shows in ps)",
+    )
+    serve.add_argument(
+        "--inference-token-file", type=Path, metavar="FILE",
+        help="the bearer token every route but health, /metrics and the docs needs, read from FILE "
+        "(or BATCHLINE_INFERENCE_TOKEN; default: none, those routes are open)",
+    )
+    for refused in ("--admin-token", "--inference-token"):
+        serve.add_argument(refused, action=_RefuseToken, help=argparse.SUPPRESS)
     serve.set_defaults(handler=_serve)
     bench = commands.add_parser(
         "bench",
@@ -121,8 +210,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Library log lines that are known and harmless here, and that a user cannot act on: torchao's
+# optional GPU kernels that a CPU machine cannot load, and torch's deprecation notes about
+# torchao's enums. Their errors still show.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     # CUDA numbers GPUs fastest first by default, NVML (metrics, placement) by PCI bus: make them
     # agree before anything initialises CUDA, unless the operator chose otherwise.
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")

@@ -41,6 +41,9 @@ class ServerSettings(BaseSettings):
     model_repository: Path = Path("models")
     host: str = "127.0.0.1"
     http_port: int = Field(default=8000, ge=0, le=65535)
+    port_file: Path | None = Field(
+        default=None, description="Written with the bound port once listening (how a caller learns port 0's)."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     models: list[str] | None = Field(
         default=None, description="Load only these models at start (default: every model)."

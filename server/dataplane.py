@@ -46,12 +46,20 @@ class DataPlane:
     def __init__(self, repository: ModelRepository) -> None:
         self.repository = repository
         self._startup: asyncio.Task[None] | None = None
+        self.stopping = False  # a stop was asked for: not ready, no new inference; what is in flight finishes
 
     def start(self, models: list[str] | None = None) -> None:
         """Begin loading models in the background: the server is live at once, ready later."""
         self._startup = asyncio.create_task(self.repository.load_all(models))
 
+    def begin_stop(self) -> None:
+        """The moment a stop is asked for (SIGTERM): readiness turns false, so the orchestrator
+        stops routing here, and new inference is refused with 503 (another replica can take it),
+        while what is already queued or running finishes before `stop`."""
+        self.stopping = True
+
     async def stop(self) -> None:
+        self.stopping = True
         if self._startup is not None and not self._startup.done():
             self._startup.cancel()
         await self.repository.unload_all()
@@ -65,7 +73,7 @@ class DataPlane:
         return self.repository.live()
 
     def server_ready(self) -> bool:
-        return self._startup is not None and self._startup.done() and self.repository.all_ready()
+        return not self.stopping and self._startup is not None and self._startup.done() and self.repository.all_ready()
 
     def model_ready(self, name: str, version: str | None) -> bool:
         try:
@@ -125,6 +133,8 @@ class DataPlane:
         and the batch size (400) before any tensor is built.
         """
         try:
+            if self.stopping:
+                raise Unavailable("the server is shutting down; send the request to another replica")
             model = self.repository.get(name, version)
             refuse_when_full(model)
         except BatchlineError as exc:

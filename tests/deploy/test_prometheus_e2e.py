@@ -9,7 +9,6 @@ job="batchline"), so the queries run unchanged."""
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from pathlib import Path
@@ -35,21 +34,25 @@ from tests.integration.conftest import linked_repository, running_server
 pytestmark = pytest.mark.integration
 
 TARGET_LABELS = {"job", "instance", "namespace", "pod"}
-CLIENTS = 12
-LOAD_S = 45  # at most; stops once the signal has clearly risen
-RISEN = 1.0  # requests waiting per replica (1m mean) that counts as "risen"
+CLIENTS = 12  # at most 4 requests of 16 texts fit minilm's batch of 64: 8 or more wait while it runs
+LOAD_S = 120  # at most; stops once the signal is over the HPA's target (a [1m] rate climbs for a minute)
+HPA_TOLERANCE = 0.1  # the HPA acts only when the metric is more than 10% off its target
+# A request waits for up to 3 batches of 64 texts on one engine thread: seconds on a busy 2-core
+# machine. The bound is for a hung server, not a speed claim.
+REQUEST_TIMEOUT_S = 120
 SENTENCES = [f"request {i}: dynamic batching trades a little latency for a lot more throughput, "
              "and the queue tells the autoscaler when one replica is no longer enough." for i in range(16)]
 
 
-def load(url: str, stop: threading.Event, deadline: float, statuses: list[int]) -> None:
+def load(url: str, stop: threading.Event, deadline: float, statuses: list[int | str]) -> None:
+    """One closed-loop client: HTTP statuses, or the name of the error, into `statuses`."""
     body = {"inputs": [{"name": "text", "shape": [len(SENTENCES), 1], "datatype": "BYTES", "data": SENTENCES}]}
-    with httpx.Client(timeout=30) as client:
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         while not stop.is_set() and time.monotonic() < deadline:
             try:
                 statuses.append(client.post(f"{url}/v2/models/minilm/infer", json=body).status_code)
-            except httpx.HTTPError:
-                statuses.append(-1)
+            except httpx.HTTPError as exc:
+                statuses.append(type(exc).__name__)
 
 
 def test_autoscaling_queries_follow_the_load(tmp_path: Path) -> None:
@@ -95,11 +98,12 @@ def check_signals(prometheus: str, server: str) -> None:
 
     # Overload: more clients than one engine thread serves; the queue builds.
     stop = threading.Event()
-    statuses: list[int] = []
+    statuses: list[int | str] = []
     deadline = time.monotonic() + LOAD_S
     clients = [threading.Thread(target=load, args=(server, stop, deadline, statuses)) for _ in range(CLIENTS)]
     for client in clients:
         client.start()
+    scale_out = (1 + HPA_TOLERANCE) * target_value  # where one replica's HPA asks for a second
     peak, readings = 0.0, []
     try:
         while time.monotonic() < deadline:
@@ -110,21 +114,21 @@ def check_signals(prometheus: str, server: str) -> None:
                              value(prometheus, 'sum(batchline:queue_depth_mean_per_replica{job="batchline"})', at)))
             assert k == pytest.approx(a), "KEDA's query is not the sum of the adapter's per-pod values"
             peak = max(peak, k or 0.0)
-            if sum(1 for r in readings[-3:] if (r[0] or 0) >= RISEN) == 3:
+            if sum(1 for r in readings[-3:] if (r[0] or 0) > scale_out) == 3:
                 break
     finally:
         stop.set()
         for client in clients:
-            client.join(timeout=40)
-    assert statuses and set(statuses) == {200}, f"the load failed: {sorted(set(statuses))}"
-    assert peak >= RISEN, f"the queue signal did not rise under overload: {readings}"
+            client.join(timeout=REQUEST_TIMEOUT_S + 10)
+    assert statuses and set(statuses) == {200}, f"the load failed: {sorted(set(map(str, statuses)))}"
+    # What the HPA does with it: desired = ceil(replicas x metric / target), so over 1.1 x target one
+    # overloaded replica asks for a second. Under this overload it must.
+    assert peak > scale_out, (f"one overloaded replica would not scale out: the queue signal peaked at {peak:.2f}, "
+                              f"the HPA's target is {target_value:g}: {readings}")
     last = readings[-1]
     assert last[2] is not None and last[2] > 1, f"queue-to-compute ratio under overload: {last[2]}"
     # One replica, one model: the recording rule is the KEDA value, as of its last evaluation (<= 1 s old).
     assert last[3] == pytest.approx(last[0], rel=0.3), "the recording rule and the KEDA query disagree"
-    # What the HPA would do with it: more replicas than one, at this target, if it went on.
-    desired = math.ceil(1 * peak / target_value)
-    assert desired >= 1
 
     # Idle again: the [1m] window empties and the signal falls back.
     wait_for(lambda: value(prometheus, 'sum(batchline:queue_depth_per_replica{job="batchline"})') == 0, 15,

@@ -199,8 +199,7 @@ def test_sigterm_drains_requests_in_flight_and_queued(tmp_path: Path) -> None:
         process.send_signal(signal.SIGTERM)
         assert slow.echoed() == SLOW and waiting.echoed() == 2.0
         assert slow.finished > terminated, "the slow request finished before SIGTERM: nothing was drained"
-        # uvicorn re-raises the signal once it has shut down cleanly: -SIGTERM, as a container expects
-        assert process.wait(WAIT_S) in (0, -signal.SIGTERM), log.read_text()[-4000:]
+        assert process.wait(WAIT_S) == 0, log.read_text()[-4000:]  # a clean stop, as an orchestrator reads it
     finally:
         stop(process)
     text = log.read_text()

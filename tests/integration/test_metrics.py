@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+TIMEOUT_S = 60.0  # a bound for a busy machine, not a speed claim (httpx's default is 5 s)
+
 
 def scrape(server_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    response = httpx.get(f"{server_url}/metrics")
+    response = httpx.get(f"{server_url}/metrics", timeout=TIMEOUT_S)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     return {
@@ -31,11 +33,12 @@ def image_body(batch: int) -> dict:
 
 def test_metrics_move_exactly_with_the_requests_sent(server_url: str) -> None:
     before = scrape(server_url)
+    infer = f"{server_url}/v2/models/digits/infer"
     for batch in (1, 2, 3):
-        assert httpx.post(f"{server_url}/v2/models/digits/infer", json=image_body(batch)).status_code == 200
+        assert httpx.post(infer, json=image_body(batch), timeout=TIMEOUT_S).status_code == 200
     bad = image_body(1)
     bad["inputs"][0]["datatype"] = "FP64"
-    assert httpx.post(f"{server_url}/v2/models/digits/infer", json=bad).status_code == 400
+    assert httpx.post(infer, json=bad, timeout=TIMEOUT_S).status_code == 400
     after = scrape(server_url)
 
     def delta(name: str, **extra: str) -> float:
@@ -61,7 +64,7 @@ def test_metrics_move_exactly_with_the_requests_sent(server_url: str) -> None:
 
 
 def test_metrics_agree_with_the_statistics_extension(server_url: str) -> None:
-    stats = {s["name"]: s for s in httpx.get(f"{server_url}/v2/models/stats").json()["model_stats"]}
+    stats = {s["name"]: s for s in httpx.get(f"{server_url}/v2/models/stats", timeout=TIMEOUT_S).json()["model_stats"]}
     samples = scrape(server_url)
     for model, s in stats.items():
         labels = tuple(sorted({"model": model, "version": s["version"]}.items()))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -62,9 +61,8 @@ def test_bench_engine_digits(tmp_path: Path) -> None:
     assert "engine ceiling" in assert_figure(tmp_path, "engine")
 
 
+@pytest.mark.usefixtures("wrk")
 def test_bench_closed_wrk(digits_url: str, tmp_path: Path) -> None:
-    if not shutil.which("wrk"):
-        pytest.skip("wrk is not installed (apt-get install -y wrk); CI installs it")
     _bench("closed", "--url", digits_url, "--concurrency", "1,4", "--duration", "2", "--warmup", "0",
            "--out", str(tmp_path))
     record = json.loads((tmp_path / "closed.json").read_text())

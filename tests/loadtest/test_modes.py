@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,20 +17,23 @@ from loadtest import fakeserver, suite, variants
 from tests.integration.conftest import MODELS
 from tests.loadtest.conftest import assert_figure, bench
 
-needs_wrk = pytest.mark.skipif(not shutil.which("wrk"), reason="wrk is not installed (apt-get install -y wrk)")
+needs_wrk = pytest.mark.usefixtures("wrk")  # fails, never skips, without it
 
 
 @needs_wrk
 def test_compare_two_servers_side_by_side(tmp_path: Path) -> None:
-    """A fake server at 1 ms per request against one at 3 ms: B must come out slower."""
-    with fakeserver.running(1.0) as fast, fakeserver.running(3.0) as slow:
+    """A fake server at 1 ms per request against one at 5 ms: B must come out slower. The slow
+    one completes at most 1 s / 5 ms + 1 = 201 requests in its 1 s level, whatever the machine;
+    the fast one, with 8 connections, min(1000, 8 / (1 ms + o)) per second, o the round trip
+    the machine adds: the peaks' ratio stays under 0.8 unless o exceeds 30 ms."""
+    with fakeserver.running(1.0) as fast, fakeserver.running(5.0) as slow:
         bench("compare", "--url-a", fast, "--url-b", slow, "--label-a", "fast", "--label-b", "slow",
-              "--name-b", "digits-elsewhere", "--concurrency", "1,2", "--duration", "1", "--warmup", "0",
+              "--name-b", "digits-elsewhere", "--concurrency", "1,8", "--duration", "1", "--warmup", "0",
               "--rates", "50", "--out", str(tmp_path))
     record = json.loads((tmp_path / "compare.json").read_text())
     fast_side, slow_side = record["results"]["fast"], record["results"]["slow"]
     assert slow_side["model_name"] == "digits-elsewhere" and slow_side["server"]["name"] == "fakeserver"
-    assert [level["concurrency"] for level in fast_side["closed"]] == [1, 2]
+    assert [level["concurrency"] for level in fast_side["closed"]] == [1, 8]
     for side in (fast_side, slow_side):
         assert all(level["error_count"] == 0 and level["requests"] > 0 for level in side["closed"])
         assert side["open"][0]["ok"] > 0 and side["open"][0]["error_count"] == 0

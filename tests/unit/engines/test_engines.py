@@ -10,10 +10,11 @@ import pytest
 from onnx import TensorProto, helper
 
 from server.config import ModelConfig
-from server.devices import Device
+from server.devices import Device, visible_gpu_count
 from server.engines import create_engine
 from server.engines.onnxruntime import check_providers, requested_providers
 from server.errors import EngineError
+from tests.integration.conftest import require_built_models
 
 MODELS = Path(__file__).resolve().parents[3] / "models"
 
@@ -118,13 +119,23 @@ def test_onnxruntime_runs_on_the_cpu(doubling_model: Path) -> None:
     assert engine.describe().providers == ["CPUExecutionProvider"]
 
 
-def test_a_gpu_instance_on_a_cpu_build_fails_at_load_with_the_reason(doubling_model: Path) -> None:
+def test_a_gpu_instance_runs_on_the_gpu_or_fails_at_load_with_the_reason(doubling_model: Path) -> None:
+    """Whichever machine this is: with onnxruntime's CUDA build and a GPU, a GPU instance runs
+    there; otherwise it is refused at load (a CPU build names the provider it lacks; a CUDA
+    build without a GPU fails or falls back to the CPU, which is refused too), never served on
+    the CPU in silence."""
     import onnxruntime
 
-    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
-        pytest.skip("this onnxruntime lists CUDA; the fallback check is covered by the unit above")
-    with pytest.raises(EngineError, match="CUDAExecutionProvider"):
+    cuda_build = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+    if cuda_build and visible_gpu_count():
+        engine = create_engine(config(), doubling_model, Device("GPU", 0))
+        assert engine.describe().providers[0] == "CUDAExecutionProvider"
+        assert engine.run({"x": np.array([[1.0, 2.0]], dtype=np.float32)})["y"].tolist() == [[2.0, 4.0]]
+        return
+    with pytest.raises(EngineError) as refused:
         create_engine(config(), doubling_model, Device("GPU", 0))
+    if not cuda_build:
+        assert "CUDAExecutionProvider" in str(refused.value)  # it names the provider it lacks
 
 
 def test_config_and_graph_must_agree_on_tensor_names(doubling_model: Path) -> None:
@@ -142,7 +153,13 @@ def test_a_missing_artifact_names_the_file(tmp_path: Path) -> None:
 
 
 DIGITS = MODELS / "digits" / "1"
-needs_digits = pytest.mark.skipif(not (DIGITS / "model.pt2").is_file(), reason="digits not built (make models)")
+
+
+@pytest.fixture
+def digits() -> Path:
+    """The built digits model: missing, the test fails (never skips); `make test` builds it."""
+    require_built_models(("digits",))
+    return DIGITS
 
 
 def digits_config(**overrides) -> ModelConfig:
@@ -158,14 +175,18 @@ def digits_config(**overrides) -> ModelConfig:
     )
 
 
-@needs_digits
-def test_torch_on_a_gpu_without_cuda_fails_at_load() -> None:
+def test_torch_on_a_gpu_runs_there_or_fails_at_load_without_cuda(digits: Path) -> None:
+    """Without CUDA a GPU instance is refused at load; with it, it answers as the CPU does."""
     import torch
 
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present")
-    with pytest.raises(EngineError, match="no CUDA device"):
-        create_engine(digits_config(), DIGITS, Device("GPU", 0))
+    if not torch.cuda.is_available():
+        with pytest.raises(EngineError, match="no CUDA device"):
+            create_engine(digits_config(), digits, Device("GPU", 0))
+        return
+    images = np.load(digits / "heldout.npz")["images"][:8]
+    on_gpu = create_engine(digits_config(), digits, Device("GPU", 0)).run({"image": images})["probabilities"]
+    on_cpu = create_engine(digits_config(), digits, Device("CPU")).run({"image": images})["probabilities"]
+    np.testing.assert_allclose(on_gpu, on_cpu, atol=1e-4)
 
 
 def test_torch_refuses_int8_without_a_build() -> None:
@@ -173,11 +194,10 @@ def test_torch_refuses_int8_without_a_build() -> None:
         create_engine(digits_config(precision="int8"), DIGITS, Device("CPU"))
 
 
-@needs_digits
-def test_torch_bf16_casts_the_program_and_answers_in_fp32() -> None:
-    images = np.load(DIGITS / "heldout.npz")["images"][:8]
-    fp32 = create_engine(digits_config(), DIGITS, Device("CPU")).run({"image": images})["probabilities"]
-    bf16_engine = create_engine(digits_config(precision="bf16"), DIGITS, Device("CPU"))
+def test_torch_bf16_casts_the_program_and_answers_in_fp32(digits: Path) -> None:
+    images = np.load(digits / "heldout.npz")["images"][:8]
+    fp32 = create_engine(digits_config(), digits, Device("CPU")).run({"image": images})["probabilities"]
+    bf16_engine = create_engine(digits_config(precision="bf16"), digits, Device("CPU"))
     bf16 = bf16_engine.run({"image": images})["probabilities"]
     assert bf16.dtype == np.float32 and bf16_engine.describe().precision == "bf16"
     assert (bf16.argmax(1) == fp32.argmax(1)).mean() >= 0.85
@@ -191,15 +211,14 @@ def test_compile_needs_a_fixed_ladder() -> None:
         digits_config(torch={"compile": True})
 
 
-@needs_digits
-def test_compiled_program_answers_as_eager_on_every_bucket() -> None:
+def test_compiled_program_answers_as_eager_on_every_bucket(digits: Path) -> None:
     from server.workers.pipeline import ModelPipeline
 
     cfg = digits_config(torch={"compile": True, "num_threads": 1}, batch_buckets=[1, 4, 8])
-    engine = create_engine(cfg, DIGITS, Device("CPU"))
+    engine = create_engine(cfg, digits, Device("CPU"))
     assert engine.describe().providers[0].endswith("compiled")
-    eager = create_engine(digits_config(), DIGITS, Device("CPU"))
-    images = np.load(DIGITS / "heldout.npz")["images"]
+    eager = create_engine(digits_config(), digits, Device("CPU"))
+    images = np.load(digits / "heldout.npz")["images"]
     pipeline = ModelPipeline(cfg, engine, {})
     for size in (1, 3, 8):  # 3 is padded to the bucket of 4 by the pipeline
         got = pipeline.run_batch([{"image": images[:size]}]).outputs[0]["probabilities"]

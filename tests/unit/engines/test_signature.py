@@ -19,13 +19,16 @@ from server.engines.signature import (
     engine_inputs,
 )
 from server.errors import EngineError
+from tests.integration.conftest import MODELS, require_built_models
 from tests.unit.onnx_models import DOUBLING_CONFIG, doubling
 
-MODELS = Path(__file__).resolve().parents[3] / "models"
 DIGITS = MODELS / "digits" / "1"
-needs_digits = pytest.mark.skipif(
-    not (DIGITS / "model.pt2").is_file(), reason="digits not built (make models)"
-)
+
+
+@pytest.fixture
+def built_digits() -> None:
+    """A missing model is a failure with the reason (make test builds it), never a skip."""
+    require_built_models(("digits",))
 
 
 def config(**overrides: Any) -> ModelConfig:
@@ -227,9 +230,8 @@ def test_onnxruntime_reads_symbolic_dims_as_variable(tmp_path: Path) -> None:
 def test_the_shipped_text_model_loads_against_its_signature() -> None:
     from server.config import load_model_config
 
+    require_built_models(("minilm",))
     minilm = MODELS / "minilm"
-    if not (minilm / "1" / "model.onnx").is_file():
-        pytest.skip("minilm not built (make models)")
     engine = create_engine(load_model_config(minilm / "config.yaml"), minilm / "1", Device("CPU"))
     assert {t.name for t in engine.signature().inputs} == {"input_ids", "attention_mask", "token_type_ids"}
 
@@ -250,7 +252,7 @@ def digits_config(**overrides: Any) -> ModelConfig:
     )
 
 
-@needs_digits
+@pytest.mark.usefixtures("built_digits")
 def test_torch_reads_the_programs_fake_tensors() -> None:
     signature = create_engine(digits_config(), DIGITS, Device("CPU")).signature()
     assert [(t.datatype, t.shape) for t in signature.inputs] == [("FP32", (None, 1, 8, 8))]
@@ -258,7 +260,7 @@ def test_torch_reads_the_programs_fake_tensors() -> None:
     assert signature.positional and signature.casts_float_inputs
 
 
-@needs_digits
+@pytest.mark.usefixtures("built_digits")
 def test_torch_refuses_a_config_that_misdescribes_the_program() -> None:
     with pytest.raises(
         EngineError,
@@ -283,7 +285,7 @@ def test_torch_refuses_a_config_that_misdescribes_the_program() -> None:
         )
 
 
-@needs_digits
+@pytest.mark.usefixtures("built_digits")
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_torch_precision_casts_still_load_under_fp32_configs(precision: str) -> None:
     create_engine(digits_config(precision=precision), DIGITS, Device("CPU"))

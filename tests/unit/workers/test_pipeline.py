@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -13,8 +11,13 @@ from server.engines.signature import EngineSignature, TensorSignature
 from server.errors import EngineError
 from server.preprocess import TextTokenizer
 from server.workers.pipeline import ModelPipeline, paddable_inputs
+from tests.integration.conftest import MODELS, require_built_models
 
-MODELS = Path(__file__).resolve().parents[3] / "models"
+
+@pytest.fixture
+def built_minilm() -> None:
+    """A missing model is a failure with the reason (make test builds it), never a skip."""
+    require_built_models(("minilm",))
 
 
 class RowSums(Engine):
@@ -102,7 +105,7 @@ def text_config(max_length: int, sequence_buckets: list[int], max_batch_tokens: 
     )
 
 
-@pytest.mark.skipif(not (MODELS / "minilm/1/tokenizer.json").is_file(), reason="minilm not built")
+@pytest.mark.usefixtures("built_minilm")
 def test_token_tensors_pad_to_their_sequence_bucket() -> None:
     cfg = text_config(max_length=16, sequence_buckets=[8, 16])
     tokenizer = TextTokenizer(cfg.tokenize, MODELS / "minilm/1")
@@ -115,7 +118,7 @@ def test_token_tensors_pad_to_their_sequence_bucket() -> None:
     assert tokenizer.encode(["word " * 100])["input_ids"].shape == (1, 16)  # truncated at max_length
 
 
-@pytest.mark.skipif(not (MODELS / "minilm/1/tokenizer.json").is_file(), reason="minilm not built")
+@pytest.mark.usefixtures("built_minilm")
 def test_only_texts_of_one_length_bucket_share_a_batch() -> None:
     from server.scheduler.admission import Admission
 
