@@ -143,29 +143,42 @@ async def _read_reply(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]
     return status, headers, body
 
 
-class _Pool:
-    """Keep-alive connections: reuse an idle one, open up to `limit`, else wait for one."""
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
-    def __init__(self, host: str, port: int, limit: int, result: RateResult) -> None:
-        self.host, self.port, self.limit, self.result = host, port, limit, result
-        self.idle: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = asyncio.Queue()
+
+class ConnectionPool:
+    """Keep-alive connections: reuse an idle one, open up to `limit`, else wait for one. Counts
+    the connections it opened and the requests that found every connection busy (their wait is
+    the client's, not the server's)."""
+
+    def __init__(self, host: str, port: int, limit: int) -> None:
+        self.host, self.port, self.limit = host, port, limit
+        self.idle: asyncio.Queue[Connection] = asyncio.Queue()
         self.open = 0
+        self.opened = 0
+        self.waited = 0
 
-    async def get(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        if self.idle.empty() and self.open < self.limit:
-            self.open += 1
-            self.result.connections_opened += 1
-            try:
-                return await asyncio.open_connection(self.host, self.port)
-            except BaseException:
-                self.open -= 1
-                raise
+    async def get(self) -> Connection:
+        if self.idle.empty():
+            if self.open < self.limit:
+                self.open += 1
+                self.opened += 1
+                try:
+                    return await asyncio.open_connection(self.host, self.port)
+                except BaseException:
+                    self.open -= 1
+                    raise
+            self.waited += 1
         return await self.idle.get()
 
-    def put(self, connection: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
-        self.idle.put_nowait(connection)
+    def put(self, connection: Connection, close: bool = False) -> None:
+        """Back to the idle ones, or closed when the server said it closes it."""
+        if close:
+            self.discard(connection)
+        else:
+            self.idle.put_nowait(connection)
 
-    def discard(self, connection: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
+    def discard(self, connection: Connection) -> None:
         self.open -= 1
         connection[1].close()
 
@@ -174,7 +187,7 @@ class _Pool:
             self.idle.get_nowait()[1].close()
 
 
-async def _one(pool: _Pool, payload: bytes, request: InferRequest, scheduled: float, offset: float,
+async def _one(pool: ConnectionPool, payload: bytes, request: InferRequest, scheduled: float, offset: float,
                timeout_s: float, validate: bool, result: RateResult) -> float | None:
     """Send one request; its latency from `scheduled` when it succeeded, else None."""
     connection = None
@@ -236,7 +249,7 @@ async def run_rate(url: str, requests: list[InferRequest], rate: float, duration
     result.schedule_s = schedule(rate, duration_s, seed)
     counted = sum(1 for at in result.schedule_s if at >= steady_from_s)
     budget = 0.01 * counted + 1  # more requests over the bound than this: p99 is over it
-    pool = _Pool(host, port, max_connections, result)
+    pool = ConnectionPool(host, port, max_connections)
     tasks: dict[asyncio.Task, float] = {}  # outstanding request -> its arrival offset
     slow = 0
     start = time.perf_counter()
@@ -305,6 +318,7 @@ async def run_rate(url: str, requests: list[InferRequest], rate: float, duration
         if watcher:
             watcher.cancel()
         pool.close()
+        result.connections_opened = pool.opened
     if not result.aborted:
         result.duration_s = duration_s
     return result

@@ -171,43 +171,7 @@ class Replies:
         self.first_errors.setdefault(ERROR_NAMES.get(status, f"http_{status}"), detail[:300])
 
 
-class _Pool:
-    """Keep-alive connections: an idle one, else a new one up to `limit`, else wait for one."""
-
-    def __init__(self, host: str, port: int, limit: int, replies: Replies) -> None:
-        self.host, self.port, self.limit, self.replies = host, port, limit, replies
-        self.idle: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = asyncio.Queue()
-        self.open = 0
-
-    async def get(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        if self.idle.empty():
-            if self.open < self.limit:
-                self.open += 1
-                self.replies.connections_opened += 1
-                try:
-                    return await asyncio.open_connection(self.host, self.port)
-                except BaseException:
-                    self.open -= 1
-                    raise
-            self.replies.waited_for_connection += 1
-        return await self.idle.get()
-
-    def put(self, connection: tuple[asyncio.StreamReader, asyncio.StreamWriter], close: bool) -> None:
-        if close:
-            self.discard(connection)
-        else:
-            self.idle.put_nowait(connection)
-
-    def discard(self, connection: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
-        self.open -= 1
-        connection[1].close()
-
-    def close(self) -> None:
-        while not self.idle.empty():
-            self.idle.get_nowait()[1].close()
-
-
-async def _one(pool: _Pool, index: int, payload: bytes, request: payloads.InferRequest, start: float,
+async def _one(pool: openloop.ConnectionPool, index: int, payload: bytes, request: payloads.InferRequest, start: float,
                timeout_s: float, replies: Replies) -> None:
     """One request; the timeout runs from its write: a wait for a free connection is the client's."""
     connection = None
@@ -258,7 +222,7 @@ async def offer(url: str, requests: list[payloads.InferRequest], rate: float, du
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     raw = [openloop.raw_request(r, host, port) for r in requests]
     replies = Replies.empty(openloop.schedule(rate, duration_s, seed), duration_s)
-    pool = _Pool(host, port, connections, replies)
+    pool = openloop.ConnectionPool(host, port, connections)
     tasks: set[asyncio.Task[None]] = set()
     start = time.perf_counter()
     try:
@@ -278,6 +242,7 @@ async def offer(url: str, requests: list[payloads.InferRequest], rate: float, du
             await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         pool.close()
+        replies.connections_opened, replies.waited_for_connection = pool.opened, pool.waited
     return replies
 
 

@@ -4,9 +4,7 @@ set every fault up, never the clock; waits are on state, bounded, and fail with 
 
 from __future__ import annotations
 
-import asyncio
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -100,15 +98,6 @@ def injected_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[Faults]:
     monkeypatch.setattr(server.model, "create_engine", create)
     yield shared
     shared.release.set()
-
-
-async def eventually(predicate: Callable[[], bool], what: str, timeout_s: float = 15) -> None:
-    """Wait until the code under test's own state says `what`; fail with that sentence, never hang."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f} s waiting until {what}")
-        await asyncio.sleep(0.002)
 
 
 def rows(*values: float, width: int = 2) -> tuple[str, np.ndarray]:

@@ -16,8 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.errors import EngineError, ExecutionTimeout, Unavailable
 from server.metrics import BatchlineCollector, exposition
 from server.repository import ModelRepository
-from tests.unit.fault_engines import HANG, RAISE, Faults, eventually, injected_faults, rows
+from tests.unit.fault_engines import HANG, RAISE, Faults, injected_faults, rows
 from tests.unit.onnx_models import DOUBLING_CONFIG, doubling, write_model
+from tests.unit.waiting import eventually
 
 
 @pytest.fixture

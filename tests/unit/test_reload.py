@@ -15,8 +15,9 @@ import server.repository
 from server.errors import EngineError, InvalidInput, Unavailable
 from server.repository import ModelRepository
 from server.scheduler.admission import Admission
-from tests.unit.fault_engines import Faults, eventually, injected_faults, rows
+from tests.unit.fault_engines import Faults, injected_faults, rows
 from tests.unit.onnx_models import DOUBLING_CONFIG, doubling, write_model
+from tests.unit.waiting import eventually
 
 
 @pytest.fixture

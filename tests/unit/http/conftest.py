@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Self
 
@@ -106,15 +105,6 @@ async def plane(root: Path, gate: Gate) -> AsyncIterator[DataPlane]:
     yield DataPlane(repository)
     gate.released.set()
     await repository.unload_all()
-
-
-async def eventually(predicate: Callable[[], bool], what: str, timeout_s: float = 15) -> None:
-    """Wait until the server's own state says `what`; fail with that sentence, never hang."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f} s waiting until {what}")
-        await asyncio.sleep(0.002)
 
 
 def infer_body(*values: float, **parameters: Any) -> bytes:

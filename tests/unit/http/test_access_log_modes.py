@@ -14,7 +14,8 @@ import pytest
 from server.dataplane import DataPlane
 from server.http.access_log import AccessLog, AccessLogFormat
 from server.http.infer import FastInferApp, InferEndpoint
-from tests.unit.http.conftest import HOLD, Exchange, Gate, eventually, infer_body
+from tests.unit.http.conftest import HOLD, Exchange, Gate, infer_body
+from tests.unit.waiting import eventually
 
 ACCESS = logging.getLogger("batchline.access")
 JSON_FIELDS = {"time", "client", "method", "path", "model", "version", "status", "request_id",

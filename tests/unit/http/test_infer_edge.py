@@ -24,7 +24,8 @@ from server.dataplane import DataPlane
 from server.http import infer
 from server.http.infer import FastInferApp, InferEndpoint
 from server.metrics import build_registry, exposition
-from tests.unit.http.conftest import HOLD, Exchange, Gate, eventually, infer_body
+from tests.unit.http.conftest import HOLD, Exchange, Gate, infer_body
+from tests.unit.waiting import eventually
 
 LIMIT = 4096
 

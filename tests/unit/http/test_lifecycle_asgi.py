@@ -19,8 +19,9 @@ from server.http.app import create_app
 from server.http.auth import AccessPolicy
 from server.model import ModelState
 from server.repository import ModelRepository
-from tests.unit.http.conftest import HOLD, Gate, eventually, infer_body
+from tests.unit.http.conftest import HOLD, Gate, infer_body
 from tests.unit.http.tiny_models import write_spin_model
+from tests.unit.waiting import eventually
 
 Order = list[float]
 ADMIN_TOKEN = "lifecycle-admin-token-0123"

@@ -19,8 +19,9 @@ from server.http.app import create_app
 from server.http.infer import CONTROL_BODY_BYTES, FastInferApp, InferEndpoint
 from server.protocol.v2 import decode_request
 from server.repository import ModelRepository
-from tests.unit.http.conftest import HOLD, Exchange, Gate, eventually, infer_body
+from tests.unit.http.conftest import HOLD, Exchange, Gate, infer_body
 from tests.unit.http.tiny_models import write_spin_model
+from tests.unit.waiting import eventually
 
 LIMIT = 64 << 20
 

@@ -12,7 +12,8 @@ import uvicorn
 from server.dataplane import DataPlane
 from server.http.app import create_app
 from server.http.stopping import StoppingServer
-from tests.unit.http.conftest import HOLD, Gate, eventually, infer_body
+from tests.unit.http.conftest import HOLD, Gate, infer_body
+from tests.unit.waiting import eventually
 
 
 async def test_a_stop_refuses_new_work_and_answers_what_is_in_flight(plane: DataPlane, gate: Gate) -> None:

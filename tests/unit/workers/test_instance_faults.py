@@ -18,7 +18,8 @@ from server.errors import EngineError, ExecutionTimeout, OutOfMemory, Unavailabl
 from server.workers.faults import is_out_of_memory
 from server.workers.instance import ModelInstance
 from server.workers.pipeline import ModelPipeline
-from tests.unit.fault_engines import HANG, OOM, RAISE, Faults, FaultyEngine, eventually
+from tests.unit.fault_engines import HANG, OOM, RAISE, Faults, FaultyEngine
+from tests.unit.waiting import eventually
 
 CONFIG = ModelConfig.model_validate({
     "name": "double", "engine": "onnxruntime", "max_batch_size": 8,
