@@ -20,6 +20,7 @@ from server.engines.signature import (
 )
 from server.errors import EngineError
 from tests.integration.conftest import MODELS, require_built_models
+from tests.unit.engines.test_engines import digits_config
 from tests.unit.onnx_models import DOUBLING_CONFIG, doubling
 
 DIGITS = MODELS / "digits" / "1"
@@ -237,19 +238,6 @@ def test_the_shipped_text_model_loads_against_its_signature() -> None:
 
 
 # --- torch.export: the program's placeholders ---------------------------------------------------
-
-
-def digits_config(**overrides: Any) -> ModelConfig:
-    return ModelConfig.model_validate(
-        {
-            "name": "digits",
-            "engine": "torch",
-            "max_batch_size": 8,
-            "inputs": [{"name": "image", "datatype": "FP32", "dims": [1, 8, 8]}],
-            "outputs": [{"name": "probabilities", "datatype": "FP32", "dims": [10]}],
-            **overrides,
-        }
-    )
 
 
 @pytest.mark.usefixtures("built_digits")
