@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from loadtest import openloop, payloads, report, runs
+from loadtest import openloop, payloads, report, runs, signals
 
 HELP = """Offers --factor x the server's capacity as open-loop Poisson arrivals for --duration s
 and reports how the server at --url holds: offered and accepted rates, the share refused (429)
@@ -365,14 +365,55 @@ def live(url: str, timeout_s: float = 5.0) -> bool:
         return False
 
 
-def measure_capacity(args: argparse.Namespace, requests: list[payloads.InferRequest]) -> dict[str, Any]:
-    """wrk at --capacity-concurrency: its success rate is the capacity (no error allowed)."""
+def measure_capacity(url: str, requests: list[payloads.InferRequest], concurrency: int, duration_s: float,
+                     timeout_s: float, cpu: int | None, folder: Path) -> dict[str, Any]:
+    """wrk at `concurrency` connections: its success rate is the capacity (no error allowed)."""
     runs.require_wrk()
-    level = runs.closed_sweep(args.url, requests, [args.capacity_concurrency], args.capacity_duration, 0.0,
-                              args.timeout, args.generator_cpu, args.out / "wrk")[0]
+    level = runs.closed_sweep(url, requests, [concurrency], duration_s, 0.0, timeout_s, cpu, folder)[0]
     if level["error_count"]:
         raise SystemExit(f"bench overload: the capacity run had errors {level['errors']}: not a capacity")
     return level
+
+
+@dataclass
+class Held:
+    """One overload run: its summary (with liveness and memory), every reply, the memory samples."""
+
+    result: dict[str, Any]
+    replies: Replies
+    rss_series: list[tuple[float, int]]
+
+
+def hold(url: str, requests: list[payloads.InferRequest], capacity: float, factor: float, duration_s: float, *,
+         deadline_ms: float, connections: int, timeout_s: float, settle_s: float, pid: int | None,
+         rss_interval_s: float = 0.1, seed: int = 0) -> Held:
+    """Offer `factor` x `capacity` open loop for `duration_s` while the server's memory is sampled;
+    then ask whether it is still live. `requests` carry their deadline already (`with_deadline`).
+    The server's own counters bracket the run: whether it kept its instances busy on full batches
+    while it refused the excess (`server_signals`: busy_fraction, items per execution)."""
+    before = signals.snapshot(url, requests[0].model)
+    idle_kib = status_kib(pid, "VmRSS") if pid else None
+    sampler = RssSampler(pid, rss_interval_s) if pid else None
+    if sampler:
+        sampler.__enter__()
+    try:
+        replies = openloop.run(offer(url, requests, capacity * factor, duration_s, connections, timeout_s, seed))
+    finally:
+        if sampler:
+            sampler.__exit__()
+    after = signals.snapshot(url, requests[0].model)
+    result = summarize(replies, capacity, factor, deadline_ms, settle_s, requests[0].items)
+    result["server_signals"] = signals.window(before, after, requests[0].model)
+    result["live_after"] = live(url)
+    result["server_alive_after"] = bool(pid) and Path(f"/proc/{pid}").exists()
+    samples = sampler.samples if sampler else []
+    rss = [kib for _, kib in samples]
+    result["rss_mib"] = {
+        "idle": _mib(idle_kib), "peak": _mib(max(rss)) if rss else None, "last": _mib(rss[-1]) if rss else None,
+        "peak_over_idle": _mib(max(rss) - idle_kib) if rss and idle_kib else None,
+        "vm_hwm": _mib(status_kib(pid, "VmHWM")) if pid else None, "samples": len(rss),
+    }
+    return Held(result, replies, samples)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
@@ -396,32 +437,18 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
     if args.capacity:
         capacity, capacity_run = args.capacity, None
     else:
-        capacity_run = measure_capacity(args, requests)
+        capacity_run = measure_capacity(args.url, requests, args.capacity_concurrency, args.capacity_duration,
+                                        args.timeout, args.generator_cpu, args.out / "wrk")
         capacity = capacity_run["req_s"]
-    rate = capacity * args.factor
-    print(f"  capacity {capacity:,.0f} req/s; offering {rate:,.0f}/s for {args.duration:g} s", file=sys.stderr)
+    print(f"  capacity {capacity:,.0f} req/s; offering {capacity * args.factor:,.0f}/s for {args.duration:g} s",
+          file=sys.stderr)
     runs.pin_generator(args.generator_cpu)  # after wrk: taskset pins wrk itself
-    idle_kib = status_kib(pid, "VmRSS") if pid else None
-    sampler = RssSampler(pid, args.rss_interval) if pid else None
-    if sampler:
-        sampler.__enter__()
-    try:
-        replies = openloop.run(offer(args.url, requests, rate, args.duration, args.connections, args.timeout,
-                                     args.seed))
-    finally:
-        if sampler:
-            sampler.__exit__()
-    result = summarize(replies, capacity, args.factor, args.deadline_ms, args.settle, args.items)
-    result["live_after"] = live(args.url)
-    result["server_alive_after"] = bool(pid) and Path(f"/proc/{pid}").exists()
-    rss = [kib for _, kib in sampler.samples] if sampler else []
-    result["rss_mib"] = {
-        "idle": _mib(idle_kib), "peak": _mib(max(rss)) if rss else None, "last": _mib(rss[-1]) if rss else None,
-        "peak_over_idle": _mib(max(rss) - idle_kib) if rss and idle_kib else None,
-        "vm_hwm": _mib(status_kib(pid, "VmHWM")) if pid else None, "samples": len(rss),
-    }
-    record["results"] = {"capacity_run": capacity_run, "overload": result, "timeline": timeline(replies),
-                         "rss_series": [[round(t, 2), kib] for t, kib in sampler.samples] if sampler else []}
+    held = hold(args.url, requests, capacity, args.factor, args.duration, deadline_ms=args.deadline_ms,
+                connections=args.connections, timeout_s=args.timeout, settle_s=args.settle, pid=pid,
+                rss_interval_s=args.rss_interval, seed=args.seed)
+    result = held.result
+    record["results"] = {"capacity_run": capacity_run, "overload": result, "timeline": timeline(held.replies),
+                         "rss_series": [[round(t, 2), kib] for t, kib in held.rss_series]}
     record["headline"] = {key: result[key] for key in ("capacity_req_s", "offered_req_s", "accepted_req_s",
                                                         "accepted_share_of_capacity", "live_after")}
     record["headline"] |= {"refused_share": result["shares"]["refused_429"],

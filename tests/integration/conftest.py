@@ -33,6 +33,16 @@ def running_server(
         yield url
 
 
+def require_tool(name: str, package: str) -> str:
+    """The path of a system tool the test needs. Missing, it fails the test (a skip would hide
+    a gap): `make test` installs it first (scripts/test-tools.sh)."""
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed: `make test` installs it (scripts/test-tools.sh), "
+                    f"or apt-get install -y {package}", pytrace=False)
+    return path
+
+
 SHIPPED_MODELS = ("digits", "minilm")  # the models whose build scripts ship in models/
 
 

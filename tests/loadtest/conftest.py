@@ -4,7 +4,6 @@ costs seconds), fake servers of known service time (loadtest/fakeserver.py), and
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,19 +12,9 @@ from pathlib import Path
 import pytest
 
 from loadtest import fakeserver
-from tests.integration.conftest import linked_repository, running_server
+from tests.integration.conftest import linked_repository, require_tool, running_server
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def require_tool(name: str, package: str) -> str:
-    """The path of a system tool the test needs. Missing, it fails the test (a skip would hide
-    a gap): `make test` installs it first (scripts/test-tools.sh)."""
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"{name} is not installed: `make test` installs it (scripts/test-tools.sh), "
-                    f"or apt-get install -y {package}", pytrace=False)
-    return path
 
 
 @pytest.fixture

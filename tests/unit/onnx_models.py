@@ -6,9 +6,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 import yaml
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 BATCH = "batch"  # a symbolic dim: ONNX Runtime reports it as variable
 
@@ -64,6 +65,37 @@ def unstated_rank(version_dir: Path) -> Path:
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
     graph = helper.make_graph([helper.make_node("Squeeze", ["x", "axes"], ["y"])], "squeeze", [x, axes], [y])
     return save(graph, version_dir)
+
+
+def slow_classifier(version_dir: Path, width: int = 1024, layers: int = 160) -> Path:
+    """digits' signature (`image` FP32 [batch, 1, 8, 8] -> `probabilities` [batch, 10]) with a
+    deep stack of one shared `width` x `width` MatMul + Tanh: a model whose cost is compute, tens
+    of milliseconds a batch on one thread, while its file stays a few MiB."""
+    rng = np.random.default_rng(0)
+    image = helper.make_tensor_value_info("image", TensorProto.FLOAT, [BATCH, 1, 8, 8])
+    probabilities = helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [BATCH, 10])
+    weights = [
+        numpy_helper.from_array(np.array([-1, 64], dtype=np.int64), "flat"),
+        numpy_helper.from_array((rng.standard_normal((64, width)) / 8).astype(np.float32), "w_in"),
+        numpy_helper.from_array((rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32), "w"),
+        numpy_helper.from_array((rng.standard_normal((width, 10)) / np.sqrt(width)).astype(np.float32), "w_out"),
+    ]
+    nodes = [helper.make_node("Reshape", ["image", "flat"], ["h"]), helper.make_node("MatMul", ["h", "w_in"], ["m0"]),
+             helper.make_node("Tanh", ["m0"], ["t0"])]
+    for layer in range(1, layers + 1):
+        nodes += [helper.make_node("MatMul", [f"t{layer - 1}", "w"], [f"m{layer}"]),
+                  helper.make_node("Tanh", [f"m{layer}"], [f"t{layer}"])]
+    nodes += [helper.make_node("MatMul", [f"t{layers}", "w_out"], ["logits"]),
+              helper.make_node("Softmax", ["logits"], ["probabilities"], axis=-1)]
+    return save(helper.make_graph(nodes, "slow_classifier", [image], [probabilities], weights), version_dir)
+
+
+SLOW_CLASSIFIER_CONFIG: dict[str, Any] = {
+    "engine": "onnxruntime",
+    "max_batch_size": 4,
+    "inputs": [{"name": "image", "datatype": "FP32", "dims": [1, 8, 8]}],
+    "outputs": [{"name": "probabilities", "datatype": "FP32", "dims": [10]}],
+}
 
 
 PARSE_AND_DOUBLE_CONFIG: dict[str, Any] = {
