@@ -4,12 +4,16 @@
 the CPU, so the providers that took are read back from the session and checked against the ask.
 Graphs with string tensors (`tensor(string)`) take and give Python `str`, where BYTES tensors
 hold `bytes`: the engine converts both ways, so the v2 codec stays one for every engine.
+On a GPU, a batch runs through ORT's I/O binding: inputs copied to the device once, outputs left
+there and copied back together; graphs with tensors that cannot live on a device keep `run`.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -32,6 +36,7 @@ _OPTIMIZATION_LEVELS = {
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
 _GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+logger = logging.getLogger(__name__)
 # ONNX Runtime's type names -> v2 datatypes
 _DATATYPES = {
     "tensor(bool)": "BOOL",
@@ -65,10 +70,37 @@ def requested_providers(config: ModelConfig, device: Device, artifact: Path) -> 
         names.append("CPUExecutionProvider")
     return [
         (n, tensorrt_provider_options(config, device, artifact) if n == "TensorrtExecutionProvider"
-         else {"device_id": device.index})
+         else cuda_provider_options(config, device))
         if n in _GPU_PROVIDERS else n
         for n in names
     ]
+
+
+def cuda_provider_options(config: ModelConfig, device: Device) -> dict[str, Any]:
+    """ORT's CUDA EP options: the device, and how cuDNN picks convolution algorithms. HEURISTIC
+    by default, where ORT's own default, EXHAUSTIVE, times every algorithm at each new input
+    shape and so stalls the first batch of a size that warm-up did not run."""
+    return {"device_id": device.index, "cudnn_conv_algo_search": config.onnxruntime.cudnn_conv_algo_search}
+
+
+@functools.cache
+def preload_cuda_libraries() -> str:
+    """Make the CUDA and cuDNN libraries loadable before the first CUDA session, once a process.
+
+    PyPI's onnxruntime-gpu has no RUNPATH to the nvidia-* wheels' libraries: they resolve only
+    after `onnxruntime.preload_dlls()` (1.21+) or an `import torch` that loaded them. Returns
+    which ran ("preload_dlls", "torch" or "none"). A failure is only logged: the session then
+    fails, or falls back to the CPU, and check_providers refuses it with the reason."""
+    try:
+        if hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()
+            return "preload_dlls"
+        import torch  # noqa: F401  (its import loads the CUDA libraries it was built with)
+
+        return "torch"
+    except (ImportError, OSError, RuntimeError) as exc:  # no torch, a library that will not load
+        logger.warning("CUDA libraries not preloaded for ONNX Runtime: %s", exc)
+        return "none"
 
 
 def tensorrt_provider_options(config: ModelConfig, device: Device, artifact: Path) -> dict[str, Any]:
@@ -138,6 +170,33 @@ def check_providers(requested: list[str | tuple[str, dict]], taken: list[str]) -
         )
 
 
+def binding_device(session: ort.InferenceSession, device: Device) -> tuple[str, int] | None:
+    """Where a batch's outputs are bound: the GPU of a session that really runs there (read
+    back, not asked for); None, the plain `run`, on the CPU, where binding gains nothing, and for
+    graphs with tensors that cannot live on a device (strings, sequences, maps)."""
+    if device.kind != "GPU" or not any(p in _GPU_PROVIDERS for p in session.get_providers()):
+        return None
+    nodes = [*session.get_inputs(), *session.get_outputs()]
+    if any(node.type == _STRING or not node.type.startswith("tensor(") for node in nodes):
+        return None
+    return ("cuda", device.index)
+
+
+def run_bound(
+    session: ort.InferenceSession, inputs: dict[str, np.ndarray], output_names: list[str], device: tuple[str, int]
+) -> list[np.ndarray]:
+    """One batch through I/O binding: each input copied from host memory to the device once,
+    each output allocated on `device` by ORT and all copied back together after the run, in
+    the order of `output_names`. A fresh binding per batch holds no batch past its run."""
+    binding = session.io_binding()
+    for name, array in inputs.items():
+        binding.bind_cpu_input(name, array)
+    for name in output_names:
+        binding.bind_output(name, *device)
+    session.run_with_iobinding(binding)
+    return binding.copy_outputs_to_cpu()
+
+
 class OnnxRuntimeEngine(Engine):
     def __init__(self, config: ModelConfig, version_dir: Path, device: Device) -> None:
         self._path = artifact_path(config, version_dir, "model.onnx")
@@ -148,6 +207,8 @@ class OnnxRuntimeEngine(Engine):
         options.inter_op_num_threads = config.onnxruntime.inter_op_num_threads
         options.graph_optimization_level = _OPTIMIZATION_LEVELS[config.onnxruntime.graph_optimization_level]
         providers = requested_providers(config, device, self._path)
+        if device.kind == "GPU":
+            preload_cuda_libraries()
         try:
             self._session = ort.InferenceSession(str(self._path), options, providers=providers)
         except Exception as exc:  # ORT raises its own untyped errors (Fail, InvalidGraph, ...)
@@ -157,8 +218,15 @@ class OnnxRuntimeEngine(Engine):
         self._output_names = [o.name for o in self._session.get_outputs()]
         self._string_inputs = {i.name for i in self._session.get_inputs() if i.type == _STRING}
         self._string_outputs = {o.name for o in self._session.get_outputs() if o.type == _STRING}
+        self._binding_device = binding_device(self._session, device)
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self._binding_device is not None:
+            try:
+                results = run_bound(self._session, inputs, self._output_names, self._binding_device)
+            except Exception as exc:
+                raise EngineError(f"ONNX Runtime failed: {exc}") from exc
+            return dict(zip(self._output_names, results))
         feed = {
             name: as_text(array, name) if name in self._string_inputs else array for name, array in inputs.items()
         }

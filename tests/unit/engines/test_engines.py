@@ -51,14 +51,15 @@ def test_cpu_instances_never_ask_for_gpu_providers(tmp_path: Path) -> None:
 
 def test_gpu_instances_pin_their_device_and_keep_a_cpu_fallback(artifact: Path) -> None:
     assert requested_providers(config(), Device("GPU", 1), artifact) == [
-        ("CUDAExecutionProvider", {"device_id": 1}),
+        ("CUDAExecutionProvider", {"device_id": 1, "cudnn_conv_algo_search": "HEURISTIC"}),
         "CPUExecutionProvider",
     ]
     trt = config(onnxruntime={"execution_providers": ["TensorrtExecutionProvider", "CUDAExecutionProvider"]})
     providers = requested_providers(trt, Device("GPU", 0), artifact)
     assert [p[0] if isinstance(p, tuple) else p for p in providers] == [
         "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
-    assert providers[0][1]["device_id"] == 0 and providers[1] == ("CUDAExecutionProvider", {"device_id": 0})
+    assert providers[0][1]["device_id"] == 0 and providers[1] == (
+        "CUDAExecutionProvider", {"device_id": 0, "cudnn_conv_algo_search": "HEURISTIC"})
 
 
 @pytest.fixture
