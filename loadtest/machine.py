@@ -10,7 +10,6 @@ import os
 import platform
 import shutil
 import subprocess
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +47,9 @@ def gpus() -> list[dict[str, str]] | None:
 
 
 def library_versions() -> dict[str, str | None]:
-    versions: dict[str, str | None] = {}
-    for name in LIBRARIES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
+    from server.devices import installed_versions  # the server's own, which its startup log uses too
+
+    return installed_versions(LIBRARIES)
 
 
 def tool_version(tool: str) -> str | None:

@@ -65,6 +65,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.dataplane import DataPlane
+    from server.devices import describe_stack
     from server.http.access_log import AccessLog
     from server.http.app import create_app
     from server.http.auth import AccessPolicy, SettingsError
@@ -93,6 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.getLogger(__name__).info(
         "batchline %s serving %s on http://%s:%d", __version__, settings.model_repository, settings.host, port,
     )
+    logging.getLogger(__name__).info("devices: %s", describe_stack())
     if settings.port_file is not None:
         _write_port_file(settings.port_file, port)
     server = StoppingServer(plane, uvicorn.Config(

@@ -1,13 +1,16 @@
-"""Which devices exist, and how an instance_group spreads instances over them."""
+"""Which devices exist, how an instance_group spreads instances over them, and what software
+stack they run (named once in the startup log, and in every benchmark record)."""
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
+from importlib import metadata
 
 from server.config import InstanceGroup
 from server.errors import EngineError
-from server.gpu import cuda_device_count
+from server.gpu import cuda_device_count, driver_versions, gpu_model, nvidia_driver_reachable, nvml_available
 
 
 @dataclass(frozen=True)
@@ -41,3 +44,78 @@ def placements(groups: list[InstanceGroup], gpu_count: int | None = None) -> lis
             raise EngineError(f"instance_group names GPUs {missing}, but only {gpus_visible} are visible")
         devices.extend(Device("GPU", i) for i in indices for _ in range(group.count))
     return devices
+
+
+def installed_versions(names: tuple[str, ...]) -> dict[str, str | None]:
+    """Each distribution's installed version, None where it is not installed; reads package
+    metadata only, so nothing heavy (torch) is imported to learn it."""
+    versions: dict[str, str | None] = {}
+    for name in names:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+STACK_LIBRARIES = ("torch", "onnxruntime", "onnxruntime-gpu", "tensorrt")
+
+
+def describe_stack() -> str:
+    """One log line naming what this process computes on: each visible GPU (CUDA index, model,
+    compute capability), the driver and CUDA versions, and the libraries in use (torch and the
+    CUDA it was built for, onnxruntime and its providers, TensorRT where importable). Without a
+    GPU, a short line that says so and why. Never raises: a library that fails to import is named
+    as such."""
+    count = visible_gpu_count()
+    if count == 0:
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if hidden is not None:
+            why = f"CUDA_VISIBLE_DEVICES={hidden!r}"
+        elif nvml_available():
+            why = "NVML finds none"
+        else:
+            why = "no NVML, and torch sees none" if nvidia_driver_reachable() else "no NVIDIA driver"
+        return f"no GPU visible ({why}): models run on the CPU"
+    gpus = []
+    for index in range(count):
+        model = gpu_model(index)
+        gpus.append(f"cuda:{index} " + (f"{model[0]} (sm{model[1][0]}{model[1][1]})" if model else "unknown GPU"))
+    driver, cuda = driver_versions()
+    versions = installed_versions(STACK_LIBRARIES)
+    return "; ".join([
+        ", ".join(gpus),
+        f"driver {driver or 'unknown'}, CUDA {cuda or 'unknown'} (driver)",
+        _torch_stack(versions["torch"]),
+        _onnxruntime_stack(versions["onnxruntime-gpu"] or versions["onnxruntime"]),
+        _tensorrt_stack(),
+    ])
+
+
+def _torch_stack(version: str | None) -> str:
+    if version is None:
+        return "torch not installed"
+    try:
+        import torch
+    except Exception as exc:  # noqa: BLE001 (a broken install is worth a line, not a crash)
+        return f"torch {version} (fails to import: {type(exc).__name__})"
+    return f"torch {version} (CUDA {torch.version.cuda or 'none: a CPU build'})"
+
+
+def _onnxruntime_stack(version: str | None) -> str:
+    if version is None:
+        return "onnxruntime not installed"
+    try:
+        import onnxruntime
+    except Exception as exc:  # noqa: BLE001
+        return f"onnxruntime {version} (fails to import: {type(exc).__name__})"
+    return f"onnxruntime {version} [{', '.join(onnxruntime.get_available_providers())}]"
+
+
+def _tensorrt_stack() -> str:
+    """TensorRT's own version where it imports (its wheels come under several names)."""
+    try:
+        import tensorrt
+    except Exception:  # noqa: BLE001 (ImportError, or a wheel without its CUDA libraries)
+        return "tensorrt not importable"
+    return f"tensorrt {tensorrt.__version__}"

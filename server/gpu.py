@@ -3,6 +3,11 @@
 NVML calls block, and a GPU that fell off the bus can make one fail or hang. So the counters are
 read by `GpuSampler` on a thread of its own at a fixed interval, each call guarded on its own,
 and a scrape (on the event loop every request shares) serves the last reading with its age.
+
+GPUs are numbered as CUDA numbers them in this process (`cuda:N`, the index instance groups,
+engines and metrics use): the devices CUDA_VISIBLE_DEVICES leaves, from 0. NVML numbers every GPU
+on the host, so each CUDA index is mapped to its NVML handle (`_cuda_handle`). Where NVML is
+absent (nvidia-ml-py not installed), the count and the model of each GPU come from torch instead.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +28,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class GpuReading:
-    index: int
+    index: int  # the CUDA index in this process (`cuda:N`), not NVML's host-wide one
     name: str
     utilization_ratio: float | None
     memory_used_bytes: int | None
@@ -53,9 +59,10 @@ def nvml_available() -> bool:
 
 
 def read_gpus() -> list[GpuReading]:
-    """Every GPU's counters; never raises. Each NVML call is guarded on its own: a counter that
-    fails (not on this GPU, or the GPU is lost: NVMLError_GpuIsLost) drops that reading only, a
-    GPU whose handle fails is left out, and a failing count means no GPUs this time."""
+    """The counters of every GPU this process may use (CUDA_VISIBLE_DEVICES), by CUDA index; never
+    raises. Each NVML call is guarded on its own: a counter that fails (not on this GPU, or the
+    GPU is lost: NVMLError_GpuIsLost) drops that reading only, a GPU whose handle fails is left
+    out, and a failing count means no GPUs this time."""
     nvml = _nvml()
     if nvml is None:
         return []
@@ -63,8 +70,8 @@ def read_gpus() -> list[GpuReading]:
     if not isinstance(count, int):
         return []
     readings = []
-    for index in range(count):
-        handle = _guarded("nvmlDeviceGetHandleByIndex", nvml.nvmlDeviceGetHandleByIndex, index)
+    for index in range(cuda_visible(count, os.environ.get("CUDA_VISIBLE_DEVICES"))):
+        handle = _guarded("nvmlDeviceGetHandle", _cuda_handle, nvml, index)
         if handle is not None:
             readings.append(_reading(nvml, index, handle))
     return readings
@@ -81,7 +88,7 @@ def _reading(nvml: Any, index: int, handle: Any) -> GpuReading:
     energy_mj = read("nvmlDeviceGetTotalEnergyConsumption")
     return GpuReading(
         index=index,
-        name=name.decode(errors="replace") if isinstance(name, bytes) else str(name or f"GPU {index}"),
+        name=_text(name) if name else f"GPU {index}",
         utilization_ratio=_number(utilization, "gpu", 100),
         memory_used_bytes=_whole(memory, "used"),
         memory_total_bytes=_whole(memory, "total"),
@@ -244,27 +251,101 @@ def process_memory_bytes(index: int, pid: int) -> int | None:
 
 def identity(index: int) -> str | None:
     """CUDA device `index`'s model and compute capability, e.g. "NVIDIA H200 sm90": what a build measured
-    on it (and a TensorRT plan built on it) is valid for. None without NVML."""
+    on it (and a TensorRT plan built on it) is valid for. None where neither NVML nor torch knows it."""
+    model = gpu_model(index)
+    if model is None:
+        return None
+    name, (major, minor) = model
+    return f"{name} sm{major}{minor}"
+
+
+def gpu_model(index: int) -> tuple[str, tuple[int, int]] | None:
+    """CUDA device `index`'s name and compute capability, from NVML; where NVML is absent, from
+    torch. None where the device is unknown (not visible to this process, or no GPU at all)."""
+    if _nvml() is None:
+        return _torch_model(index)
     found = _query(index, lambda nvml, handle: (nvml.nvmlDeviceGetName(handle),
                                                  nvml.nvmlDeviceGetCudaComputeCapability(handle)))
     if found is None:
         return None
     name, (major, minor) = found
-    return f"{name.decode() if isinstance(name, bytes) else name} sm{major}{minor}"
+    return _text(name), (int(major), int(minor))
+
+
+def driver_versions() -> tuple[str | None, str | None]:
+    """The NVIDIA driver's version and the newest CUDA it runs, e.g. ("550.54.15", "12.4"); None
+    for what NVML cannot say, and both without NVML (torch knows the CUDA it was built for only)."""
+    nvml = _nvml()
+    if nvml is None:
+        return None, None
+    driver = _guarded("nvmlSystemGetDriverVersion", nvml.nvmlSystemGetDriverVersion)
+    cuda = _guarded("nvmlSystemGetCudaDriverVersion", nvml.nvmlSystemGetCudaDriverVersion)
+    return (
+        None if driver is None else _text(driver),
+        f"{cuda // 1000}.{cuda % 1000 // 10}" if isinstance(cuda, int) else None,  # NVML says 12040
+    )
 
 
 def cuda_device_count() -> int:
     """GPUs this process may use: those NVML sees, narrowed by CUDA_VISIBLE_DEVICES when set
-    (CUDA renumbers the listed devices from 0; NVML always sees the whole host). 0 where NVML
-    (nvidia-ml-py or the driver) is absent."""
+    (CUDA renumbers the listed devices from 0; NVML always sees the whole host). Where NVML is
+    absent (nvidia-ml-py not installed, or no driver), torch's count; 0 without either."""
     nvml = _nvml()
     if nvml is None:
-        return 0
+        return _torch_device_count()
     try:
         present = int(nvml.nvmlDeviceGetCount())
     except nvml.NVMLError:
         return 0
     return cuda_visible(present, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def _torch_cuda():  # type: ignore[no-untyped-def]
+    """torch, to ask about GPUs where NVML is absent; None where it is not installed, or where it
+    is not imported yet and no NVIDIA driver is reachable: a CPU machine serving ONNX models
+    does not pay torch's slow import (seconds, 200 MB) to learn that it has no GPU."""
+    if "torch" not in sys.modules and not nvidia_driver_reachable():
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def nvidia_driver_reachable() -> bool:
+    """Whether CUDA could find a GPU at all: on Linux it needs the driver's control device
+    (/dev/nvidiactl, or /dev/dxg under WSL2), which containers get only with GPU access."""
+    if not sys.platform.startswith("linux"):
+        return True  # no cheap test: torch is asked
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/dxg")
+
+
+def _torch_device_count() -> int:
+    """What torch.cuda counts (it applies CUDA_VISIBLE_DEVICES itself); 0 without torch, and for
+    a CUDA install that fails to initialise."""
+    torch = _torch_cuda()
+    if torch is None:
+        return 0
+    try:
+        return int(torch.cuda.device_count())
+    except Exception:  # noqa: BLE001 (a broken CUDA install: no GPU, as without NVML)
+        return 0
+
+
+def _torch_model(index: int) -> tuple[str, tuple[int, int]] | None:
+    if not 0 <= index < _torch_device_count():
+        return None
+    try:
+        properties = _torch_cuda().cuda.get_device_properties(index)
+        return str(properties.name), (int(properties.major), int(properties.minor))
+    except Exception:  # noqa: BLE001 (CUDA that fails to initialise: the device is unknown)
+        return None
+
+
+def _text(value: Any) -> str:
+    """NVML strings: bytes from older bindings, str from newer."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def cuda_visible(present: int, listed: str | None) -> int:

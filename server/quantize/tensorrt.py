@@ -25,6 +25,7 @@ from typing import Any
 from server.config import ModelConfig
 from server.engines.digests import file_digest
 from server.engines.profiles import Profile, cache_root, optimization_profiles
+from server.engines.tensorrt import unsupported_tensorrt
 from server.quantize.builders import BuildContext, BuildOutput, Options
 from server.quantize.data import EvalData
 from server.quantize.errors import BuildError
@@ -123,13 +124,16 @@ def build_engine(
     A plan already in the engine cache under the same key (GPU model, compute capability,
     TensorRT version, graph, precision, profiles) is copied instead of rebuilt, when the copy
     matches the sha256 stored with it (`reuse_cached_plan`); a new build reads and then extends the timing cache of this GPU model and TensorRT version. Written
-    against the TensorRT 10 Python API; it has NOT been run (no TensorRT on the machines this
-    was written on). Returns the cache key, the profiles and whether the engine cache had it.
+    against the TensorRT 10 Python API, and refuses any other major (11 has no BuilderFlag.FP16,
+    BF16 or INT8); it has NOT been run (no TensorRT on the machines this was written on).
+    Returns the cache key, the profiles and whether the engine cache had it.
     """
     try:
         import tensorrt as trt
     except ImportError as exc:
         raise BuildError(NOT_INSTALLED) from exc
+    if (problem := unsupported_tensorrt(trt.__version__)) is not None:
+        raise BuildError(problem)  # before TensorRT 11 fails on BuilderFlag.FP16 with an AttributeError
     import torch
 
     cache = cache or cache_root()

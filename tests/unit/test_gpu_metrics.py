@@ -53,8 +53,10 @@ class FakeNvml:
         failing: dict[str, dict[int, Exception]] | None = None,
         lost: set[int] | None = None,
         hang: tuple[str, int] | None = None,
+        names: dict[int, bytes] | None = None,
     ) -> None:
         self.count = count
+        self.names = names or {}
         self.failing = failing or {}
         self.lost = lost or set()
         self.hang = hang
@@ -74,12 +76,15 @@ class FakeNvml:
         return self._call("nvmlDeviceGetCount", -1, self.count)
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
-        if index in self.lost:
+        if index in self.lost or index >= self.count:
             raise NVMLError_GpuIsLost("GPU is lost")
         return index
 
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> int:  # GPU-<index> here
+        return self.nvmlDeviceGetHandleByIndex(int(uuid.removeprefix("GPU-")))
+
     def nvmlDeviceGetName(self, handle: int) -> bytes:
-        return self._call("nvmlDeviceGetName", handle, b"NVIDIA H200")
+        return self._call("nvmlDeviceGetName", handle, self.names.get(handle, b"NVIDIA H200"))
 
     def nvmlDeviceGetMemoryInfo(self, handle: int) -> SimpleNamespace:
         return self._call("nvmlDeviceGetMemoryInfo", handle, SimpleNamespace(used=1 << 30, total=141 << 30))
@@ -100,8 +105,10 @@ class FakeNvml:
 @pytest.fixture
 def nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[FakeNvml]]:
     """Install a fake: append one to the list. Whatever hangs is released at the end, and the
-    samplers' threads, finding no NVML after the test, end by themselves."""
+    samplers' threads, finding no NVML after the test, end by themselves. Every GPU is visible
+    unless a test sets CUDA_VISIBLE_DEVICES."""
     installed: list[FakeNvml] = []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(gpu, "_nvml", lambda: installed[-1] if installed else None)
     yield installed
     for fake in installed:
@@ -165,6 +172,53 @@ def test_a_lost_gpu_does_not_break_the_scrape(nvml: list[FakeNvml]) -> None:
     assert found[("batchline_gpu_power_watts", gpu_label(2))] == 300.5
     assert not any(labels == gpu_label(1) for _, labels in found)
     assert found[("batchline_device_price_per_hour", (("device", "gpu"),))] == 2.5
+
+
+# --- the GPUs this process may use, as CUDA numbers them ------------------------------------------
+
+
+def named(count: int) -> FakeNvml:
+    return FakeNvml(count=count, names={i: f"NVML GPU {i}".encode() for i in range(count)})
+
+
+@pytest.mark.parametrize(
+    ("visible", "expected"),
+    [
+        ("2,0", [(0, "NVML GPU 2"), (1, "NVML GPU 0")]),  # CUDA renumbers the listed GPUs from 0
+        ("GPU-3", [(0, "NVML GPU 3")]),  # by UUID
+        ("1,-1,2", [(0, "NVML GPU 1")]),  # CUDA stops at the first entry that is no device
+        ("-1", []),  # every GPU hidden
+        ("", []),
+    ],
+)
+def test_only_the_visible_gpus_are_read_under_their_cuda_index(
+    nvml: list[FakeNvml], monkeypatch: pytest.MonkeyPatch, visible: str, expected: list[tuple[int, str]]
+) -> None:
+    nvml.append(named(4))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert [(r.index, r.name) for r in read_gpus()] == expected
+
+
+def test_the_gpu_label_is_the_cuda_index_the_rest_of_the_server_uses(
+    nvml: list[FakeNvml], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under CUDA_VISIBLE_DEVICES=3,1 the model on cuda:0 runs on NVML's GPU 3: its counters are
+    labelled gpu="0", and GPUs 0 and 2, which this process cannot use, are not exported."""
+    nvml.append(FakeNvml(count=4, names={3: b"NVML GPU 3", 1: b"NVML GPU 1"},
+                         failing={"nvmlDeviceGetPowerUsage": {1: NVMLError("not supported")}}))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    registry = CollectorRegistry()
+    registry.register(BatchlineCollector(NoModels(), gpus=read_gpus))  # type: ignore[arg-type]
+    power = {labels: value for (name, labels), value in samples(registry).items() if name == "batchline_gpu_power_watts"}
+    assert power == {(("gpu", "0"), ("name", "NVML GPU 3")): 300.5}  # NVML's GPU 1 (cuda:1) has no power reading
+    memory = [labels for (name, labels) in samples(registry) if name == "batchline_gpu_memory_used_bytes"]
+    assert sorted(memory) == [(("gpu", "0"), ("name", "NVML GPU 3")), (("gpu", "1"), ("name", "NVML GPU 1"))]
+
+
+def test_a_listed_gpu_the_host_lacks_is_left_out(nvml: list[FakeNvml], monkeypatch: pytest.MonkeyPatch) -> None:
+    nvml.append(named(2))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,GPU-7")
+    assert [(r.index, r.name) for r in read_gpus()] == [(0, "NVML GPU 1")]
 
 
 # --- NVML off the event loop ---------------------------------------------------------------------

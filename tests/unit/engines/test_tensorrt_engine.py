@@ -102,6 +102,7 @@ class DataType(Enum):  # stands in for tensorrt.DataType
     HALF = 1
     INT64 = 2
     FP8 = 3
+    INT4 = 4
 
 
 class FakePlan:
@@ -145,8 +146,8 @@ def test_an_fp16_plan_with_half_outputs_serves_an_fp32_config() -> None:
 def test_a_config_that_misdescribes_the_plan_is_refused() -> None:
     with pytest.raises(EngineError, match=r"output 'probabilities': the config says FP32 \[-1, 10\], the model has FP32 \[-1, 3\]"):
         check_signature(config(), plan_signature(digits_plan(output_shape=(-1, 3))))
-    with pytest.raises(EngineError, match=r"the model has FP8 \[-1, 10\]"):  # no v2 name: TensorRT's own
-        check_signature(config(), plan_signature(digits_plan(output=DataType.FP8)))
+    with pytest.raises(EngineError, match=r"the model has INT4 \[-1, 10\]"):  # no v2 name: TensorRT's own
+        check_signature(config(), plan_signature(digits_plan(output=DataType.INT4)))
     tokens = FakePlan([("input_ids", Mode.INPUT, DataType.INT64, (-1, -1)),
                        ("probabilities", Mode.OUTPUT, DataType.FLOAT, (-1, 10))])
     with pytest.raises(EngineError, match="input 'image': the model has no input 'image'"):

@@ -1,5 +1,6 @@
 """Builds for the GPU: refused clearly where there is none; the GPU memory a build holds is read
-from NVML for its own process only (tested with a fake NVML: no GPU here)."""
+from NVML for its own process only. Device truth: the GPUs counted and named (NVML, else torch),
+and the stack the startup log names (tested with a fake NVML and torch: no GPU here)."""
 
 from __future__ import annotations
 
@@ -125,5 +126,136 @@ def test_the_gpu_count_is_nvmls_narrowed_by_cuda_visible_devices(monkeypatch: py
     assert gpu.cuda_device_count() == 4
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,2")
     assert gpu.cuda_device_count() == 2
+    monkeypatch.setattr(gpu, "_torch_cuda", lambda: pytest.fail("torch asked although NVML answers"))
+    assert gpu.cuda_device_count() == 2
+
+
+class FakeTorch:
+    """torch.cuda as seen by the fallback: `count` GPUs (already narrowed, as torch does)."""
+
+    def __init__(self, count: int, broken: bool = False) -> None:
+        self.cuda = self
+        self.count = count
+        self.broken = broken
+
+    def device_count(self) -> int:
+        if self.broken:
+            raise RuntimeError("CUDA driver initialization failed")
+        return self.count
+
+    def get_device_properties(self, index: int) -> SimpleNamespace:
+        assert 0 <= index < self.count
+        return SimpleNamespace(name=f"NVIDIA H200 #{index}", major=9, minor=0)
+
+
+def test_without_nvml_the_gpus_are_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvidia-ml-py not installed on a GPU machine: torch's count and models, not 0 GPUs."""
     monkeypatch.setattr(gpu, "_nvml", lambda: None)
-    assert gpu.cuda_device_count() == 0
+    monkeypatch.setattr(gpu, "_torch_cuda", lambda: FakeTorch(2))
+    assert gpu.cuda_device_count() == 2
+    assert (gpu.identity(1), gpu.identity(2)) == ("NVIDIA H200 #1 sm90", None)
+    monkeypatch.setattr(gpu, "_torch_cuda", lambda: FakeTorch(2, broken=True))
+    assert gpu.cuda_device_count() == 0 and gpu.identity(0) is None
+    monkeypatch.setattr(gpu, "_torch_cuda", lambda: None)  # no torch either
+    assert gpu.cuda_device_count() == 0 and gpu.identity(0) is None
+
+
+def test_a_cpu_machine_does_not_import_torch_to_count_no_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch takes seconds to import: without NVML it is imported only where an NVIDIA driver is
+    reachable, or where it was imported already; not installed, it counts no GPUs."""
+    import sys
+
+    monkeypatch.setattr(gpu, "_nvml", lambda: None)
+    monkeypatch.setattr(gpu, "nvidia_driver_reachable", lambda: False)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert gpu._torch_cuda() is None and gpu.cuda_device_count() == 0
+    assert "torch" not in sys.modules
+    monkeypatch.setattr(gpu, "nvidia_driver_reachable", lambda: True)
+    monkeypatch.setitem(sys.modules, "torch", None)  # reachable driver, torch not installed
+    assert gpu._torch_cuda() is None and gpu.cuda_device_count() == 0
+
+
+class Stack(FakeNvml):
+    """NVML on a host of three H200s (names by NVML index) with driver 550.54.15 for CUDA 12.4."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 3
+
+    def nvmlDeviceGetName(self, handle: int) -> bytes:
+        return f"NVIDIA H200 #{handle}".encode()
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: int) -> tuple[int, int]:
+        return (9, 0)
+
+    def nvmlSystemGetDriverVersion(self) -> bytes:
+        return b"550.54.15"
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        return 12040
+
+
+def test_driver_versions_come_from_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu, "_nvml", lambda: Stack())
+    assert gpu.driver_versions() == ("550.54.15", "12.4")
+    monkeypatch.setattr(gpu, "_nvml", lambda: None)
+    assert gpu.driver_versions() == (None, None)
+
+
+def test_the_startup_line_names_the_gpu_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each visible GPU by CUDA index (NVML's 2 is cuda:0 here), driver and CUDA, and the
+    libraries in use: torch with the CUDA it was built for, onnxruntime with its providers,
+    TensorRT where it imports."""
+    import sys
+    from importlib import metadata
+
+    import onnxruntime
+    import torch
+
+    monkeypatch.setattr(gpu, "_nvml", lambda: Stack())
+    monkeypatch.setattr(devices, "visible_gpu_count", gpu.cuda_device_count)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    monkeypatch.setitem(sys.modules, "tensorrt", SimpleNamespace(__version__="10.9.0.34"))
+    line = devices.describe_stack()
+    parts = line.split("; ")
+    assert parts[:2] == ["cuda:0 NVIDIA H200 #2 (sm90), cuda:1 NVIDIA H200 #0 (sm90)",
+                         "driver 550.54.15, CUDA 12.4 (driver)"]
+    assert parts[2] == f"torch {metadata.version('torch')} (CUDA {torch.version.cuda or 'none: a CPU build'})"
+    assert parts[3].startswith("onnxruntime ") and parts[3].endswith(f"[{', '.join(onnxruntime.get_available_providers())}]")
+    assert parts[4] == "tensorrt 10.9.0.34"
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    assert devices.describe_stack().endswith("; tensorrt not importable")
+
+
+def test_without_a_gpu_the_startup_line_is_short_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices, "visible_gpu_count", lambda: 0)
+    monkeypatch.setattr(devices, "nvml_available", lambda: False)
+    monkeypatch.setattr(devices, "nvidia_driver_reachable", lambda: False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert devices.describe_stack() == "no GPU visible (no NVIDIA driver): models run on the CPU"
+    monkeypatch.setattr(devices, "nvidia_driver_reachable", lambda: True)
+    assert devices.describe_stack() == "no GPU visible (no NVML, and torch sees none): models run on the CPU"
+    monkeypatch.setattr(devices, "nvml_available", lambda: True)
+    assert devices.describe_stack() == "no GPU visible (NVML finds none): models run on the CPU"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert devices.describe_stack() == "no GPU visible (CUDA_VISIBLE_DEVICES='-1'): models run on the CPU"
+
+
+def test_library_versions_are_read_once_for_the_server_and_the_benchmarks() -> None:
+    from importlib import metadata
+
+    from loadtest import machine
+
+    assert devices.installed_versions(("numpy", "no-such-distribution")) == {
+        "numpy": metadata.version("numpy"), "no-such-distribution": None}
+    assert machine.library_versions() == devices.installed_versions(machine.LIBRARIES)
+
+
+def test_the_ready_log_names_the_model_of_each_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from server import model
+
+    monkeypatch.setattr(model, "identity", {0: "NVIDIA H200 sm90"}.get)
+    instances = [SimpleNamespace(device=d) for d in (Device("GPU", 0), Device("GPU", 0), Device("GPU", 1), Device("CPU"))]
+    assert model._gpu_identities(instances) == {0: "NVIDIA H200 sm90", 1: "unknown GPU"}  # type: ignore[arg-type]
