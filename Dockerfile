@@ -6,11 +6,16 @@
 # Build arguments:
 #   VARIANT          cpu | gpu: the base image and requirements/<VARIANT>.txt
 #   TORCH_INDEX_URL  extra pip index for torch. "auto" (default): PyTorch's CPU wheel index for
-#                    cpu (PyPI's Linux torch is a CUDA build), none for gpu (PyPI's torch is the
-#                    CUDA build); "" for none; or any index/mirror URL (e.g. a cuXXX index).
-#   PYTHON_IMAGE     base of the cpu variant (Python >= 3.11)
-#   CUDA_IMAGE       base of the gpu variant (an nvidia/cuda runtime image with cuDNN, Ubuntu >= 24.04
-#                    so that its python3 is >= 3.11)
+#                    cpu (PyPI's Linux torch is a CUDA build), its CUDA 13 index (cu130) for gpu;
+#                    "" for none; or any index/mirror URL (e.g. a cuXXX index, with a CUDA_IMAGE of
+#                    that CUDA major).
+#   PYTHON_IMAGE     base of the cpu variant (Python 3.11 or 3.12)
+#   CUDA_IMAGE       base of the gpu variant: an nvidia/cuda runtime image with cuDNN whose CUDA major
+#                    is the wheels' (torch cu130 and PyPI's onnxruntime-gpu: CUDA 13, NVIDIA driver
+#                    >= 580), on Ubuntu 24.04 (python3 3.12). check-build.py fails the build when the
+#                    majors differ or ONNX Runtime's CUDA provider cannot load its libraries; the
+#                    GPU itself is checked only where one is: docker run --gpus all IMAGE
+#                    python /opt/batchline/check-build.py gpu
 #
 # Stages: base-cpu | base-gpu -> base -> deps (the runtime virtualenv) -> models (the default
 # model repository, built offline from packages with the same torch that serves it) -> runtime
@@ -19,7 +24,7 @@
 
 ARG VARIANT=cpu
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
-ARG CUDA_IMAGE=nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04
+ARG CUDA_IMAGE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
 
 # ---------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS base-cpu
@@ -50,8 +55,9 @@ COPY requirements/ requirements/
 COPY server/ server/
 COPY loadtest/ loadtest/
 COPY deploy/docker/install-deps.sh deploy/docker/check-build.py deploy/docker/
-# requirements/<VARIANT>.txt's pins + `.[<VARIANT>]` (not editable) into /opt/venv, then a check
-# that torch and ONNX Runtime are the builds for the variant (a CUDA torch never slips into cpu).
+# requirements/<VARIANT>.txt's pins + `.[<VARIANT>,torchao]` (not editable) into /opt/venv, then a
+# check that torch and ONNX Runtime are the builds for the variant (a CUDA torch never slips into
+# cpu; for gpu, one CUDA major and ONNX Runtime's CUDA provider loads).
 RUN sh deploy/docker/install-deps.sh "$VARIANT" "$TORCH_INDEX_URL" /opt/venv
 
 # ---------------------------------------------------------------------------------------------
@@ -79,7 +85,7 @@ RUN groupadd --system --gid 10001 batchline \
        --shell /usr/sbin/nologin batchline
 COPY --from=deps /opt/venv /opt/venv
 COPY --from=models /opt/batchline/models /opt/batchline/models
-COPY deploy/docker/healthcheck.py /opt/batchline/healthcheck.py
+COPY deploy/docker/healthcheck.py deploy/docker/check-build.py /opt/batchline/
 ENV BATCHLINE_MODEL_REPOSITORY=/opt/batchline/models \
     BATCHLINE_HOST=0.0.0.0 \
     BATCHLINE_HTTP_PORT=8000 \

@@ -3,8 +3,27 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
+
+# GPU=1 (`make GPU=1 setup|serve|test`): requirements/gpu.txt (CUDA torch, onnxruntime-gpu)
+# instead of requirements/cpu.txt, into the same $(VENV), with a stamp of its own. A venv holds
+# one variant: onnxruntime and onnxruntime-gpu install the same module, so setup refuses a venv
+# that holds the other variant's (`make clean` first, or another VENV=...).
+GPU ?=
+ifeq ($(GPU),1)
+VARIANT    := gpu
+STAMP      := $(VENV)/.installed-gpu
+ORT        := onnxruntime-gpu
+OTHER_ORT  := onnxruntime
+else ifeq ($(filter-out 0,$(GPU)),)
+VARIANT    := cpu
+STAMP      := $(VENV)/.installed
+ORT        := onnxruntime
+OTHER_ORT  := onnxruntime-gpu
+else
+$(error GPU=$(GPU): use GPU=1 for the GPU stack, or leave GPU unset for the CPU one)
+endif
+REQUIREMENTS := requirements/$(VARIANT).txt
 
 MODEL_ARTIFACTS := models/minilm/1/model.onnx models/digits/1/model.pt2
 
@@ -12,9 +31,10 @@ MODEL_ARTIFACTS := models/minilm/1/model.onnx models/digits/1/model.pt2
 
 setup: $(STAMP) $(MODEL_ARTIFACTS)
 
-$(STAMP): pyproject.toml requirements/cpu.txt
+$(STAMP): pyproject.toml $(REQUIREMENTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements/cpu.txt
+	@if $(BIN)/python -c "import importlib.metadata as m; m.distribution('$(OTHER_ORT)')" 2>/dev/null; then echo "make: $(VENV) holds $(OTHER_ORT) and $(REQUIREMENTS) would put $(ORT) beside it: run 'make clean' first, or use another VENV=DIR" >&2; exit 1; fi
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r $(REQUIREMENTS)
 	touch $@
 
 models: $(MODEL_ARTIFACTS)

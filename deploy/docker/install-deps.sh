@@ -4,12 +4,15 @@
 #   install-deps.sh VARIANT TORCH_INDEX_URL VENV
 #
 # VARIANT is cpu or gpu. Installs the pins of requirements/<VARIANT>.txt (its `-e .[...]` line
-# dropped: the image installs the package itself, not editable, with the runtime extra only) and
-# `.[<VARIANT>]` into a new virtualenv VENV, then checks that the torch and ONNX Runtime builds
-# match the variant (check-build.py), so a CUDA torch never slips into the CPU image.
+# dropped: the image installs the package itself, not editable, with the runtime extras only) and
+# `.[<VARIANT>,torchao]` (torchao: the torch INT8 builds serve too) into a new virtualenv VENV,
+# then checks that the torch and ONNX Runtime builds match the variant (check-build.py), so a
+# CUDA torch never slips into the CPU image, and the GPU image's torch, onnxruntime-gpu and base
+# image share one CUDA major whose libraries load.
 # TORCH_INDEX_URL: "auto" is PyTorch's CPU wheel index for cpu (PyPI's Linux torch is a CUDA
-# build) and none for gpu (PyPI's torch is the CUDA build); "" is none; anything else is used as
-# an extra index (a mirror, or a cuXXX index for another CUDA).
+# build) and its CUDA 13 index (cu130) for gpu, the major of the Dockerfile's CUDA_IMAGE and of
+# PyPI's onnxruntime-gpu; "" is none; anything else is used as an extra index (a mirror, or a
+# cuXXX index together with a CUDA_IMAGE of that major).
 set -eu
 if [ "$#" -ne 3 ]; then
     echo "usage: $0 VARIANT TORCH_INDEX_URL VENV" >&2
@@ -23,7 +26,7 @@ case "$variant" in
     *) echo "VARIANT must be cpu or gpu, not '$variant'" >&2; exit 2 ;;
 esac
 if [ "$torch_index" = auto ]; then
-    if [ "$variant" = cpu ]; then torch_index=https://download.pytorch.org/whl/cpu; else torch_index=; fi
+    if [ "$variant" = cpu ]; then torch_index=https://download.pytorch.org/whl/cpu; else torch_index=https://download.pytorch.org/whl/cu130; fi
 fi
 here=$(cd "$(dirname "$0")" && pwd)
 pins=$(mktemp)
@@ -32,8 +35,8 @@ trap 'rm -f "$pins"' EXIT
 
 python3 -m venv "$venv"
 if [ -n "$torch_index" ]; then
-    "$venv/bin/pip" install --extra-index-url "$torch_index" -r "$pins" ".[$variant]"
+    "$venv/bin/pip" install --extra-index-url "$torch_index" -r "$pins" ".[$variant,torchao]"
 else
-    "$venv/bin/pip" install -r "$pins" ".[$variant]"
+    "$venv/bin/pip" install -r "$pins" ".[$variant,torchao]"
 fi
 "$venv/bin/python" "$here/check-build.py" "$variant"

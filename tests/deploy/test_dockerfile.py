@@ -5,7 +5,9 @@ hadolint (with its ShellCheck) on the Dockerfile and ShellCheck on the scripts; 
 arguments, user, signal, health check and command, read from the Dockerfile; that the build
 context (.dockerignore) holds everything the COPY lines need and none of the built models; each
 script the build runs (install-deps.sh with pip and python stubbed, check-build.py,
-assemble-repository.sh) on this machine; and the runtime stage's command line, run with the
+assemble-repository.sh) on this machine; that the GPU base image's CUDA major is the one of the
+torch wheels the gpu stage installs; check-build.py's CUDA provider checks, on a library built
+here and ONNX Runtime's CPU build; and the runtime stage's command line, run with the
 runtime stage's environment on a repository assembled as the image's is: it must serve, answer
 the image's health check, and drain in-flight requests on SIGTERM (STOPSIGNAL).
 """
@@ -13,6 +15,7 @@ the image's health check, and drain in-flight requests on SIGTERM (STOPSIGNAL).
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import json
 import os
 import re
@@ -147,10 +150,11 @@ def test_shellcheck_passes(script: Path) -> None:
 def test_the_variants_and_their_bases(dockerfile) -> None:  # type: ignore[no-untyped-def]
     global_args, stages = dockerfile
     assert global_args["VARIANT"] == "cpu"
-    assert re.fullmatch(r"python:3\.(1[1-9])-slim(-\w+)?", global_args["PYTHON_IMAGE"] or "")
+    assert re.fullmatch(r"python:3\.(11|12)-slim(-\w+)?", global_args["PYTHON_IMAGE"] or ""), \
+        "requires-python is >=3.11,<3.13"
     cuda = global_args["CUDA_IMAGE"] or ""
-    assert re.fullmatch(r"nvidia/cuda:\d+\.\d+\.\d+-(cudnn-)?runtime-ubuntu(2[4-9])\.04", cuda), \
-        f"{cuda}: an nvidia/cuda runtime image on Ubuntu >= 24.04 (python3 >= 3.11)"
+    assert re.fullmatch(r"nvidia/cuda:\d+\.\d+\.\d+-cudnn-runtime-ubuntu24\.04", cuda), \
+        f"{cuda}: an nvidia/cuda runtime image with cuDNN on Ubuntu 24.04 (python3 3.12)"
     assert stages["base-cpu"].base == "${PYTHON_IMAGE}"
     assert stages["base-gpu"].base == "${CUDA_IMAGE}"
     assert "python3-venv" in stages["base-gpu"].one("RUN").arguments
@@ -194,7 +198,8 @@ def test_the_runtime_stage(dockerfile) -> None:  # type: ignore[no-untyped-def]
     healthcheck = runtime.one("HEALTHCHECK").arguments
     command = Instruction("HEALTHCHECK", healthcheck[healthcheck.index("CMD "):]).exec_form()
     assert command == ["python", "/opt/batchline/healthcheck.py"], healthcheck
-    assert "COPY deploy/docker/healthcheck.py /opt/batchline/healthcheck.py" in [f"COPY {c.arguments}" for c in runtime.all("COPY")]
+    assert "deploy/docker/healthcheck.py deploy/docker/check-build.py /opt/batchline/" in \
+        [c.arguments for c in runtime.all("COPY")], "the health check, and check-build.py to run where the GPU is"
     assert "/v2/health/live" in (DOCKER_DIR / "healthcheck.py").read_text()
     start_period = re.search(r"--start-period=(\d+)s", healthcheck)
     assert start_period and int(start_period.group(1)) >= 30
@@ -325,7 +330,7 @@ def requirement_pins(variant: str) -> str:
 
 @pytest.mark.parametrize(("variant", "index", "expected_index"), [
     ("cpu", "auto", "https://download.pytorch.org/whl/cpu"),
-    ("gpu", "auto", None),
+    ("gpu", "auto", "https://download.pytorch.org/whl/cu130"),
     ("cpu", "", None),
     ("gpu", "https://mirror.invalid/whl/cu126", "https://mirror.invalid/whl/cu126"),
 ])
@@ -334,7 +339,7 @@ def test_install_deps_picks_the_index_and_pins(tmp_path: Path, variant: str, ind
     assert done.returncode == 0, done.stderr
     expected = ["install"] + (["--extra-index-url", expected_index] if expected_index else [])
     assert pip_args[: len(expected)] == expected
-    assert pip_args[len(expected)] == "-r" and pip_args[len(expected) + 2:] == [f".[{variant}]"]
+    assert pip_args[len(expected)] == "-r" and pip_args[len(expected) + 2:] == [f".[{variant},torchao]"]
     assert pins == requirement_pins(variant)
     if variant == "cpu":
         assert re.search(r"^torch==", pins, re.MULTILINE), "the CPU image pins torch"
@@ -345,18 +350,145 @@ def test_install_deps_refuses_an_unknown_variant(tmp_path: Path) -> None:
     assert done.returncode == 2 and not pip_args
 
 
+def this_machines_variant() -> tuple[str, str]:
+    """(the variant this venv holds, the other one): cpu here and on CI, gpu after `make GPU=1`."""
+    import torch
+
+    return ("cpu", "gpu") if torch.version.cuda is None else ("gpu", "cpu")
+
+
 def test_install_deps_fails_when_the_build_is_the_wrong_one(tmp_path: Path) -> None:
-    """With this machine's (CPU) torch, the gpu variant's check fails the build."""
-    done, _, _ = install_deps(tmp_path, "gpu", "auto", real_python=True)
-    assert done.returncode != 0 and "not the gpu build" in done.stderr
+    """With this machine's torch (CPU here), the other variant's check fails the build."""
+    _, other = this_machines_variant()
+    done, _, _ = install_deps(tmp_path, other, "auto", real_python=True)
+    assert done.returncode != 0 and f"not the {other} build" in done.stderr
 
 
 def test_check_build_knows_this_machine() -> None:
+    """This venv passes its own variant's check (on a GPU machine: the CUDA provider and torch
+    run on the GPU) and fails the other's on both torch and onnxruntime."""
     script = str(DOCKER_DIR / "check-build.py")
-    assert run(sys.executable, script, "cpu").returncode == 0
-    gpu = run(sys.executable, script, "gpu", check=False)
-    assert gpu.returncode == 1 and "torch" in gpu.stderr and "onnxruntime" in gpu.stderr
+    mine, other = this_machines_variant()
+    assert run(sys.executable, script, mine).returncode == 0
+    wrong = run(sys.executable, script, other, check=False)
+    assert wrong.returncode == 1 and "torch" in wrong.stderr and "onnxruntime" in wrong.stderr
     assert run(sys.executable, script, "tpu", check=False).returncode == 2
+
+
+def cuda_major_of_index(url: str) -> int:
+    """PyTorch's wheel index for CUDA X.Y is .../cuXY (cu130: CUDA 13.0)."""
+    match = re.search(r"/cu(\d+)(\d)/?$", url)
+    assert match, f"{url} names no CUDA version"
+    return int(match.group(1))
+
+
+def test_the_gpu_base_is_the_cuda_major_of_its_wheels(dockerfile, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A CUDA 12 base under CUDA 13 wheels has only .so.12 libraries (and admits drivers the
+    wheels cannot use): the base's CUDA major is the one of the torch index the gpu stage installs
+    from by default. (PyPI's onnxruntime-gpu names no CUDA in its name or index; check-build.py
+    fails the build where its CUDA major differs, or its provider's libraries do not load.)"""
+    global_args, stages = dockerfile
+    base = re.fullmatch(r"nvidia/cuda:(\d+)\.\d+\.\d+-.*", global_args["CUDA_IMAGE"] or "")
+    assert base, global_args["CUDA_IMAGE"]
+    assert stages["deps"].args()["TORCH_INDEX_URL"] == "auto"
+    done, pip_args, _ = install_deps(tmp_path, "gpu", "auto")
+    assert done.returncode == 0, done.stderr
+    index = pip_args[pip_args.index("--extra-index-url") + 1]
+    assert cuda_major_of_index(index) == int(base.group(1)) == 13, \
+        f"base {global_args['CUDA_IMAGE']}, torch from {index}: PyPI's torch and onnxruntime-gpu are CUDA 13"
+    assert cuda_major_of_index("https://mirror.invalid/whl/cu126") == 12
+
+
+# ---- check-build.py's CUDA checks, on what this machine has --------------------------------
+@pytest.fixture(scope="module")
+def check_build():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("check_build", DOCKER_DIR / "check-build.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_check_builds_model_is_a_matmul_that_runs(check_build) -> None:  # type: ignore[no-untyped-def]
+    import onnx
+    import onnxruntime
+
+    model = onnx.load_from_string(check_build.MATMUL_MODEL)
+    onnx.checker.check_model(model)
+    assert [n.op_type for n in model.graph.node] == ["MatMul"]
+    assert check_build.session_problem(onnxruntime, "CPUExecutionProvider") is None
+
+
+def test_check_build_sees_onnxruntime_fall_back_to_the_cpu(check_build) -> None:  # type: ignore[no-untyped-def]
+    """ONNX Runtime gives the CPU when a provider cannot be had (here: CUDA's, on a CPU build)
+    with only a warning or a log line; the session's providers show it."""
+    import onnxruntime
+
+    available = onnxruntime.get_available_providers()
+    missing = next(p for p in ("CUDAExecutionProvider", "ROCMExecutionProvider") if p not in available)
+    with pytest.warns(UserWarning, match="not in available provider names"):
+        problem = check_build.session_problem(onnxruntime, missing)
+    assert problem and f"fell back from {missing}" in problem, problem
+
+
+def compile_library(source: str, output: Path, *inputs: Path, soname: str | None = None) -> Path:
+    c_file = output.with_suffix(".c")
+    c_file.write_text(source)
+    soname_flag = [f"-Wl,-soname,{soname}"] if soname else []
+    run("gcc", "-shared", "-fPIC", *soname_flag, "-o", str(output), str(c_file), "-Wl,--no-as-needed",
+        *map(str, inputs))
+    c_file.unlink()
+    return output
+
+
+def test_check_build_opens_the_cuda_provider_library(check_build, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The provider library must load with its dependencies bound: one linked against a CUDA
+    library of another major (a soname this machine lacks) fails, with that soname named."""
+    capi = tmp_path / "capi"
+    capi.mkdir()
+    assert "has no libonnxruntime_providers_cuda.so" in check_build.provider_library_problem(capi)
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    cublas = compile_library("int cublas_probe(void) { return 13; }\n", elsewhere / "libcublasLt-fake.so",
+                             soname="libcublasLt.so.99")
+    compile_library("int shared_probe(void) { return 1; }\n", capi / "libonnxruntime_providers_shared.so")
+    provider = "int cublas_probe(void);\nint provider_probe(void) { return cublas_probe(); }\n"
+    compile_library(provider, capi / "libonnxruntime_providers_cuda.so", cublas)
+    problem = check_build.provider_library_problem(capi)
+    assert problem and "does not load" in problem and "libcublasLt.so.99" in problem, problem
+
+    compile_library("int provider_probe(void) { return 13; }\n", capi / "libonnxruntime_providers_cuda.so")
+    assert check_build.provider_library_problem(capi) is None
+
+
+def test_check_build_wants_one_cuda_major(check_build, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch, onnxruntime and the base image (CUDA_VERSION) on one CUDA major, else no further;
+    then the provider's library (no GPU visible: nothing more)."""
+    from types import SimpleNamespace
+
+    def fakes(torch_cuda: str, ort_cuda: str) -> tuple[SimpleNamespace, SimpleNamespace]:
+        no_gpu = SimpleNamespace(is_available=lambda: False)
+        torch = SimpleNamespace(version=SimpleNamespace(cuda=torch_cuda), cuda=no_gpu)
+        package = tmp_path / "onnxruntime" / "__init__.py"
+        return torch, SimpleNamespace(cuda_version=ort_cuda, __file__=str(package))  # no preload_dlls
+
+    monkeypatch.delenv("CUDA_VERSION", raising=False)
+    (problem,) = check_build.cuda_problems(*fakes("13.0", "12.8"))
+    assert "one CUDA major" in problem and "torch CUDA 13" in problem and "onnxruntime CUDA 12" in problem
+    (problem,) = check_build.cuda_problems(*fakes("13.0", ""))
+    assert "onnxruntime CUDA ?" in problem
+    monkeypatch.setenv("CUDA_VERSION", "12.6.3")
+    (problem,) = check_build.cuda_problems(*fakes("13.0", "13.0"))
+    assert "the base image (CUDA_VERSION) CUDA 12" in problem
+    monkeypatch.setenv("CUDA_VERSION", "13.0.1")
+    (problem,) = check_build.cuda_problems(*fakes("13.0", "13.0"))
+    assert "has no libonnxruntime_providers_cuda.so" in problem, "one major: on to the provider's library"
+    capi = tmp_path / "onnxruntime" / "capi"
+    capi.mkdir(parents=True)
+    compile_library("int provider_probe(void) { return 13; }\n", capi / "libonnxruntime_providers_cuda.so")
+    assert check_build.cuda_problems(*fakes("13.0", "13.0")) == [], "no GPU visible: the library is all"
 
 
 def test_assemble_repository_copies_configs_and_versions_only(tmp_path: Path) -> None:
@@ -411,15 +543,15 @@ sys.meta_path[:] = [_Hiding(finder) for finder in sys.meta_path]
 
 def not_in_the_image() -> list[str]:
     """Top-level modules installed here but not in the runtime image, whose venv holds
-    batchline[cpu] and what it needs (the deps stage): the build, test, load-test and other
-    extras' packages, and this venv's tools."""
+    batchline[cpu,torchao] and what it needs (the deps stage): the build, test, load-test and
+    other extras' packages, and this venv's tools."""
     from importlib import metadata
 
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
     keep: set[str] = set()
-    stack: list[tuple[str, frozenset[str]]] = [("batchline", frozenset({"cpu"}))]
+    stack: list[tuple[str, frozenset[str]]] = [("batchline", frozenset({"cpu", "torchao"}))]
     seen: set[tuple[str, frozenset[str]]] = set()
     while stack:
         name, extras = stack.pop()
