@@ -303,14 +303,33 @@ class OnnxRuntimeOptions(_Strict):
     intra_op_num_threads: int = Field(default=0, ge=0)
     inter_op_num_threads: int = Field(default=0, ge=0)
     graph_optimization_level: Literal["disable", "basic", "extended", "all"] = "all"
+    cudnn_conv_algo_search: Literal["HEURISTIC", "EXHAUSTIVE", "DEFAULT"] = Field(
+        default="HEURISTIC",
+        description="How the CUDA provider picks cuDNN convolution algorithms: HEURISTIC (cuDNN's own pick),"
+        " EXHAUSTIVE (times every algorithm at each new input shape: the first batch of a new size stalls,"
+        " unless warm-up ran that size), DEFAULT (cuDNN's default algorithm, no search).",
+    )
 
 
 class TorchOptions(_Strict):
     num_threads: int = Field(default=0, ge=0)
     compile: bool = Field(
         default=False,
-        description="torch.compile the program once per batch bucket at warm-up (needs batch_buckets).",
+        description="torch.compile the program once per bucket (each batch bucket, times each sequence bucket"
+        " of a text model) at warm-up, one compile at a time in the process (needs batch_buckets).",
     )
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        default="default",
+        description="torch.compile's mode. reduce-overhead records a CUDA graph per bucket on a GPU (launch"
+        " overhead gone, device memory held per bucket); max-autotune also times kernel variants (long"
+        " compiles). On the CPU there are no CUDA graphs: reduce-overhead compiles as default does.",
+    )
+
+    @model_validator(mode="after")
+    def _mode_needs_compile(self) -> TorchOptions:
+        if self.compile_mode != "default" and not self.compile:
+            raise ValueError(f"compile_mode {self.compile_mode!r} needs compile: true")
+        return self
 
 
 class BuildGate(_Strict):

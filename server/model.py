@@ -26,6 +26,7 @@ from server.config import ModelConfig, TensorConfig
 from server.devices import Device, placements
 from server.engines import create_engine
 from server.errors import BatchlineError, EngineError, InvalidInput, Unavailable
+from server.gpu import identity
 from server.preprocess import TextTokenizer
 from server.protocol.datatypes import numpy_dtype
 from server.scheduler.admission import Admission
@@ -77,6 +78,7 @@ class ModelVersion:
         """Build, warm up and profile every instance off the event loop; never raises."""
         try:
             await asyncio.to_thread(self._build)
+            gpus = await asyncio.to_thread(_gpu_identities, self.instances)  # NVML may block: off the loop
         except BatchlineError as exc:
             self._fail(exc.message)
             return
@@ -91,9 +93,10 @@ class ModelVersion:
         self.state = ModelState.READY
         for instance in self.instances:
             d = instance.pipeline.engine.describe()
+            gpu = f" ({gpus[instance.device.index]})" if instance.device.kind == "GPU" else ""
             logger.info(
-                "model %s ready: instance %s engine=%s device=%s providers=%s precision=%s batch_cap=%d",
-                self.label, instance.label, d.engine, d.device, ",".join(d.providers), d.precision,
+                "model %s ready: instance %s engine=%s device=%s%s providers=%s precision=%s batch_cap=%d",
+                self.label, instance.label, d.engine, d.device, gpu, ",".join(d.providers), d.precision,
                 self.stats.batch_cap,
             )
 
@@ -172,15 +175,57 @@ class ModelVersion:
         return self.state is not ModelState.READY and any(i.stuck for i in self._abandoned) and not self.instances
 
     def _warm_up(self, pipeline: ModelPipeline) -> None:
+        """Run every shape the model can be sent before it serves, so that a compiled engine
+        (torch.compile, TensorRT profiles) meets each one now, not with a client waiting: every
+        batch bucket a batch can be padded up to (the first at or past max_batch_size included:
+        a full batch reaches it) and each of `warmup.batch_sizes`, and for a text model with
+        `sequence_buckets`, each of those at every sequence bucket. Shapes without buckets are
+        not fixed, so there is none to cover: a text model without sequence_buckets runs the
+        warm-up text at its own length, and an input's variable dim runs at length 1."""
         if not self.config.warmup.enabled:
             return
+        tokenize = self.config.tokenize
+        lengths: list[int | None] = list(tokenize.sequence_buckets) if tokenize and tokenize.sequence_buckets else [None]
+        sizes = self._warmup_batch_sizes()
+        logger.info(
+            "model %s: warm-up at batch sizes %s%s", self.label, sizes,
+            f", each at sequence lengths {lengths}" if lengths != [None] else "",
+        )
+        for batch_size in sizes:
+            feed = self._sample_feed(batch_size)
+            for length in lengths:
+                try:
+                    pipeline.run_batch([self._fitted(feed, length)], verify=True)
+                except BatchlineError as exc:
+                    where = f"batch size {batch_size}" + (f", sequence length {length}" if length else "")
+                    raise EngineError(f"warm-up at {where} failed: {exc.message}") from exc
+
+    def _warmup_batch_sizes(self) -> list[int]:
+        """`warmup.batch_sizes`, and a size that pads up to each batch bucket a batch can reach."""
         sizes = set(self.config.warmup.batch_sizes)
-        sizes.update(b for b in self.config.batch_buckets or [] if b <= self.config.max_batch_size)
-        for batch_size in sorted(sizes):
-            try:
-                pipeline.run_batch([self._sample_feed(batch_size)], verify=True)
-            except BatchlineError as exc:
-                raise EngineError(f"warm-up at batch size {batch_size} failed: {exc.message}") from exc
+        cap = self.config.max_batch_size
+        for bucket in self.config.batch_buckets or []:
+            sizes.add(min(bucket, cap))
+            if bucket >= cap:  # larger buckets are never reached
+                break
+        return sorted(sizes)
+
+    def _fitted(self, feed: dict[str, np.ndarray], length: int | None) -> dict[str, np.ndarray]:
+        """The warm-up feed with its token tensors `length` long: padded with their pad values,
+        as a short text is in a batch of longer ones, or cut when the text is longer."""
+        tokenize = self.config.tokenize
+        if length is None or tokenize is None:
+            return feed
+        fitted = dict(feed)
+        for name in (tokenize.input_ids, tokenize.attention_mask, tokenize.token_type_ids):
+            if name is None:
+                continue
+            tokens = feed[name][..., :length]
+            if tokens.shape[-1] < length:
+                widths = [(0, 0)] * (tokens.ndim - 1) + [(0, length - tokens.shape[-1])]
+                tokens = np.pad(tokens, widths, constant_values=self._pads[name])
+            fitted[name] = tokens
+        return fitted
 
     def _batch_cap(self, pipeline: ModelPipeline) -> int:
         """Time the batch ladder; the cap is where more batch stops buying throughput."""
@@ -328,6 +373,11 @@ class ModelVersion:
         _close_all(instances)
 
     def metadata(self) -> dict[str, Any]:
+        """The tensors of KServe v2 model metadata. Not the device: v2 metadata has fixed fields
+        (name, versions, platform, inputs, outputs; gRPC's ModelMetadataResponse has no others,
+        nor a parameters map), so a device field would be ours alone and lost to every client and
+        front end that keeps to the protocol. Each instance's device, GPU model and providers are
+        in the ready log line; the whole GPU stack (driver, CUDA, libraries) in the startup log."""
         return {
             "inputs": [self._tensor_metadata(t) for t in self.config.inputs],
             "outputs": [self._tensor_metadata(t) for t in self.config.outputs],
@@ -335,6 +385,12 @@ class ModelVersion:
 
     def _tensor_metadata(self, tensor: TensorConfig) -> dict[str, Any]:
         return {"name": tensor.name, "datatype": tensor.datatype, "shape": self.config.api_shape(tensor)}
+
+
+def _gpu_identities(instances: list[ModelInstance]) -> dict[int, str]:
+    """The model and compute capability of each GPU the instances run on, by CUDA index."""
+    indices = {i.device.index for i in instances if i.device.kind == "GPU"}
+    return {index: identity(index) or "unknown GPU" for index in indices}
 
 
 def _close_all(instances: list[ModelInstance]) -> None:

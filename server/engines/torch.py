@@ -1,4 +1,5 @@
-"""PyTorch engine: programs saved with `torch.export`, run eagerly under inference mode.
+"""PyTorch engine: programs saved with `torch.export`, run under inference mode, eagerly or
+compiled once per bucket (`torch: {compile: true}`).
 
 Only `torch.export` archives are loaded, never plain pickles; an archive may still unpickle parts
 of itself (constants, custom objects), so it is code like any artifact: `artifact_path` checks it
@@ -6,21 +7,36 @@ against its version folder's recorded digests before torch opens it (docs/operat
 boundary).
 Inputs map to the program's positional arguments in config order (a tokenized text input as its
 token tensors), outputs likewise; the program's own tensor names play no part.
+
+On a GPU, torch.export's device pass moves the whole program (weights, buffers, the constants
+lifted into its graph, device arguments burnt into its nodes), and each instance owns a CUDA
+stream: a batch's inputs are staged in pinned host memory and copied without blocking, the
+program runs, and its outputs are copied back into pinned memory, all enqueued on that stream;
+the thread then waits once, for the whole batch. Instances on one GPU wait on their own streams,
+so their batches overlap. On the CPU none of that applies: the program reads the request's own
+memory and its outputs are returned as they are.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from torch.export.passes import move_to_device_pass
 
 from server.config import ModelConfig
 from server.devices import Device
 from server.engines.base import Engine, EngineDescription, artifact_path
 from server.engines.signature import EngineSignature, TensorSignature, engine_inputs, engine_outputs
 from server.errors import EngineError
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # torch dtypes -> v2 datatypes
@@ -49,17 +65,70 @@ def load_program(path: Path) -> torch.export.ExportedProgram:
     with EXPORT_LOCK:
         import torch.ao.quantization.fx._decomposed
 
-        return torch.export.load(str(path))
+        try:
+            return torch.export.load(str(path))
+        except ModuleNotFoundError as exc:  # a torchao INT8 build: its weights are torchao tensors
+            if (exc.name or "").partition(".")[0] != "torchao":
+                raise
+            raise ModuleNotFoundError(
+                "torchao is not installed: pip install torchao==0.18.0 (batchline's `torchao` extra);"
+                " this program is a torch INT8 build, whose weights are torchao tensors",
+                name=exc.name,
+            ) from exc
+
+
+# torch.compile is lazy: a program compiles for a shape the first time it runs at it. Dynamo and
+# Inductor are not safe to run in two threads at once, and a compile takes seconds of every core:
+# models loading in parallel compile one bucket at a time, process-wide.
+COMPILE_LOCK = threading.Lock()
+
+
+def program_module(program: torch.export.ExportedProgram, device: torch.device) -> torch.nn.Module:
+    """The program as a module on `device`. Off the CPU, torch.export's device pass moves it
+    first, graph and all: `program.module().to(device)` would move parameters and buffers only,
+    leaving the constants lifted into the graph, and device arguments burnt into its nodes, on
+    the CPU."""
+    with EXPORT_LOCK:  # .module() may import torch.export internals on first use
+        if device.type != "cpu":
+            program = move_to_device_pass(program, device)
+        return program.module()
+
+
+def cast_module(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The module's floating parameters, buffers and constants in `dtype`. `Module.to` leaves
+    constants (plain tensor attributes, where an exported program keeps its lifted constants)
+    alone, and one left in FP32 would promote the half-precision activations it meets."""
+    module = module.to(dtype)
+    for submodule in module.modules():
+        for name, value in list(vars(submodule).items()):
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+                setattr(submodule, name, value.to(dtype))
+    return module
+
+
+def compile_options(mode: str) -> dict[str, Any]:
+    """Inductor's options for a torch.compile mode. Modes that record CUDA graphs (reduce-overhead,
+    max-autotune) record them without CUDA graph trees: a tree belongs to the thread that first
+    runs a graph and keeps the graphs of every program it runs in one memory pool, which instances
+    replaying on their own threads and streams would overwrite under one another. Each bucket's
+    graph gets a pool of its own instead: more device memory, nothing shared."""
+    options = dict(torch._inductor.list_mode_options(mode, dynamic=False))
+    if options.get("triton.cudagraphs"):
+        options["triton.cudagraph_trees"] = False
+    return options
 
 
 def _compiled(module: torch.nn.Module, config: ModelConfig) -> torch.nn.Module:
-    """torch.compile with static shapes: each batch bucket (and sequence bucket) compiles once,
-    at warm-up, which runs them all; the pipeline pads every batch to a bucket, so serving never
-    meets a new shape. The recompile limit is raised to cover the ladder, no further."""
+    """torch.compile with static shapes: each batch bucket, times each sequence bucket of a text
+    model, compiles once, the first time it runs. Model warm-up (server/model.py) runs every one
+    of them and the pipeline pads every batch to a bucket, so serving never meets a new shape.
+    The recompile limit is raised to cover the buckets, no further."""
     sequences = config.tokenize.sequence_buckets if config.tokenize and config.tokenize.sequence_buckets else [1]
     shapes = len(config.batch_buckets or [1]) * len(sequences)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes + 1)
-    return torch.compile(module, dynamic=False)
+    with COMPILE_LOCK:  # process-wide settings
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes + 1)
+    options = compile_options(config.torch.compile_mode)
+    return torch.compile(module, dynamic=False, options=options or None)
 
 
 class TorchEngine(Engine):
@@ -72,6 +141,8 @@ class TorchEngine(Engine):
         self._device = torch.device(str(device))
         self._dtype = _DTYPES[config.precision]
         self._precision = config.precision
+        self._name = config.name
+        self._batched = config.batched
         if config.torch.num_threads:
             torch.set_num_threads(config.torch.num_threads)
         try:
@@ -79,49 +150,158 @@ class TorchEngine(Engine):
         except Exception as exc:  # torch raises many types for a bad archive
             raise EngineError(f"torch cannot load {self._path}: {exc}") from exc
         self._signature = program_signature(program)
-        with EXPORT_LOCK:  # .module() may import torch.export internals on first use
-            self._module = program.module().to(self._device)
+        self._module = program_module(program, self._device)
         if self._dtype != torch.float32:
-            self._module = self._module.to(self._dtype)
+            self._module = cast_module(self._module, self._dtype)
+        self._stream: torch.cuda.Stream | None = None
+        if self._device.type == "cuda":
+            # the weights were copied on the default stream, which the instance's does not wait for
+            torch.cuda.synchronize(self._device)
+            self._stream = torch.cuda.Stream(self._device)
         self._compiled = config.torch.compile
+        self._compile_mode = config.torch.compile_mode
+        self._shapes_compiled: set[tuple[torch.Size, ...]] = set()
+        # torch keeps the CUDA graphs it records per thread: warm-up's thread records one per
+        # bucket, and the instance's own thread again at its first batch of each
+        self._graphs = (
+            self._compiled and self._stream is not None
+            and bool(compile_options(self._compile_mode).get("triton.cudagraphs"))
+        )
+        self._thread_shapes = threading.local()
         if self._compiled:
             self._module = _compiled(self._module, config)
         self._input_names = [t.engine_name for t in engine_inputs(config)]
         self._output_names = [t.engine_name for t in engine_outputs(config)]
-
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        if not array.flags.writeable:  # torch wants writable memory; request buffers are not
-            array = array.copy()
-        tensor = torch.from_numpy(array).to(self._device)
-        return tensor.to(self._dtype) if tensor.is_floating_point() else tensor
+        tokens = config.tokenize.input_ids if config.tokenize else None
+        self._sequence_index = self._input_names.index(tokens) if tokens in self._input_names else None
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
             with torch.inference_mode():
-                result = self._module(*(self._tensor(inputs[n]) for n in self._input_names))
+                if self._stream is not None:
+                    return self._run_on_stream(self._stream, inputs)
+                results = self._results(self._forward([self._tensor(inputs[n]) for n in self._input_names]))
+                return {name: _widened(t).cpu().numpy() for name, t in zip(self._output_names, results)}
+        except EngineError:
+            raise
         except Exception as exc:
             raise EngineError(f"torch failed: {exc}") from exc
+
+    def _run_on_stream(self, stream: torch.cuda.Stream, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One batch enqueued on the instance's stream, waited for once: inputs staged in pinned
+        memory and copied without blocking, the program, outputs copied back into pinned memory."""
+        staged = [_pinned(inputs[n]) for n in self._input_names]  # host work, before anything is enqueued
+        with torch.cuda.stream(stream):
+            tensors = [self._cast(t.to(self._device, non_blocking=True)) for t in staged]
+            results = self._results(self._forward(tensors))
+            host = []
+            for tensor in results:
+                tensor = _widened(tensor)
+                copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host.append(copy.copy_(tensor, non_blocking=True))
+        stream.synchronize()  # the batch's one wait
+        # Out of the pinned buffers, which go back to torch's cache for the next batch: pinned
+        # memory stays bounded by the batches running, not by the responses still held.
+        return {name: t.numpy().copy() for name, t in zip(self._output_names, host)}
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        if not array.flags.writeable:  # torch wants writable memory; request buffers are not
+            array = array.copy()
+        return self._cast(torch.from_numpy(array))
+
+    def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self._dtype) if tensor.is_floating_point() else tensor
+
+    def _forward(self, tensors: list[torch.Tensor]) -> Any:
+        if self._compiled:
+            shapes = tuple(t.shape for t in tensors)
+            seen = self._shapes_seen()
+            if shapes not in seen:
+                return self._first_run(tensors, shapes, seen)
+        return self._module(*tensors)
+
+    def _shapes_seen(self) -> set[tuple[torch.Size, ...]]:
+        """The shapes already run: in the process, or on this thread where CUDA graphs are
+        recorded (torch records them per thread)."""
+        if not self._graphs:
+            return self._shapes_compiled
+        if not hasattr(self._thread_shapes, "seen"):
+            self._thread_shapes.seen = set()
+        return self._thread_shapes.seen
+
+    def _first_run(
+        self, tensors: list[torch.Tensor], shapes: tuple[torch.Size, ...], seen: set[tuple[torch.Size, ...]]
+    ) -> Any:
+        """The first run at a shape compiles it (and records its CUDA graph, where the mode
+        does): one at a time in the process, timed and logged. Warm-up runs every bucket, so
+        compiles are load-time lines; an instance's thread records its own CUDA graphs at its
+        first batch of each bucket."""
+        with COMPILE_LOCK:
+            start = time.perf_counter()
+            result = self._module(*tensors)
+            if self._stream is not None:  # kernels tuned and graphs recorded on the device count too
+                self._stream.synchronize()
+            seconds = time.perf_counter() - start
+        compiled = shapes in self._shapes_compiled
+        seen.add(shapes)
+        self._shapes_compiled.add(shapes)
+        label = self._shape_label(shapes)
+        if compiled:
+            thread = threading.current_thread().name
+            logger.info("recorded the CUDA graph of %s %s for thread %s in %.2f s", self._name, label, thread, seconds)
+        else:
+            logger.info("compiled %s %s in %.2f s", self._name, label, seconds)
+        return result
+
+    def _shape_label(self, shapes: tuple[torch.Size, ...]) -> str:
+        """`batch 8`, `batch 8 sequence 128`, or the shapes of an unbatched model's inputs."""
+        if not self._batched or not shapes or not shapes[0]:
+            return "shapes " + ", ".join("x".join(map(str, s)) or "scalar" for s in shapes)
+        label = f"batch {shapes[0][0]}"
+        if self._sequence_index is not None:
+            label += f" sequence {shapes[self._sequence_index][-1]}"
+        return label
+
+    def _results(self, result: Any) -> tuple[torch.Tensor, ...] | list[torch.Tensor]:
         results = result if isinstance(result, (tuple, list)) else (result,)
         if len(results) != len(self._output_names):
             raise EngineError(
                 f"the program returned {len(results)} outputs, the config declares {len(self._output_names)}"
             )
-        return {
-            name: (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t).cpu().numpy()
-            for name, t in zip(self._output_names, results)
-        }
+        return results
 
     def signature(self) -> EngineSignature:
         return self._signature
 
     def describe(self) -> EngineDescription:
+        compiled = ""
+        if self._compiled:
+            compiled = " compiled" if self._compile_mode == "default" else f" compiled {self._compile_mode}"
         return EngineDescription(
             engine="torch",
             device=str(self._device),
             precision=self._precision,
-            providers=[f"torch {torch.__version__}" + (" compiled" if self._compiled else "")],
+            providers=[f"torch {torch.__version__}{compiled}"],
             artifact=str(self._path),
         )
+
+
+def _widened(tensor: torch.Tensor) -> torch.Tensor:
+    """Half-precision outputs leave as FP32 (numpy has no BF16), cast where they were computed."""
+    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
+
+
+def _pinned(array: np.ndarray) -> torch.Tensor:
+    """`array` copied into pinned host memory, from which a copy to the device need not block
+    (a read-only request buffer needs no copy of its own first)."""
+    pinned = torch.empty(array.shape, dtype=_torch_dtype(array.dtype), pin_memory=True)
+    pinned.numpy()[...] = array
+    return pinned
+
+
+@functools.cache
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
 def program_signature(program: torch.export.ExportedProgram) -> EngineSignature:

@@ -291,7 +291,7 @@ def _device(engine: str, device: str) -> str:
     if engine == "tensorrt":
         return "gpu"  # its builder says when TensorRT or the GPU is missing
     if device == "gpu" and visible_gpu_count() == 0:
-        raise BuildError(f"a {engine} build for the GPU needs one; no GPU is visible on this machine (NVML)")
+        raise BuildError(f"a {engine} build for the GPU needs one; no GPU is visible on this machine (neither NVML nor torch finds one)")
     return device
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from importlib import metadata
 from typing import Any
+
+from server.devices import installed_versions
 
 # Bump when a builder's output changes for identical inputs (new conversion code, fixed bug).
 BUILDER_REVISION = 1
@@ -19,14 +20,9 @@ LIBRARIES = ("onnxruntime", "onnx", "torch", "torchao", "numpy", "tensorrt")
 
 
 def library_versions(names: tuple[str, ...] = LIBRARIES) -> dict[str, str]:
-    """Installed versions of the libraries that shape a build ("absent" when not installed)."""
-    versions = {}
-    for name in names:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = "absent"
-    return versions
+    """Installed versions of the libraries that shape a build ("absent" when not installed: the
+    word existing cache keys were made with)."""
+    return {name: version or "absent" for name, version in installed_versions(names).items()}
 
 
 def cache_key(

@@ -1,0 +1,207 @@
+"""Warm-up covers every shape a model can be sent: each batch bucket a batch can be padded up to,
+times each sequence bucket of a text model, so a compiled engine never compiles while serving.
+A recording engine stands in for the real one; the last test compiles the digits model for real."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+import server.model
+from server.config import ModelConfig
+from server.devices import Device
+from server.engines.base import Engine, EngineDescription
+from server.engines.signature import EngineSignature
+from server.errors import EngineError
+from server.model import ModelVersion
+from tests.integration.conftest import require_built_models
+
+WORDS = ["batchline", "warms", "up", "this", "model", "before", "it", "serves"]
+
+
+class RecordingEngine(Engine):
+    """Answers zeros of the declared output dims, and keeps the shapes of every input it ran."""
+
+    def __init__(self, config: ModelConfig, version_dir: Path, device: Device) -> None:
+        self.config = config
+        self.runs: list[dict[str, tuple[int, ...]]] = []
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.runs.append({name: array.shape for name, array in inputs.items()})
+        rows = len(next(iter(inputs.values())))
+        return {t.source_name: np.zeros((rows, *t.dims), dtype=np.float32) for t in self.config.outputs}
+
+    def describe(self) -> EngineDescription:
+        return EngineDescription("recording", "cpu", "fp32")
+
+    def signature(self) -> EngineSignature:
+        return EngineSignature(inputs=(), outputs=())
+
+
+@pytest.fixture
+def engines(monkeypatch: pytest.MonkeyPatch) -> list[RecordingEngine]:
+    created: list[RecordingEngine] = []
+
+    def create(config: ModelConfig, version_dir: Path, device: Device) -> Engine:
+        created.append(RecordingEngine(config, version_dir, device))
+        return created[-1]
+
+    monkeypatch.setattr(server.model, "create_engine", create)
+    return created
+
+
+def built(config: dict[str, Any], version_dir: Path) -> ModelVersion:
+    """A model version loaded as the server loads it (instances built and warmed up), closed."""
+    version = ModelVersion(ModelConfig.model_validate(config), 1, version_dir)
+    try:
+        version._build()
+    finally:
+        version._close_instances()
+    return version
+
+
+def vector_model(**fields: Any) -> dict[str, Any]:
+    return {
+        "name": "vector",
+        "engine": "onnxruntime",
+        "max_batch_size": 6,
+        "inputs": [{"name": "x", "datatype": "FP32", "dims": [4]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "dims": [2]}],
+        **fields,
+    }
+
+
+@pytest.fixture
+def tokenizer_folder(tmp_path: Path) -> Path:
+    """A word-level tokenizer that brackets each text in [CLS] ... [SEP], as BERT's does."""
+    vocabulary = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3} | {w: i + 4 for i, w in enumerate(WORDS)}
+    tokenizer = Tokenizer(models.WordLevel(vocabulary, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    return tmp_path
+
+
+def text_model(sequence_buckets: list[int] | None, **fields: Any) -> dict[str, Any]:
+    return {
+        "name": "text",
+        "engine": "torch",
+        "max_batch_size": 4,
+        "inputs": [{"name": "text", "datatype": "BYTES", "dims": [1]}],
+        "outputs": [{"name": "embedding", "datatype": "FP32", "dims": [3]}],
+        "preprocess": {"tokenize": {"input": "text", "max_length": 16, "sequence_buckets": sequence_buckets}},
+        "warmup": {"text": " ".join(WORDS)},  # 10 tokens with [CLS] and [SEP]
+        **fields,
+    }
+
+
+def shapes(engine: RecordingEngine, name: str) -> set[tuple[int, ...]]:
+    return {run[name] for run in engine.runs}
+
+
+def test_every_batch_bucket_is_warmed_up_even_past_max_batch_size(
+    engines: list[RecordingEngine], tmp_path: Path
+) -> None:
+    """A full batch of 6 pads up to the bucket of 8, which warm-up reached only at a batch of 8
+    (refused: above max_batch_size); 16 is past every batch."""
+    built(vector_model(batch_buckets=[2, 4, 8, 16], warmup={"batch_sizes": [1]}), tmp_path)
+    assert shapes(engines[0], "x") == {(2, 4), (4, 4), (8, 4)}
+
+
+def test_without_batch_buckets_warm_up_runs_its_batch_sizes(engines: list[RecordingEngine], tmp_path: Path) -> None:
+    built(vector_model(warmup={"batch_sizes": [1, 3, 6]}), tmp_path)
+    assert [run["x"] for run in engines[0].runs] == [(1, 4), (3, 4), (6, 4)]
+
+
+def test_every_instance_is_warmed_up_at_every_bucket(engines: list[RecordingEngine], tmp_path: Path) -> None:
+    built(vector_model(batch_buckets=[4, 6], instance_group=[{"count": 2, "kind": "CPU"}]), tmp_path)
+    assert len(engines) == 2
+    assert all(shapes(e, "x") == {(4, 4), (6, 4)} for e in engines)
+
+
+def test_a_text_model_warms_every_batch_bucket_at_every_sequence_bucket(
+    engines: list[RecordingEngine], tokenizer_folder: Path
+) -> None:
+    """The warm-up text is 10 tokens: cut to the bucket of 4 and padded to those of 8 and 16."""
+    built(text_model([4, 8, 16], batch_buckets=[2, 4]), tokenizer_folder)
+    expected = {(b, s) for b in (2, 4) for s in (4, 8, 16)}
+    for name in ("input_ids", "attention_mask", "token_type_ids"):
+        assert shapes(engines[0], name) == expected
+
+
+def test_sequence_padding_is_what_a_batch_of_longer_texts_would_give(
+    engines: list[RecordingEngine], tokenizer_folder: Path
+) -> None:
+    version = built(text_model([4, 16], warmup={"text": "this model", "batch_sizes": [1]}), tokenizer_folder)
+    feed = version._sample_feed(1)
+    assert feed["input_ids"].tolist() == [[2, 7, 8, 3]]  # [CLS] this model [SEP]
+    padded = version._fitted(feed, 16)
+    assert padded["input_ids"].tolist() == [[2, 7, 8, 3] + [0] * 12]
+    assert padded["attention_mask"].tolist() == [[1] * 4 + [0] * 12]
+    assert version._fitted(feed, 2)["input_ids"].tolist() == [[2, 7]]
+    assert version._fitted(feed, None) is feed
+
+
+def test_a_text_model_without_sequence_buckets_runs_its_text_as_it_is(
+    engines: list[RecordingEngine], tokenizer_folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="server.model"):
+        built(text_model(None, warmup={"text": " ".join(WORDS), "batch_sizes": [1, 4]}), tokenizer_folder)
+    assert shapes(engines[0], "input_ids") == {(1, 10), (4, 10)}
+    assert "model text/1: warm-up at batch sizes [1, 4]" in caplog.messages
+
+
+def test_a_failed_warm_up_names_the_batch_size_and_sequence_length(
+    monkeypatch: pytest.MonkeyPatch, engines: list[RecordingEngine], tokenizer_folder: Path
+) -> None:
+    run = RecordingEngine.run
+
+    def refuse_long(self: RecordingEngine, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if inputs["input_ids"].shape[1] > 8:
+            raise EngineError("no kernel for this shape")
+        return run(self, inputs)
+
+    monkeypatch.setattr(RecordingEngine, "run", refuse_long)
+    with pytest.raises(EngineError, match="warm-up at batch size 1, sequence length 16 failed: no kernel"):
+        built(text_model([8, 16], batch_buckets=[2, 4]), tokenizer_folder)
+
+
+def test_warm_up_disabled_runs_nothing(engines: list[RecordingEngine], tmp_path: Path) -> None:
+    built(vector_model(batch_buckets=[2, 8], warmup={"enabled": False}), tmp_path)
+    assert engines[0].runs == []
+
+
+def test_a_compiled_torch_model_compiles_every_bucket_at_warm_up(caplog: pytest.LogCaptureFixture) -> None:
+    """The real torch.compile on the CPU: each bucket once, each logged with its time, and none
+    left for serving (the bucket past max_batch_size included)."""
+    require_built_models(("digits",))
+    digits = Path(__file__).resolve().parents[2] / "models" / "digits" / "1"
+    config = {
+        "name": "digits",
+        "engine": "torch",
+        "max_batch_size": 6,
+        "batch_buckets": [2, 8],
+        "inputs": [{"name": "image", "datatype": "FP32", "dims": [1, 8, 8]}],
+        "outputs": [{"name": "probabilities", "datatype": "FP32", "dims": [10]}],
+        "torch": {"compile": True, "num_threads": 1},
+    }
+    version = ModelVersion(ModelConfig.model_validate(config), 1, digits)
+    try:
+        with caplog.at_level(logging.INFO, logger="server.engines.torch"):
+            version._build()
+        compiled = [m.rsplit(" in ", 1)[0] for m in caplog.messages if m.startswith("compiled")]
+        assert compiled == ["compiled digits batch 2", "compiled digits batch 8"]
+        caplog.clear()
+        pipeline = version.instances[0].pipeline
+        for size in range(1, 7):
+            pipeline.run_batch([version._sample_feed(size)])
+        assert not [m for m in caplog.messages if m.startswith("compiled")]
+    finally:
+        version._close_instances()
