@@ -1,0 +1,611 @@
+"""`loadtest/gpu_check OUTDIR`: the whole GPU story in one command, stopped by 8 minutes.
+
+On a GPU host (loadtest/README.md, "GPU check"): install the carried wheels into a throwaway
+folder (`--wheels DIR`), build random-weight models of real shapes (ResNet-50, a BERT-base
+encoder, the shipped digits CNN) in FP32, FP16, BF16 and INT8 where the stack allows, time each
+engine alone per batch bucket, serve them all on the GPU through the real HTTP server with binary
+tensors and many concurrent clients, and write OUTDIR/gpu_check.json (the record) and
+OUTDIR/gpu_check.md (the tables), with the server's log.
+
+Every phase has a time budget and the serving phase takes what is left; a watchdog writes what
+there is and stops the run at the limit. The report is rewritten after each phase, so even a run
+killed from outside leaves its figures; anything cut short is marked partial, with the reason.
+
+`--dry-run` runs the same flow on the CPU with tiny models and seconds of load (the test of this
+module); `--fetch-wheels DIR` is the step before, on a machine with PyPI (gpucheck_wheels.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loadtest import gpucheck_wheels as wheels
+from loadtest.machine import machine_record
+
+TIME_LIMIT_S = 480.0
+REPORT_RESERVE_S = 10.0  # kept back from the phases for the last report and the server's stop
+WATCHDOG_MARGIN_S = 3.0  # the watchdog writes and exits this long before the limit
+JSON_FILE, MARKDOWN_FILE, SERVER_LOG, PROGRESS_LOG = "gpu_check.json", "gpu_check.md", "server.log", "progress.log"
+SCHEMA = "batchline.gpu_check/1"
+ROLES = ("digits", "resnet", "bert")  # build order: the cheap one first
+REQUEST_BODIES = 16  # distinct request bodies per model
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Sizes and budgets of one kind of run."""
+
+    mode: str  # "gpu" | "dry-run"
+    budgets: dict[str, float]  # phase -> seconds at most (serve: whatever is left)
+    max_batch: dict[str, int]  # role -> max_batch_size
+    buckets: dict[str, list[int]]  # role -> engine-alone batch sizes
+    items_per_request: dict[str, int]
+    concurrency: dict[str, int]  # role -> concurrent clients
+    engine_seconds: float  # per batch bucket
+    served_seconds: float  # per variant, after its warm-up
+    served_warmup_s: float
+    client_processes: int
+    instances: int  # engine instances per model
+    threads: int | None  # CPU threads per engine (None: the engine's default)
+    precisions: tuple[str, ...] = ("fp32", "fp16", "bf16", "int8")
+
+
+GPU = Profile(
+    mode="gpu",
+    budgets={"install": 60, "build": 150, "engine": 110, "server_start": 120},
+    max_batch={"resnet": 128, "bert": 64, "digits": 1024},
+    buckets={"resnet": [1, 8, 32, 128], "bert": [1, 8, 32, 64], "digits": [1, 64, 256, 1024]},
+    items_per_request={"resnet": 1, "bert": 1, "digits": 16},
+    concurrency={"resnet": 128, "bert": 128, "digits": 64},
+    engine_seconds=1.0, served_seconds=8.0, served_warmup_s=1.5, client_processes=4, instances=1, threads=None,
+)
+DRY_RUN = Profile(
+    mode="dry-run",
+    budgets={"install": 30, "build": 60, "engine": 30, "server_start": 60},
+    max_batch={"resnet": 8, "bert": 8, "digits": 64},
+    buckets={"resnet": [1, 8], "bert": [1, 8], "digits": [1, 64]},
+    items_per_request={"resnet": 1, "bert": 1, "digits": 4},
+    concurrency={"resnet": 4, "bert": 4, "digits": 4},
+    engine_seconds=0.1, served_seconds=0.5, served_warmup_s=0.2, client_processes=2, instances=1, threads=1,
+    precisions=("fp32", "bf16", "int8"),  # FP16 is BF16's path; on a CPU it only costs time
+)
+
+
+class Run:
+    """The record of one check, its clock and its files."""
+
+    def __init__(self, out: Path, profile: Profile, limit_s: float, argv: list[str]) -> None:
+        self.out = out
+        self.profile = profile
+        self.limit_s = limit_s
+        self.started = time.monotonic()
+        # a short limit (the tests') scales the reserve and the watchdog's margin down with it
+        self.deadline = self.started + limit_s - min(REPORT_RESERVE_S, 0.1 * limit_s)
+        self.stop_at = self.started + limit_s - min(WATCHDOG_MARGIN_S, 0.05 * limit_s)
+        self.lock = threading.RLock()
+        self.finished = False
+        self.record: dict[str, Any] = {
+            "schema": SCHEMA,
+            "mode": profile.mode,
+            "command_line": " ".join(["loadtest/gpu_check", *argv]),
+            "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "time_limit_s": limit_s,
+            "complete": False,
+            "partial": [],  # why anything is missing: phases cut short, variants skipped
+            "phases": {},
+            "profile": {k: v for k, v in vars(profile).items()},
+            "models": {},
+            "summary": [],
+        }
+        out.mkdir(parents=True, exist_ok=True)
+        (out / PROGRESS_LOG).write_text("")
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def log(self, message: str) -> None:
+        line = f"[gpu_check {self.elapsed():6.1f}s] {message}"
+        print(line, flush=True)
+        with (self.out / PROGRESS_LOG).open("a") as log:
+            log.write(line + "\n")
+
+    def partial(self, reason: str) -> None:
+        with self.lock:
+            self.record["partial"].append(reason)
+        self.log(f"PARTIAL: {reason}")
+
+    @contextmanager
+    def phase(self, name: str, budget: float | None) -> Iterator[float]:
+        """Yield the phase's deadline (time.monotonic()); record its time and outcome. A phase that
+        raises is recorded as failed with the reason, and the run goes on to the report."""
+        seconds = self.left() if budget is None else min(budget, self.left())
+        entry: dict[str, Any] = {"budget_s": round(seconds, 1), "status": "running"}
+        with self.lock:
+            self.record["phases"][name] = entry
+        self.log(f"phase {name}: up to {seconds:.0f} s")
+        start = time.monotonic()
+        try:
+            yield start + seconds
+            entry["status"] = "done"
+        except Exception as exc:  # noqa: BLE001 (recorded; the other phases and the report still run)
+            entry.update(status="failed", error=f"{type(exc).__name__}: {exc}",
+                         traceback=traceback.format_exc(limit=8)[-3000:])
+            self.partial(f"phase {name} failed: {type(exc).__name__}: {exc}")
+        finally:
+            entry["took_s"] = round(time.monotonic() - start, 1)
+            self.log(f"phase {name}: {entry['status']} in {entry['took_s']} s")
+            self.write()
+
+    def write(self) -> None:
+        """Both files, each replaced whole."""
+        from loadtest.gpucheck_report import markdown, summary_rows
+
+        with self.lock:  # held while writing too: the watchdog may write at the same moment
+            self.record["elapsed_s"] = round(self.elapsed(), 1)
+            self.record["summary"] = summary_rows(self.record)
+            text = json.dumps(self.record, indent=2, default=str)
+            for name, content in ((JSON_FILE, text), (MARKDOWN_FILE, markdown(self.record))):
+                temporary = self.out / f".{name}.tmp"
+                temporary.write_text(content)
+                os.replace(temporary, self.out / name)
+
+    def watch(self) -> None:
+        """At the limit: write what there is, stop the children (the server, the clients), exit."""
+        def expire() -> None:
+            remaining = self.stop_at - time.monotonic()
+            if remaining > 0:
+                time.sleep(remaining)
+            if self.finished:
+                return
+            with self.lock:
+                self.record["stopped"] = f"the watchdog stopped the run at its limit of {self.limit_s:.0f} s"
+                self.record["partial"].append(self.record["stopped"])
+            self.write()
+            _kill_children()
+            os._exit(3)
+
+        threading.Thread(target=expire, name="gpucheck-watchdog", daemon=True).start()
+
+
+def _kill_children() -> None:
+    """SIGKILL every process whose parent is this one (the server, the client processes)."""
+    me = os.getpid()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:
+            try:
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+            except OSError:
+                pass
+
+
+# ---- the phases ----------------------------------------------------------------------------------
+def check(out: Path, profile: Profile, limit_s: float, wheel_folder: Path | None, work: Path, argv: list[str]) -> int:
+    run = Run(out, profile, limit_s, argv)
+    run.watch()
+    run.log(f"{profile.mode} check into {out}, limit {limit_s:.0f} s, work folder {work}")
+    run.record["machine"] = machine_record()
+    if wheel_folder is not None:
+        with run.phase("install", profile.budgets["install"]):
+            run.record["wheels"] = wheels.install(wheel_folder, work / "site")
+            run.log(f"installed {len(run.record['wheels']['installed'])} wheels into {work / 'site'}")
+    if run.record["phases"].get("install", {}).get("status") == "failed":
+        return finish(run, 1)
+    missing = missing_modules()
+    if missing:
+        run.record["missing_modules"] = missing
+        run.partial(f"the server cannot run here, missing {', '.join(missing)}: fetch the wheels with"
+                    " `loadtest/gpu_check --fetch-wheels DIR` where PyPI is reachable, and pass --wheels DIR")
+        return finish(run, 1)
+    context: dict[str, Any] = {}
+    with run.phase("build", profile.budgets["build"]) as deadline:
+        context = build_phase(run, work / "repository", work / "artifacts", deadline)
+    if context.get("models"):
+        with run.phase("engine", profile.budgets["engine"]) as deadline:
+            engine_phase(run, context, deadline)
+        with run.phase("serve", None) as deadline:
+            serve_phase(run, context, deadline)
+    failed = any(p.get("status") == "failed" for p in run.record["phases"].values())
+    return finish(run, 1 if failed else 0)
+
+
+# What `batchline serve` and this check import beyond the standard library (module names).
+REQUIRED_MODULES = ("fastapi", "fastapi_offline", "httptools", "numpy", "orjson", "prometheus_client", "pydantic",
+                    "pydantic_settings", "torch", "uvicorn", "uvloop", "yaml")
+
+
+def missing_modules() -> list[str]:
+    import importlib.util
+
+    return [name for name in REQUIRED_MODULES if importlib.util.find_spec(name) is None]
+
+
+def finish(run: Run, code: int) -> int:
+    with run.lock:
+        run.record["complete"] = code == 0 and not run.record["partial"]
+        run.record["exit_code"] = code
+        run.finished = True
+    run.write()
+    run.log(f"done: {'complete' if run.record['complete'] else 'PARTIAL'}; {run.out / JSON_FILE}, "
+            f"{run.out / MARKDOWN_FILE}")
+    return code
+
+
+def build_phase(run: Run, repository: Path, artifacts: Path, deadline: float) -> dict[str, Any]:
+    import torch
+
+    from loadtest import gpucheck_models as models
+
+    profile = run.profile
+    if profile.threads:
+        torch.set_num_threads(profile.threads)
+    if profile.mode == "gpu" and not torch.cuda.is_available():
+        raise RuntimeError(f"torch {torch.__version__} sees no CUDA device (run --dry-run on a machine without one)")
+    device = torch.device("cuda:0" if profile.mode == "gpu" else "cpu")
+    run.record["device"] = device_record(torch, device)
+    run.record["onnx"] = onnx_record(profile)
+    shapes = models.FULL if profile.mode == "gpu" else models.TINY
+    repository.mkdir(parents=True, exist_ok=True)
+    built: dict[str, Any] = {}
+    kind = "GPU" if device.type == "cuda" else "CPU"
+    for role in ROLES:
+        if time.monotonic() > deadline:
+            run.partial(f"{role}: not built, the build phase ran out of time")
+            continue
+        started = time.monotonic()
+        entry: dict[str, Any] = {"name": role, "variants": {}}
+        with run.lock:
+            run.record["models"][role] = entry
+        try:
+            model = models.BUILDERS[role](shapes, device)
+            entry.update(name=model.name, about=model.about)
+            run.log(f"{role}: {model.name} built in {time.monotonic() - started:.1f} s; exporting")
+            fp32 = artifacts / f"{model.name}-fp32.pt2"
+            models.save(models.export(model.module, model, device), fp32)
+            options = {"kind": kind, "instances": profile.instances, "max_batch": profile.max_batch[role],
+                       "threads": profile.threads}
+            for precision in (p for p in profile.precisions if p != "int8"):
+                name = models.write_variant(repository, model, precision, fp32, **options)
+                method = ("torch.export program (FP32)" if precision == "fp32"
+                          else f"the FP32 program, cast to {precision} by the torch engine at load")
+                entry["variants"][precision] = {"name": name, "status": "built", "method": method}
+            if "int8" in profile.precisions:
+                entry["variants"]["int8"] = int8_variant(run, model, repository, artifacts, device, options, deadline)
+        except Exception as exc:  # noqa: BLE001 (one model that cannot be built does not stop the others)
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:1000]}"
+            entry["traceback"] = traceback.format_exc(limit=8)[-3000:]
+            run.partial(f"{role}: not built: {entry['error']}")
+            continue
+        entry["build_s"] = round(time.monotonic() - started, 1)
+        built[role] = model
+        outcomes = ", ".join(f"{p} {v['status']}" for p, v in entry["variants"].items())
+        run.log(f"{role}: variants {outcomes} ({entry['build_s']} s)")
+        run.write()
+    return {"models": built, "repository": repository, "device": device}
+
+
+def int8_variant(run: Run, model: Any, repository: Path, artifacts: Path, device: Any, options: dict[str, Any],
+                 deadline: float) -> dict[str, Any]:
+    from loadtest import gpucheck_models as models
+
+    if time.monotonic() > deadline:
+        run.partial(f"{model.name} int8: not built, the build phase ran out of time")
+        return {"status": "skipped", "reason": "the build phase ran out of time"}
+    try:
+        module = models.int8_module(model)
+        path = artifacts / f"{model.name}-int8.pt2"
+        models.save(models.export(module, model, device), path)
+    except models.Unsupported as exc:
+        return {"status": "unsupported", "reason": str(exc)}
+    except Exception as exc:  # noqa: BLE001 (a torchao/export failure on this stack: recorded as the reason)
+        return {"status": "unsupported", "reason": f"the torchao {model.int8_scheme} INT8 program could not be"
+                f" made here: {type(exc).__name__}: {str(exc)[:500]}"}
+    name = models.write_variant(repository, model, "int8", path, **options)
+    scheme = {"dynamic": "INT8 weights and per-row INT8 activations, INT8 matmuls",
+              "weight_only": "INT8 weights, float compute"}[model.int8_scheme]
+    return {"name": name, "status": "built", "method": f"torchao {model.int8_scheme} ({scheme}) on the linear layers,"
+            " other layers FP32; torch.export program"}
+
+
+def device_record(torch: Any, device: Any) -> dict[str, Any]:
+    record: dict[str, Any] = {"torch": torch.__version__, "device": str(device), "cuda": torch.version.cuda}
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        record.update(name=properties.name, memory_gib=round(properties.total_memory / 2**30, 1),
+                      capability=f"sm{properties.major}{properties.minor}", multiprocessors=properties.multi_processor_count)
+    else:
+        record.update(name="cpu", threads=torch.get_num_threads())
+    return record
+
+
+def onnx_record(profile: Profile) -> dict[str, Any]:
+    """Why there are no ONNX Runtime variants on this machine."""
+    try:
+        import onnxruntime
+    except ImportError:
+        return {"status": "skipped", "reason": "onnxruntime is not installed"}
+    providers = onnxruntime.get_available_providers()
+    if profile.mode != "gpu":
+        return {"status": "skipped", "reason": "the dry run serves the torch engine only", "providers": providers}
+    if "CUDAExecutionProvider" not in providers:
+        return {"status": "skipped", "providers": providers,
+                "reason": f"onnxruntime {onnxruntime.__version__} has no CUDAExecutionProvider (the CPU build):"
+                          " the torch engine is the GPU engine here"}
+    return {"status": "not built", "providers": providers,
+            "reason": "onnxruntime-gpu is present, but this check builds torch.export programs only"}
+
+
+def built_variants(run: Run, context: dict[str, Any]) -> Iterator[tuple[str, Any, str, dict[str, Any]]]:
+    """(role, model, precision, variant record) of every variant built, in report order."""
+    for role, model in context["models"].items():
+        for precision, variant in run.record["models"][role]["variants"].items():
+            if variant["status"] == "built":
+                yield role, model, precision, variant
+
+
+def engine_phase(run: Run, context: dict[str, Any], deadline: float) -> None:
+    import torch
+
+    from loadtest.gpucheck_measure import GpuTrace, engine_buckets
+    from server.config import load_model_config
+    from server.devices import Device
+    from server.engines import create_engine
+
+    profile, device = run.profile, context["device"]
+    placement = Device("GPU", device.index or 0) if device.type == "cuda" else Device("CPU")
+    trace = GpuTrace()
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    todo = list(built_variants(run, context))
+    for position, (role, model, precision, variant) in enumerate(todo):
+        if time.monotonic() > deadline:
+            variant["engine"] = {"skipped": "the engine phase ran out of time"}
+            run.partial(f"{variant['name']}: engine alone not measured, the phase ran out of time")
+            continue
+        buckets = profile.buckets[role]
+        share = (deadline - time.monotonic()) / (len(todo) - position) / (len(buckets) + 2)
+        seconds = max(0.05, min(profile.engine_seconds, share))
+        folder = context["repository"] / variant["name"]
+        loaded = time.monotonic()
+        engine = None
+        try:
+            engine = create_engine(load_model_config(folder / "config.yaml"), folder / "1", placement)
+            load_s = time.monotonic() - loaded
+
+            def batches(size: int, model: Any = model) -> list[dict[str, Any]]:
+                return [model.samples(size, offset=k * size) for k in range(4)]
+
+            with trace.window() as gpu:
+                results, skipped = engine_buckets(engine.run, batches, buckets, seconds, deadline, synchronize)
+            record: dict[str, Any] = {"load_s": round(load_s, 2), "seconds_per_bucket": round(seconds, 3),
+                                      "buckets": results, "gpu": gpu}
+            if skipped:
+                record["skipped_buckets"] = skipped
+                run.partial(f"{variant['name']}: engine buckets {skipped} not measured, the phase ran out of time")
+            if model.heldout is not None:
+                record["accuracy"] = accuracy(engine, model, profile.max_batch[role])
+            variant["engine"] = record
+            best = max(results, key=lambda r: r["items_s"]) if results else None
+            run.log(f"{variant['name']}: engine best {best['items_s'] if best else '-'} items/s"
+                    f" at batch {best['batch_size'] if best else '-'}")
+        except Exception as exc:  # noqa: BLE001 (one variant that cannot load or run does not stop the others)
+            variant["engine"] = {"error": f"{type(exc).__name__}: {str(exc)[:1000]}"}
+            run.log(f"{variant['name']}: engine FAILED: {exc}")
+        finally:
+            if engine is not None:
+                engine.close()
+            del engine
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        run.write()
+
+
+def accuracy(engine: Any, model: Any, batch: int) -> float:
+    """Top-1 accuracy over the held-out images, through the engine as the server runs it."""
+    import numpy as np
+
+    images, labels = model.heldout
+    name = model.inputs[0]["name"]
+    predicted = []
+    for start in range(0, len(images), batch):
+        outputs = engine.run({name: np.ascontiguousarray(images[start:start + batch])})
+        predicted.append(np.asarray(outputs[model.output["name"]]).argmax(axis=1))
+    return round(float((np.concatenate(predicted) == labels).mean()), 4)
+
+
+def serve_phase(run: Run, context: dict[str, Any], deadline: float) -> None:
+    from loadtest import localserver
+    from loadtest.gpucheck_measure import Clients, GpuTrace, binary_request
+
+    profile = run.profile
+    todo = list(built_variants(run, context))
+    flags = ["--log-level", "info"]
+    if profile.threads:
+        flags += ["--engine-threads", str(profile.threads)]
+    serve: dict[str, Any] = {"models": [v["name"] for *_, v in todo]}
+    flags += [flag for name in serve["models"] for flag in ("--model", name)]
+    run.record["serve"] = serve
+    started = time.monotonic()
+    startup = min(profile.budgets["server_start"], deadline - started)
+    with localserver.running_server(context["repository"], *flags, log_path=run.out / SERVER_LOG,
+                                    wait_path="/v2/health/live", startup_timeout_s=startup) as url:
+        states = wait_for_models(url, serve["models"], started + startup)
+        serve.update(url=url, startup_s=round(time.monotonic() - started, 1), states=states)
+        run.log(f"server at {url}: {sum(s == 'READY' for s in states.values())}/{len(states)} models ready"
+                f" in {serve['startup_s']} s")
+        trace = GpuTrace()
+        with Clients(profile.client_processes) as clients:
+            ready = [(role, model, precision, v) for role, model, precision, v in todo if states.get(v["name"]) == "READY"]
+            for role, model, precision, variant in todo:
+                if states.get(variant["name"]) != "READY":
+                    variant["served"] = {"error": f"not ready in the server: {states.get(variant['name'])}"}
+                    run.partial(f"{variant['name']}: not served, {variant['served']['error']}")
+            for position, (role, model, precision, variant) in enumerate(ready):
+                share = (deadline - time.monotonic()) / (len(ready) - position) - profile.served_warmup_s - 2.0
+                duration = min(profile.served_seconds, share)
+                if duration < min(1.0, profile.served_seconds):
+                    variant["served"] = {"skipped": "the serve phase ran out of time"}
+                    run.partial(f"{variant['name']}: not served, the phase ran out of time")
+                    continue
+                items = profile.items_per_request[role]
+                datatypes = {t["name"]: t["datatype"] for t in model.inputs}
+                requests = [binary_request(variant["name"], model.samples(items, offset=i * items), datatypes,
+                                           model.output["name"]) for i in range(REQUEST_BODIES)]
+                before = model_stats(url, variant["name"])
+                with trace.window() as gpu:
+                    served = clients.closed_loop(url, requests, model.output["name"], model.width,
+                                                 profile.concurrency[role], duration, profile.served_warmup_s)
+                served["gpu"] = gpu
+                served["server"] = stats_delta(before, model_stats(url, variant["name"]))
+                served.update(engine_reference(variant.get("engine"), profile.max_batch[role], served["items_s"]))
+                variant["served"] = served
+                run.log(f"{variant['name']}: served {served['items_s']} items/s, p50 {served['latency_ms']['p50']} ms,"
+                        f" p99 {served['latency_ms']['p99']} ms, {served['error_count']} errors,"
+                        f" {served.get('ratio_to_engine')} of the engine")
+                if served["error_count"]:
+                    run.partial(f"{variant['name']}: {served['error_count']} failed requests ({served['first_error']})")
+                run.write()
+
+
+def wait_for_models(url: str, names: list[str], deadline: float) -> dict[str, str]:
+    """Each model's state once none is loading any more (or at `deadline`): READY, or the
+    reason it is not. The server's own readiness is strict (every model), so one variant that
+    cannot load would hide the others."""
+    states: dict[str, str] = {}
+    while True:
+        request = urllib.request.Request(f"{url}/v2/repository/index", data=b"{}", method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            index = json.loads(response.read())
+        states = {}
+        for entry in index:
+            state = entry.get("state") or "LOADING"  # no state yet: its load has not begun
+            states[entry["name"]] = state if state in ("READY", "LOADING") else f"{state}: {entry.get('reason', '')}"
+        pending = [n for n in names if states.get(n, "LOADING") == "LOADING"]
+        if not pending:
+            return {n: states.get(n, "missing") for n in names}
+        if time.monotonic() > deadline:
+            return {n: states.get(n, "missing") if n not in pending else "LOADING when the start budget ran out"
+                    for n in names}
+        time.sleep(0.25)
+
+
+def model_stats(url: str, name: str) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(f"{url}/v2/models/{name}/stats", timeout=10) as response:
+            stats = json.loads(response.read())["model_stats"][0]
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+    return stats
+
+
+def stats_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the server itself counted over the load: batches, items per batch, queue and compute time."""
+    if before is None or after is None:
+        return None
+    batches = after["execution_count"] - before["execution_count"]
+    items = after["inference_count"] - before["inference_count"]
+
+    def per(stage: str, count_of: str) -> float | None:
+        a, b = after["inference_stats"][stage], before["inference_stats"][stage]
+        count = (a["count"] - b["count"]) if count_of == "stage" else batches
+        return round((a["ns"] - b["ns"]) / count / 1e6, 3) if count else None
+
+    return {"batches": batches, "items": items, "mean_batch": round(items / batches, 2) if batches else None,
+            "queue_ms_per_request": per("queue", "stage"), "compute_infer_ms_per_batch": per("compute_infer", "batch")}
+
+
+def engine_reference(engine: dict[str, Any] | None, max_batch: int, served_items_s: float) -> dict[str, Any]:
+    """The engine's best items/s over the buckets the server may form (<= max_batch_size), and the
+    served rate as a share of it."""
+    buckets = [b for b in (engine or {}).get("buckets", []) if b["batch_size"] <= max_batch]
+    if not buckets:
+        return {"engine_items_s": None, "engine_batch": None, "ratio_to_engine": None}
+    best = max(buckets, key=lambda b: b["items_s"])
+    return {"engine_items_s": best["items_s"], "engine_batch": best["batch_size"],
+            "ratio_to_engine": round(served_items_s / best["items_s"], 3) if best["items_s"] else None}
+
+
+# ---- the command line ----------------------------------------------------------------------------
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loadtest/gpu_check", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n")[1] + "\n\nloadtest/README.md, \"GPU check\", has the whole recipe.",
+    )
+    p.add_argument("outdir", nargs="?", type=Path, help="where gpu_check.json, gpu_check.md and the logs go")
+    p.add_argument("--dry-run", action="store_true", help="the same flow on the CPU, tiny models, seconds of load")
+    p.add_argument("--wheels", type=Path, help="install the server's missing packages from this folder first"
+                   " (made by --fetch-wheels) into a throwaway folder")
+    p.add_argument("--time-limit", type=float, default=TIME_LIMIT_S, help="seconds the whole run may take")
+    p.add_argument("--work", type=Path, help="folder for the model repository and installed wheels (default: a"
+                   " temporary one, removed at the end)")
+    p.add_argument("--fetch-wheels", type=Path, metavar="DIR",
+                   help="instead of a check: download the wheels the GPU host lacks into DIR (needs PyPI)")
+    p.add_argument("--budget-mib", type=float, default=wheels.DEFAULT_BUDGET_MIB,
+                   help="--fetch-wheels fails when the wheels take more than this")
+    p.add_argument("--requirement", action="append", dest="requirements", metavar="REQ",
+                   help="--fetch-wheels only these requirements (default: pyproject's, less the host's)")
+    return p
+
+
+def fetch_command(folder: Path, budget_mib: float, requirements: list[str] | None) -> int:
+    if requirements is None:
+        requirements, left_out = wheels.carried_requirements()
+        for name, why in left_out.items():
+            print(f"not carried: {name}: {why}")
+    print(f"fetching for CPython {wheels.PYTHON_VERSION} manylinux x86-64: {' '.join(requirements)}", flush=True)
+    try:
+        found = wheels.fetch(folder, requirements)
+        print(wheels.describe(found))
+        wheels.check_budget(found, int(budget_mib * 2**20))
+    except wheels.WheelError as exc:
+        print(f"gpu_check --fetch-wheels: {exc}", file=sys.stderr)
+        return 1
+    print(f"within the budget of {budget_mib:g} MiB; carry {folder} to the GPU host and run"
+          f" `loadtest/gpu_check --wheels {folder} OUTDIR` there")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    if args.fetch_wheels is not None:
+        return fetch_command(args.fetch_wheels, args.budget_mib, args.requirements)
+    if args.outdir is None:
+        parser().error("OUTDIR is required (or --fetch-wheels DIR)")
+    profile = DRY_RUN if args.dry_run else GPU
+    if args.work is not None:
+        args.work.mkdir(parents=True, exist_ok=True)
+        return check(args.outdir, profile, args.time_limit, args.wheels, args.work.resolve(), argv)
+    with tempfile.TemporaryDirectory(prefix="gpucheck-") as work:
+        return check(args.outdir, profile, args.time_limit, args.wheels, Path(work), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
