@@ -22,7 +22,7 @@ import httpx
 import orjson
 import pytest
 
-from loadtest.localserver import ROOT, free_port, stop
+from loadtest.localserver import ROOT, bound_port, stop
 from tests.integration.conftest import running_server
 from tests.unit.http.tiny_models import write_spin_model
 
@@ -181,16 +181,15 @@ def test_a_reload_under_load_finishes_what_is_queued(served: tuple[str, Path]) -
 def test_sigterm_drains_requests_in_flight_and_queued(tmp_path: Path) -> None:
     root = tmp_path / "models"
     write_spin_model(root, "spin", warmup={"batch_sizes": [1], "batch_cap": 1})
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path / "server.log"
+    log, port_file = tmp_path / "server.log", tmp_path / "port"
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "server.cli", "serve", "--model-repository", str(root),
-             "--host", "127.0.0.1", "--http-port", str(port)],
+             "--host", "127.0.0.1", "--http-port", "0", "--port-file", str(port_file)],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     try:
+        url = f"http://127.0.0.1:{bound_port(port_file, process, log, time.monotonic() + 180)}"
         wait_until(lambda: process.poll() is None and _ready(url), f"the server is ready (log: {log})", 180)
         slow = hold(url, "spin")
         waiting = Call(url, "spin", 2.0)
@@ -204,6 +203,12 @@ def test_sigterm_drains_requests_in_flight_and_queued(tmp_path: Path) -> None:
         stop(process)
     text = log.read_text()
     assert "Application shutdown complete" in text and "Traceback" not in text, text[-4000:]
+    # the start-up log names what the models compute on; this test's assumption about the machine
+    # is stated and checked: a GPU shows as cuda:0, none as one line that says so
+    devices = next((line for line in text.splitlines() if " devices: " in line), None)
+    assert devices is not None, text[-4000:]
+    gpu_here = Path("/dev/nvidiactl").exists() and "CUDA_VISIBLE_DEVICES" not in os.environ
+    assert ("cuda:0" in devices) if gpu_here else ("no GPU visible" in devices), devices
 
 
 def _ready(url: str) -> bool:
