@@ -47,7 +47,7 @@ def gpus() -> list[dict[str, str]] | None:
 
 
 def library_versions() -> dict[str, str | None]:
-    from server.devices import installed_versions  # the server's own, which its startup log uses too
+    from server.versions import installed_versions  # the server's own, which its start-up log uses too
 
     return installed_versions(LIBRARIES)
 

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 
 from server import __version__
@@ -59,7 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     if not settings.model_repository.is_dir():
-        logging.error("model repository %s is not a folder", settings.model_repository)
+        logging.getLogger(__name__).error("model repository %s is not a folder", settings.model_repository)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub at run time
     import uvicorn
@@ -94,7 +95,9 @@ def _serve(args: argparse.Namespace) -> int:
     logging.getLogger(__name__).info(
         "batchline %s serving %s on http://%s:%d", __version__, settings.model_repository, settings.host, port,
     )
-    logging.getLogger(__name__).info("devices: %s", describe_stack())
+    # On a GPU machine naming the stack imports torch and onnxruntime (seconds): not on the way to serving.
+    threading.Thread(target=lambda: logging.getLogger(__name__).info("devices: %s", describe_stack()),
+                     name="describe-devices", daemon=True).start()
     if settings.port_file is not None:
         _write_port_file(settings.port_file, port)
     server = StoppingServer(plane, uvicorn.Config(
@@ -135,7 +138,7 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         from loadtest.bench import main as bench_main
     except ImportError as exc:
-        logging.error("the benchmark tools are not installed (pip install 'batchline[loadtest]'): %s", exc)
+        logging.getLogger(__name__).error("the benchmark tools are not installed (pip install 'batchline[loadtest]'): %s", exc)
         return 2
     return bench_main(args.arguments)
 

@@ -1,16 +1,16 @@
 """Which devices exist, how an instance_group spreads instances over them, and what software
-stack they run (named once in the startup log, and in every benchmark record)."""
+stack they run (named once in the start-up log)."""
 
 from __future__ import annotations
 
 import functools
 import os
 from dataclasses import dataclass
-from importlib import metadata
 
 from server.config import InstanceGroup
 from server.errors import EngineError
 from server.gpu import cuda_device_count, driver_versions, gpu_model, nvidia_driver_reachable, nvml_available
+from server.versions import installed_versions, tensorrt_version
 
 
 @dataclass(frozen=True)
@@ -46,27 +46,16 @@ def placements(groups: list[InstanceGroup], gpu_count: int | None = None) -> lis
     return devices
 
 
-def installed_versions(names: tuple[str, ...]) -> dict[str, str | None]:
-    """Each distribution's installed version, None where it is not installed; reads package
-    metadata only, so nothing heavy (torch) is imported to learn it."""
-    versions: dict[str, str | None] = {}
-    for name in names:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
-
-
-STACK_LIBRARIES = ("torch", "onnxruntime", "onnxruntime-gpu", "tensorrt")
+STACK_LIBRARIES = ("torch", "onnxruntime", "onnxruntime-gpu")
 
 
 def describe_stack() -> str:
     """One log line naming what this process computes on: each visible GPU (CUDA index, model,
     compute capability), the driver and CUDA versions, and the libraries in use (torch and the
-    CUDA it was built for, onnxruntime and its providers, TensorRT where importable). Without a
+    CUDA it was built for, onnxruntime and its providers, TensorRT where installed). Without a
     GPU, a short line that says so and why. Never raises: a library that fails to import is named
-    as such."""
+    as such. On a GPU machine it imports torch and onnxruntime (seconds): call it off the path
+    to the port."""
     count = visible_gpu_count()
     if count == 0:
         hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -113,9 +102,5 @@ def _onnxruntime_stack(version: str | None) -> str:
 
 
 def _tensorrt_stack() -> str:
-    """TensorRT's own version where it imports (its wheels come under several names)."""
-    try:
-        import tensorrt
-    except Exception:  # noqa: BLE001 (ImportError, or a wheel without its CUDA libraries)
-        return "tensorrt not importable"
-    return f"tensorrt {tensorrt.__version__}"
+    version = tensorrt_version()
+    return f"tensorrt {version}" if version else "tensorrt not installed"

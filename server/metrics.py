@@ -144,8 +144,8 @@ def _add(family: HistogramMetricFamily, labels: list[str], histogram: Histogram)
 
 
 def _gpu_metrics(gpus: list[GpuReading]) -> Iterator[Metric]:
-    """The counters of the GPUs this process may use, labelled `gpu` by CUDA index (`cuda:N`, as
-    instance groups and engines name them; server/gpu.py maps it to NVML's host-wide index)."""
+    """The counters of the GPUs this process may use, labelled `gpu` by CUDA index (`gpu="N"` for
+    `cuda:N`, as instance groups and engines name them; server/gpu.py maps it to NVML's host-wide index)."""
     if not gpus:
         return
     fields: list[tuple[str, str, str, bool]] = [

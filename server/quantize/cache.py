@@ -12,7 +12,7 @@ import hashlib
 import json
 from typing import Any
 
-from server.devices import installed_versions
+from server.versions import installed_versions
 
 # Bump when a builder's output changes for identical inputs (new conversion code, fixed bug).
 BUILDER_REVISION = 1

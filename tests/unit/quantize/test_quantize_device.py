@@ -207,8 +207,7 @@ def test_driver_versions_come_from_nvml(monkeypatch: pytest.MonkeyPatch) -> None
 def test_the_startup_line_names_the_gpu_stack(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each visible GPU by CUDA index (NVML's 2 is cuda:0 here), driver and CUDA, and the
     libraries in use: torch with the CUDA it was built for, onnxruntime with its providers,
-    TensorRT where it imports."""
-    import sys
+    TensorRT where installed."""
     from importlib import metadata
 
     import onnxruntime
@@ -217,7 +216,7 @@ def test_the_startup_line_names_the_gpu_stack(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(gpu, "_nvml", lambda: Stack())
     monkeypatch.setattr(devices, "visible_gpu_count", gpu.cuda_device_count)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
-    monkeypatch.setitem(sys.modules, "tensorrt", SimpleNamespace(__version__="10.9.0.34"))
+    monkeypatch.setattr(devices, "tensorrt_version", lambda: "10.9.0.34")
     line = devices.describe_stack()
     parts = line.split("; ")
     assert parts[:2] == ["cuda:0 NVIDIA H200 #2 (sm90), cuda:1 NVIDIA H200 #0 (sm90)",
@@ -225,8 +224,8 @@ def test_the_startup_line_names_the_gpu_stack(monkeypatch: pytest.MonkeyPatch) -
     assert parts[2] == f"torch {metadata.version('torch')} (CUDA {torch.version.cuda or 'none: a CPU build'})"
     assert parts[3].startswith("onnxruntime ") and parts[3].endswith(f"[{', '.join(onnxruntime.get_available_providers())}]")
     assert parts[4] == "tensorrt 10.9.0.34"
-    monkeypatch.setitem(sys.modules, "tensorrt", None)
-    assert devices.describe_stack().endswith("; tensorrt not importable")
+    monkeypatch.setattr(devices, "tensorrt_version", lambda: None)
+    assert devices.describe_stack().endswith("; tensorrt not installed")
 
 
 def test_without_a_gpu_the_startup_line_is_short_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -247,10 +246,11 @@ def test_library_versions_are_read_once_for_the_server_and_the_benchmarks() -> N
     from importlib import metadata
 
     from loadtest import machine
+    from server import versions
 
-    assert devices.installed_versions(("numpy", "no-such-distribution")) == {
+    assert versions.installed_versions(("numpy", "no-such-distribution")) == {
         "numpy": metadata.version("numpy"), "no-such-distribution": None}
-    assert machine.library_versions() == devices.installed_versions(machine.LIBRARIES)
+    assert machine.library_versions() == versions.installed_versions(machine.LIBRARIES)
 
 
 def test_the_ready_log_names_the_model_of_each_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
