@@ -10,8 +10,10 @@ there and copied back together; graphs with tensors that cannot live on a device
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import io
 import json
 import logging
 from importlib import metadata
@@ -90,10 +92,15 @@ def preload_cuda_libraries() -> str:
     PyPI's onnxruntime-gpu has no RUNPATH to the nvidia-* wheels' libraries: they resolve only
     after `onnxruntime.preload_dlls()` (1.21+) or an `import torch` that loaded them. Returns
     which ran ("preload_dlls", "torch" or "none"). A failure is only logged: the session then
-    fails, or falls back to the CPU, and check_providers refuses it with the reason."""
+    fails, or falls back to the CPU, and check_providers refuses it with the reason.
+    preload_dlls prints what it failed to load instead of raising: that goes to the log."""
     try:
         if hasattr(ort, "preload_dlls"):
-            ort.preload_dlls()
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                ort.preload_dlls()
+            if printed.getvalue().strip():
+                logger.warning("ONNX Runtime's preload of the CUDA libraries said: %s", printed.getvalue().strip())
             return "preload_dlls"
         import torch  # noqa: F401  (its import loads the CUDA libraries it was built with)
 
@@ -238,6 +245,19 @@ class OnnxRuntimeEngine(Engine):
             name: as_bytes(result) if name in self._string_outputs else result
             for name, result in zip(self._output_names, results)
         }
+
+    @property
+    def compiles_per_shape(self) -> bool:
+        """The TensorRT provider builds engines for the shapes it meets, and the CUDA provider
+        with cuDNN's EXHAUSTIVE search times every convolution algorithm at each new shape; the
+        CPU, and CUDA with HEURISTIC or DEFAULT, prepare nothing per shape. Read from the
+        session (the providers that took, and their options), not from what was asked."""
+        if "TensorrtExecutionProvider" in self._providers:
+            return True
+        if "CUDAExecutionProvider" not in self._providers:
+            return False
+        cuda = self._session.get_provider_options().get("CUDAExecutionProvider", {})
+        return cuda.get("cudnn_conv_algo_search") == "EXHAUSTIVE"
 
     def signature(self) -> EngineSignature:
         return EngineSignature(

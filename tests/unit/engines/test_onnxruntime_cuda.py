@@ -258,6 +258,16 @@ def test_nothing_to_preload_with_is_logged_and_the_session_decides(
     assert preload_cuda_libraries() == "none"
 
 
+def test_what_preload_dlls_failed_to_load_reaches_the_log(
+    monkeypatch: pytest.MonkeyPatch, fresh_preload: list, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ORT's preload_dlls prints the libraries it could not load and returns: the log gets it."""
+    monkeypatch.setattr(ort, "preload_dlls", lambda *a, **k: print("Failed to load libcublasLt.so.13"), raising=False)
+    with caplog.at_level(logging.WARNING, logger="server.engines.onnxruntime"):
+        assert preload_cuda_libraries() == "preload_dlls"
+    assert "preload of the CUDA libraries said: Failed to load libcublasLt.so.13" in caplog.text
+
+
 # I/O binding
 
 

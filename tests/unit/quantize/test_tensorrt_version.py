@@ -54,16 +54,3 @@ def test_a_build_with_tensorrt_11_is_refused_before_any_work(monkeypatch: pytest
         tensorrt.build_engine(onnx_path, tmp_path / "m.plan", ModelConfig.model_validate(IMAGE), precision,
                               cache=tmp_path / "cache")
     assert calls == [] and not (tmp_path / "m.plan").exists() and not (tmp_path / "cache").exists()
-
-
-def test_the_same_build_with_tensorrt_10_goes_through(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """The check refuses the version, not the build: the fake as TensorRT 10 builds."""
-    calls: list[tuple] = []
-    Ten, FakeTorch = fake_tensorrt(calls)
-    monkeypatch.setitem(sys.modules, "tensorrt", Ten)
-    monkeypatch.setitem(sys.modules, "torch", FakeTorch)
-    onnx_path = tmp_path / "m.onnx"
-    onnx_path.write_bytes(b"graph")
-    tensorrt.build_engine(onnx_path, tmp_path / "m.plan", ModelConfig.model_validate(IMAGE), "fp16",
-                          cache=tmp_path / "cache")
-    assert ("flag", "FP16") in calls and (tmp_path / "m.plan").read_bytes() == b"PLAN"
