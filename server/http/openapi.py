@@ -43,8 +43,8 @@ _INFER_ERRORS = {
     429: "The model's queue is full, or the server is at its limit of requests in flight; retry after"
     " Retry-After seconds",
     500: "The engine failed while running the batch that held this request",
-    504: "The request's timeout passed while it was queued (it was not run), or its batch ran past the"
-    " model's execution_timeout_seconds",
+    504: "The request's timeout passed while it was queued, or would have before its batch could finish"
+    " (it was not run), or its batch ran past the model's execution_timeout_seconds",
 }
 
 _CONTROL_TOO_LARGE = f"The body is larger than the control plane accepts ({CONTROL_BODY_BYTES >> 10} KiB)"

@@ -7,8 +7,11 @@ policy (`policy.py`) says whether it goes now. While every instance is busy the 
 so the next batch is ready the moment one frees: batch k+1 forms while batch k runs.
 
 Admission is honest: a full queue refuses at once, a request whose deadline passes while
-queued is answered with DeadlineExceeded and never runs, and a cancelled one is dropped
-before compute. Each future is resolved exactly once.
+queued is answered with DeadlineExceeded and never runs, and so is one whose deadline would
+pass before its batch could finish (the batch time is a running mean of this version's
+batches): under overload, compute goes to requests that can still be answered in time, and no
+answer comes after its deadline. A cancelled request is dropped before compute. Each future is
+resolved exactly once.
 
 The batcher also owns which instances are in service. An instance whose batch ran past the
 watchdog (ExecutionTimeout) is stuck in its engine: it is retired, never handed another batch,
@@ -109,6 +112,7 @@ class Batcher:
         self._next_release = 0
         self._held: dict[int, Callable[[], None] | None] = {}  # preserve_ordering buffer
         self._draining = False  # unloading: nothing waits for the delay window any more
+        self._batch_ns = 0.0  # running mean of a batch's time, dispatch to result (0: none yet)
         stats.instances_in_service = len(instances)
         stats.instance_batch_caps = {i.label: policy.max_batch_size for i in instances}
 
@@ -148,10 +152,21 @@ class Batcher:
 
     def _expire(self, request: InferenceRequest) -> None:
         if request.state is RequestState.QUEUED:
-            self._drop(request)
-            self._stats.count_failure("deadline")
-            request.fail(DeadlineExceeded("the request's deadline passed while it was queued; it was not run"))
-            self._release(request, None)
+            self._give_up(request, "the request's deadline passed while it was queued; it was not run")
+
+    def _give_up(self, request: InferenceRequest, why: str) -> None:
+        self._drop(request)
+        self._stats.count_failure("deadline")
+        request.fail(DeadlineExceeded(why))
+        self._release(request, None)
+
+    def _too_late(self, request: InferenceRequest, now: int) -> bool:
+        """Its deadline would pass before a batch dispatched now is done."""
+        return request.deadline_ns is not None and request.deadline_ns - now < self._batch_ns
+
+    def _give_up_late(self, request: InferenceRequest) -> None:
+        self._give_up(request, f"the request's deadline would pass before its batch could finish (a batch takes "
+                               f"about {self._batch_ns / 1e6:.0f} ms here); it was not run")
 
     def _on_future_done(self, request: InferenceRequest) -> None:
         """A queued future that completes from outside was cancelled by its client."""
@@ -215,8 +230,11 @@ class Batcher:
     def _form_batch(self, policy: BatchPolicy) -> tuple[list[InferenceRequest], bool]:
         """The oldest live request of the highest level and the compatible ones behind it;
         `blocked` says a compatible request had to stay behind for lack of room."""
+        now = self._clock()
         for queue in self._queues:
-            while queue and queue[0].state is not RequestState.QUEUED:
+            while queue and (queue[0].state is not RequestState.QUEUED or self._too_late(queue[0], now)):
+                if queue[0].state is RequestState.QUEUED:
+                    self._give_up_late(queue[0])
                 queue.popleft()
         head = next((q[0] for q in self._queues if q), None)
         if head is None:
@@ -228,6 +246,9 @@ class Batcher:
         for queue in self._queues:
             for candidate in queue:
                 if candidate is head or candidate.state is not RequestState.QUEUED:
+                    continue
+                if self._too_late(candidate, now):
+                    self._give_up_late(candidate)
                     continue
                 if candidate.shape_key != head.shape_key:
                     continue
@@ -269,7 +290,9 @@ class Batcher:
             if isinstance(exc, asyncio.CancelledError):
                 raise
         else:
-            self._stats.record_busy(instance.label, self._clock() - dispatched_ns)
+            took = self._clock() - dispatched_ns
+            self._stats.record_busy(instance.label, took)
+            self._batch_ns = took if not self._batch_ns else 0.8 * self._batch_ns + 0.2 * took
             self._note_memory(instance, result)
             served = [r for i, r in enumerate(batch) if i not in result.failed]
             if served:

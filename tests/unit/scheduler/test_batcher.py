@@ -196,6 +196,33 @@ async def test_a_request_whose_deadline_passes_while_queued_never_runs() -> None
     assert stats.failures["deadline"] == 1
 
 
+async def test_a_request_whose_deadline_would_pass_before_its_batch_finishes_never_runs() -> None:
+    """Batches here take 10 s (a fake clock): at the next dispatch, a request with 5 s left is
+    answered DeadlineExceeded at once instead of being run and answered late; one with 20 s left,
+    and one without a deadline, run. (The real timers are set 15 s and more ahead: they never fire.)"""
+    fake = FakeInstance()
+    now = [0]
+    stats = ModelStatistics()
+    b = Batcher(BatchPolicy(8, (), 0, None), QueueSettings(), [fake], stats, clock=lambda: now[0])
+    b.submit(request([0.0]))
+    await settle()
+    late = request([1.0], deadline_ns=15_000_000_000)
+    in_time = request([2.0], deadline_ns=30_000_000_000)
+    whenever = request([3.0])
+    for r in (late, in_time, whenever):
+        b.submit(r)
+    await settle()
+    now[0] = 10_000_000_000  # the first batch took 10 s
+    fake.release(0)
+    await settle()
+    with pytest.raises(DeadlineExceeded, match="would pass before its batch could finish"):
+        await asyncio.wait_for(late.future, 1.0)
+    assert [f["x"].item() for f in fake.batches[1]] == [2.0, 3.0]
+    assert stats.failures["deadline"] == 1
+    fake.release(1)
+    assert (await in_time.future)["y"].item() == 4.0
+
+
 async def test_a_full_queue_refuses_at_once() -> None:
     fake = FakeInstance()
     b, stats = batcher([fake], max_queue_size=2)
