@@ -2,7 +2,9 @@
 
 Loading builds one engine per placement, warms every instance up (profiling the batch ladder
 when asked), and only then reports ready; a failure leaves the version unavailable with the
-reason, and other models unaffected.
+reason, and other models unaffected. Warm-up and profiling run on the instance's own thread,
+the one that will serve its batches: what an engine prepares per thread (torch's CUDA graphs)
+is then prepared once, where it is used.
 
 While serving, an instance stuck in its engine past execution_timeout_seconds is replaced by a
 fresh one, built and warmed up the same way, so the version keeps serving; the stuck thread is
@@ -115,19 +117,19 @@ class ModelVersion:
             for index, device in enumerate(placements(self.config.instance_group)):
                 self.instances.append(self._new_instance(device, f"{self.config.name}-{self.version}-{index}"))
             self._instance_count = len(self.instances)
-            self.stats.batch_cap = self._batch_cap(self.instances[0].pipeline)
+            self.stats.batch_cap = self.instances[0].run_on_thread(self._batch_cap)
         except BaseException:
             self._close_instances()
             raise
 
     def _new_instance(self, device: Device, label: str) -> ModelInstance:
-        """An instance on `device`, warmed up: at load, and in place of a stuck one."""
+        """An instance on `device`, warmed up on its own thread: at load, and in place of a stuck one."""
         engine = create_engine(self.config, self.path, device)
         instance = ModelInstance(
             ModelPipeline(self.config, engine, self._pads), device, label, timeout_s=self.config.execution_timeout_seconds
         )
         try:
-            self._warm_up(instance.pipeline)
+            instance.run_on_thread(self._warm_up)
         except BaseException:
             instance.close()
             raise
@@ -175,22 +177,40 @@ class ModelVersion:
         return self.state is not ModelState.READY and any(i.stuck for i in self._abandoned) and not self.instances
 
     def _warm_up(self, pipeline: ModelPipeline) -> None:
-        """Run every shape the model can be sent before it serves, so that a compiled engine
-        (torch.compile, TensorRT profiles) meets each one now, not with a client waiting: every
-        batch bucket a batch can be padded up to (the first at or past max_batch_size included:
-        a full batch reaches it) and each of `warmup.batch_sizes`, and for a text model with
-        `sequence_buckets`, each of those at every sequence bucket. Shapes without buckets are
-        not fixed, so there is none to cover: a text model without sequence_buckets runs the
-        warm-up text at its own length, and an input's variable dim runs at length 1."""
+        """Run the model before it serves: its outputs are checked against the config, and what
+        the engine prepares on a first run is prepared now, not with a client waiting. Called on
+        the instance's own thread (`ModelInstance.run_on_thread`), which serves its batches.
+
+        How many shapes depends on the engine (`Engine.compiles_per_shape`). One that prepares
+        each new shape (torch.compile and its CUDA graphs, TensorRT, ONNX Runtime's TensorRT
+        provider or cuDNN's exhaustive search) runs every shape a batch can take: each batch
+        bucket a batch can be padded up to (the first at or past max_batch_size included: a full
+        batch reaches it) and each of `warmup.batch_sizes`, and for a text model with
+        `sequence_buckets`, each of those at every sequence bucket. Any other engine has nothing
+        to prepare per shape: `warmup.batch_sizes` and the batch buckets within max_batch_size,
+        the warm-up text at its own length (padded to its bucket, as a batch would be).
+        Shapes without buckets are not fixed, so there is none to sweep: a text model without
+        sequence_buckets runs the warm-up text at its own length, and an input's variable dim
+        runs at length 1."""
         if not self.config.warmup.enabled:
             return
+        sweep = pipeline.engine.compiles_per_shape
         tokenize = self.config.tokenize
-        lengths: list[int | None] = list(tokenize.sequence_buckets) if tokenize and tokenize.sequence_buckets else [None]
-        sizes = self._warmup_batch_sizes()
-        logger.info(
-            "model %s: warm-up at batch sizes %s%s", self.label, sizes,
-            f", each at sequence lengths {lengths}" if lengths != [None] else "",
-        )
+        lengths: list[int | None] = [None]
+        if sweep and tokenize and tokenize.sequence_buckets:
+            lengths = list(tokenize.sequence_buckets)
+        sizes = self._warmup_batch_sizes(sweep)
+        if sweep:
+            logger.info(
+                "model %s: warm-up at batch sizes %s%s: every bucket a batch can reach (the engine prepares"
+                " each shape on its first run)", self.label, sizes,
+                f", each at sequence lengths {lengths}" if lengths != [None] else "",
+            )
+        else:
+            logger.info(
+                "model %s: warm-up at batch sizes %s: buckets not swept (the engine prepares nothing per shape)",
+                self.label, sizes,
+            )
         for batch_size in sizes:
             feed = self._sample_feed(batch_size)
             for length in lengths:
@@ -200,11 +220,16 @@ class ModelVersion:
                     where = f"batch size {batch_size}" + (f", sequence length {length}" if length else "")
                     raise EngineError(f"warm-up at {where} failed: {exc.message}") from exc
 
-    def _warmup_batch_sizes(self) -> list[int]:
-        """`warmup.batch_sizes`, and a size that pads up to each batch bucket a batch can reach."""
+    def _warmup_batch_sizes(self, sweep: bool) -> list[int]:
+        """`warmup.batch_sizes`, and with `sweep` a size that pads up to each batch bucket a
+        batch can reach; without, the batch buckets within max_batch_size."""
         sizes = set(self.config.warmup.batch_sizes)
         cap = self.config.max_batch_size
         for bucket in self.config.batch_buckets or []:
+            if not sweep:
+                if bucket <= cap:
+                    sizes.add(bucket)
+                continue
             sizes.add(min(bucket, cap))
             if bucket >= cap:  # larger buckets are never reached
                 break

@@ -39,11 +39,20 @@ class Engine(ABC):
 
     @abstractmethod
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run one batch; called from the instance's own thread, so it may block and should
-        release the GIL while computing."""
+        """Run one batch. An engine is run from one thread, its instance's (warm-up included), so
+        it may block, should release the GIL while computing, and may keep state per thread
+        (torch keeps its CUDA graphs so)."""
 
     @abstractmethod
     def describe(self) -> EngineDescription: ...
+
+    @property
+    def compiles_per_shape(self) -> bool:
+        """Whether the first run at a new input shape prepares something a client would wait
+        for (a compile, a CUDA graph, an engine build, a timed kernel search). Warm-up runs every
+        shape a batch can take (each batch bucket, times each sequence bucket) only for such an
+        engine; for others, a few batch sizes. False unless the engine says otherwise."""
+        return False
 
     @abstractmethod
     def signature(self) -> EngineSignature:

@@ -160,14 +160,9 @@ class TorchEngine(Engine):
             self._stream = torch.cuda.Stream(self._device)
         self._compiled = config.torch.compile
         self._compile_mode = config.torch.compile_mode
+        # torch keeps the CUDA graphs it records per thread: one thread runs this engine, warm-up
+        # included (its instance's), so each shape is compiled and recorded once, here
         self._shapes_compiled: set[tuple[torch.Size, ...]] = set()
-        # torch keeps the CUDA graphs it records per thread: warm-up's thread records one per
-        # bucket, and the instance's own thread again at its first batch of each
-        self._graphs = (
-            self._compiled and self._stream is not None
-            and bool(compile_options(self._compile_mode).get("triton.cudagraphs"))
-        )
-        self._thread_shapes = threading.local()
         if self._compiled:
             self._module = _compiled(self._module, config)
         self._input_names = [t.engine_name for t in engine_inputs(config)]
@@ -212,45 +207,31 @@ class TorchEngine(Engine):
     def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self._dtype) if tensor.is_floating_point() else tensor
 
+    @property
+    def compiles_per_shape(self) -> bool:
+        """torch.compile with static shapes compiles each shape at its first run (and records
+        its CUDA graph, where the mode does); an eager program prepares nothing per shape."""
+        return self._compiled
+
     def _forward(self, tensors: list[torch.Tensor]) -> Any:
         if self._compiled:
             shapes = tuple(t.shape for t in tensors)
-            seen = self._shapes_seen()
-            if shapes not in seen:
-                return self._first_run(tensors, shapes, seen)
+            if shapes not in self._shapes_compiled:
+                return self._first_run(tensors, shapes)
         return self._module(*tensors)
 
-    def _shapes_seen(self) -> set[tuple[torch.Size, ...]]:
-        """The shapes already run: in the process, or on this thread where CUDA graphs are
-        recorded (torch records them per thread)."""
-        if not self._graphs:
-            return self._shapes_compiled
-        if not hasattr(self._thread_shapes, "seen"):
-            self._thread_shapes.seen = set()
-        return self._thread_shapes.seen
-
-    def _first_run(
-        self, tensors: list[torch.Tensor], shapes: tuple[torch.Size, ...], seen: set[tuple[torch.Size, ...]]
-    ) -> Any:
+    def _first_run(self, tensors: list[torch.Tensor], shapes: tuple[torch.Size, ...]) -> Any:
         """The first run at a shape compiles it (and records its CUDA graph, where the mode
-        does): one at a time in the process, timed and logged. Warm-up runs every bucket, so
-        compiles are load-time lines; an instance's thread records its own CUDA graphs at its
-        first batch of each bucket."""
+        does): one at a time in the process, timed and logged. Warm-up runs every bucket on the
+        instance's thread, so compiles and graphs are load-time lines, and made once."""
         with COMPILE_LOCK:
             start = time.perf_counter()
             result = self._module(*tensors)
             if self._stream is not None:  # kernels tuned and graphs recorded on the device count too
                 self._stream.synchronize()
             seconds = time.perf_counter() - start
-        compiled = shapes in self._shapes_compiled
-        seen.add(shapes)
         self._shapes_compiled.add(shapes)
-        label = self._shape_label(shapes)
-        if compiled:
-            thread = threading.current_thread().name
-            logger.info("recorded the CUDA graph of %s %s for thread %s in %.2f s", self._name, label, thread, seconds)
-        else:
-            logger.info("compiled %s %s in %.2f s", self._name, label, seconds)
+        logger.info("compiled %s %s in %.2f s", self._name, self._shape_label(shapes), seconds)
         return result
 
     def _shape_label(self, shapes: tuple[torch.Size, ...]) -> str:

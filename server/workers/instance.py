@@ -2,6 +2,8 @@
 
 Batches are merged, run and split on that thread, so the event loop only hands requests over
 and resolves futures; engines release the GIL while computing, so instances run in parallel.
+Warm-up and the batch-cap profile run on that thread too (`run_on_thread`), before the first
+batch: what an engine keeps per thread (torch's CUDA graphs) is made where batches will use it.
 
 Faults stay within the batch that met them:
 - Watchdog: a batch still running after `timeout_s` is answered with ExecutionTimeout and the
@@ -18,6 +20,7 @@ Faults stay within the batch that met them:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -25,6 +28,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -37,13 +41,17 @@ from server.workers.pipeline import ModelPipeline
 logger = logging.getLogger(__name__)
 
 Feed = dict[str, np.ndarray]
+T = TypeVar("T")
 
 
 @dataclass
 class _Job:
-    call: Callable[[], BatchResult]
-    future: asyncio.Future[BatchResult]
-    loop: asyncio.AbstractEventLoop
+    """A call for the instance's thread and where its outcome goes: a future of the event loop
+    (`loop`: a batch), or a thread-safe one that a caller off the loop blocks on (no loop)."""
+
+    call: Callable[[], Any]
+    future: asyncio.Future[Any] | concurrent.futures.Future[Any]
+    loop: asyncio.AbstractEventLoop | None = None
 
 
 @dataclass
@@ -170,6 +178,16 @@ class ModelInstance:
             )
         return future.result()
 
+    def run_on_thread(self, call: Callable[[ModelPipeline], T]) -> T:
+        """`call(pipeline)` on the instance's thread, waited for: warm-up and the batch-cap
+        profile, before the instance serves. Blocks, so never from the event loop; no watchdog
+        (a first run may compile for minutes). The call's error is raised here."""
+        if self.abandoned:
+            raise Unavailable(f"instance {self.label} is out of service")
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._jobs.put(_Job(partial(call, self.pipeline), future))
+        return future.result()
+
     def _abandon(self, run: asyncio.Future[BatchResult]) -> None:
         self.abandoned = True
         self._stuck = run
@@ -177,12 +195,15 @@ class ModelInstance:
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
-            result: BatchResult | None = None
+            result: Any = None
             error: BaseException | None = None
             try:
                 result = job.call()
-            except BaseException as exc:  # noqa: BLE001 (every outcome goes back to the waiting loop)
+            except BaseException as exc:  # noqa: BLE001 (every outcome goes back to the waiting caller)
                 error = exc if isinstance(exc, Exception) else EngineError(f"{type(exc).__name__}: {exc}")
+            if job.loop is None:  # a caller off the loop waits on a thread-safe future
+                _settle(job.future, result, error)
+                continue
             try:
                 job.loop.call_soon_threadsafe(_settle, job.future, result, error)
             except RuntimeError:  # the loop is closed: nobody waits for this run any more
@@ -201,13 +222,15 @@ class ModelInstance:
         self._thread.join()
 
 
-def _settle(future: asyncio.Future[BatchResult], result: BatchResult | None, error: BaseException | None) -> None:
+def _settle(
+    future: asyncio.Future[Any] | concurrent.futures.Future[Any], result: Any, error: BaseException | None
+) -> None:
     if future.done():  # the waiter was cancelled
         return
     if error is not None:
         future.set_exception(error)
     else:
-        future.set_result(result)  # type: ignore[arg-type]
+        future.set_result(result)
 
 
 def _retrieve(future: asyncio.Future[BatchResult]) -> None:

@@ -1,10 +1,14 @@
-"""Warm-up covers every shape a model can be sent: each batch bucket a batch can be padded up to,
-times each sequence bucket of a text model, so a compiled engine never compiles while serving.
+"""Warm-up, on the instance's own thread. For an engine that prepares each shape on its first run
+(`compiles_per_shape`) it covers every shape a model can be sent: each batch bucket a batch can be
+padded up to, times each sequence bucket of a text model, so a compiled engine never compiles
+while serving; any other engine runs a few batch sizes, the warm-up text at its own length.
 A recording engine stands in for the real one; the last test compiles the digits model for real."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,19 +24,30 @@ from server.engines.signature import EngineSignature
 from server.errors import EngineError
 from server.model import ModelVersion
 from tests.integration.conftest import require_built_models
+from tests.unit.onnx_models import doubling
 
 WORDS = ["batchline", "warms", "up", "this", "model", "before", "it", "serves"]
+SWEPT = "every bucket a batch can reach (the engine prepares each shape on its first run)"
+NOT_SWEPT = "buckets not swept (the engine prepares nothing per shape)"
 
 
 class RecordingEngine(Engine):
-    """Answers zeros of the declared output dims, and keeps the shapes of every input it ran."""
+    """Answers zeros of the declared output dims, and keeps the shapes of every input it ran and
+    the thread that ran each; `compiles` is what it says of itself (compiles_per_shape)."""
 
-    def __init__(self, config: ModelConfig, version_dir: Path, device: Device) -> None:
+    def __init__(self, config: ModelConfig, version_dir: Path, device: Device, compiles: bool = False) -> None:
         self.config = config
+        self.compiles = compiles
         self.runs: list[dict[str, tuple[int, ...]]] = []
+        self.threads: list[threading.Thread] = []
+
+    @property
+    def compiles_per_shape(self) -> bool:
+        return self.compiles
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.runs.append({name: array.shape for name, array in inputs.items()})
+        self.threads.append(threading.current_thread())
         rows = len(next(iter(inputs.values())))
         return {t.source_name: np.zeros((rows, *t.dims), dtype=np.float32) for t in self.config.outputs}
 
@@ -43,16 +58,28 @@ class RecordingEngine(Engine):
         return EngineSignature(inputs=(), outputs=())
 
 
-@pytest.fixture
-def engines(monkeypatch: pytest.MonkeyPatch) -> list[RecordingEngine]:
+def install(monkeypatch: pytest.MonkeyPatch, compiles: bool) -> list[RecordingEngine]:
+    """Recording engines in place of the real ones; the list holds each one made."""
     created: list[RecordingEngine] = []
 
     def create(config: ModelConfig, version_dir: Path, device: Device) -> Engine:
-        created.append(RecordingEngine(config, version_dir, device))
+        created.append(RecordingEngine(config, version_dir, device, compiles))
         return created[-1]
 
     monkeypatch.setattr(server.model, "create_engine", create)
     return created
+
+
+@pytest.fixture
+def engines(monkeypatch: pytest.MonkeyPatch) -> list[RecordingEngine]:
+    """Engines that compile per shape, as torch.compile and TensorRT do."""
+    return install(monkeypatch, compiles=True)
+
+
+@pytest.fixture
+def plain_engines(monkeypatch: pytest.MonkeyPatch) -> list[RecordingEngine]:
+    """Engines with nothing to prepare per shape, as ONNX Runtime on the CPU."""
+    return install(monkeypatch, compiles=False)
 
 
 def built(config: dict[str, Any], version_dir: Path) -> ModelVersion:
@@ -126,6 +153,40 @@ def test_every_instance_is_warmed_up_at_every_bucket(engines: list[RecordingEngi
     assert all(shapes(e, "x") == {(4, 4), (6, 4)} for e in engines)
 
 
+def test_warm_up_and_the_profile_run_on_the_instances_own_thread(
+    engines: list[RecordingEngine], tmp_path: Path
+) -> None:
+    """torch keeps CUDA graphs per thread: made on any other thread than the one that serves,
+    they would be made twice, and the second time with a client waiting."""
+    config = vector_model(
+        batch_buckets=[2, 4, 8], warmup={"profile": True, "profile_repeats": 1},
+        instance_group=[{"count": 2, "kind": "CPU"}],
+    )
+    version = ModelVersion(ModelConfig.model_validate(config), 1, tmp_path)
+    try:
+        version._build()
+        assert len(engines[0].runs) > len(engines[1].runs)  # the profile ran on the first instance
+        for instance, engine in zip(version.instances, engines):
+            assert engine.threads and set(engine.threads) == {instance._thread}
+            assert instance._thread.name == instance.label
+    finally:
+        version._close_instances()
+
+
+def test_a_replacement_instance_warms_up_on_its_own_thread(engines: list[RecordingEngine], tmp_path: Path) -> None:
+    version = ModelVersion(ModelConfig.model_validate(vector_model(batch_buckets=[2, 6])), 1, tmp_path)
+    try:
+        version._build()
+        stuck = version.instances[0]
+        stuck.abandoned = True  # as the watchdog leaves it (its thread came back: nothing is stuck)
+        fresh = asyncio.run(version._replace(stuck))
+        assert version.instances == [fresh] and fresh is not stuck
+        assert shapes(engines[1], "x") == {(2, 4), (6, 4)}
+        assert set(engines[1].threads) == {fresh._thread} and fresh._thread is not stuck._thread
+    finally:
+        version._close_instances()
+
+
 def test_a_text_model_warms_every_batch_bucket_at_every_sequence_bucket(
     engines: list[RecordingEngine], tokenizer_folder: Path
 ) -> None:
@@ -155,7 +216,36 @@ def test_a_text_model_without_sequence_buckets_runs_its_text_as_it_is(
     with caplog.at_level(logging.INFO, logger="server.model"):
         built(text_model(None, warmup={"text": " ".join(WORDS), "batch_sizes": [1, 4]}), tokenizer_folder)
     assert shapes(engines[0], "input_ids") == {(1, 10), (4, 10)}
-    assert "model text/1: warm-up at batch sizes [1, 4]" in caplog.messages
+    assert caplog.messages == [f"model text/1: warm-up at batch sizes [1, 4]: {SWEPT}"]
+
+
+def test_a_compiling_engines_sweep_is_logged_with_its_sequence_lengths(
+    engines: list[RecordingEngine], tokenizer_folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="server.model"):
+        built(text_model([4, 8, 16], batch_buckets=[2, 4]), tokenizer_folder)
+    assert caplog.messages == [f"model text/1: warm-up at batch sizes [1, 2, 4], each at sequence lengths [4, 8, 16]: {SWEPT}"]
+
+
+# an engine with nothing to prepare per shape (ONNX Runtime on the CPU) sweeps no buckets
+
+
+def test_an_engine_that_compiles_nothing_warms_up_its_sizes_and_the_buckets_within_max_batch_size(
+    plain_engines: list[RecordingEngine], tmp_path: Path
+) -> None:
+    """No bucket past max_batch_size: a full batch pads up to it, but there is nothing to prepare."""
+    built(vector_model(batch_buckets=[2, 4, 8, 16], warmup={"batch_sizes": [1, 3]}), tmp_path)
+    assert [run["x"] for run in plain_engines[0].runs] == [(2, 4), (2, 4), (4, 4), (4, 4)]  # 1, 2, 3, 4: padded
+
+
+def test_an_engine_that_compiles_nothing_runs_the_warm_up_text_once_at_its_own_length(
+    plain_engines: list[RecordingEngine], tokenizer_folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The 10-token text at its bucket of 16, as a batch of it would run: no sweep of 4, 8 and 16."""
+    with caplog.at_level(logging.INFO, logger="server.model"):
+        built(text_model([4, 8, 16], batch_buckets=[2, 4]), tokenizer_folder)
+    assert [run["input_ids"] for run in plain_engines[0].runs] == [(2, 16), (2, 16), (4, 16)]  # 1 pads up to 2
+    assert caplog.messages == [f"model text/1: warm-up at batch sizes [1, 2, 4]: {NOT_SWEPT}"]
 
 
 def test_a_failed_warm_up_names_the_batch_size_and_sequence_length(
@@ -171,6 +261,19 @@ def test_a_failed_warm_up_names_the_batch_size_and_sequence_length(
     monkeypatch.setattr(RecordingEngine, "run", refuse_long)
     with pytest.raises(EngineError, match="warm-up at batch size 1, sequence length 16 failed: no kernel"):
         built(text_model([8, 16], batch_buckets=[2, 4]), tokenizer_folder)
+
+
+def test_onnxruntime_on_the_cpu_sweeps_no_buckets(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The real engine says it prepares nothing per shape (docs: the shipped minilm's warm-up)."""
+    doubling(tmp_path)
+    config = vector_model(
+        batch_buckets=[2, 4, 8], inputs=[{"name": "x", "datatype": "FP32", "dims": [2]}],
+        outputs=[{"name": "y", "datatype": "FP32", "dims": [2]}],
+    )
+    with caplog.at_level(logging.INFO, logger="server.model"):
+        built(config, tmp_path)
+    warm_up = [r.getMessage() for r in caplog.records if r.name == "server.model"]
+    assert warm_up == [f"model vector/1: warm-up at batch sizes [1, 2, 4]: {NOT_SWEPT}"]
 
 
 def test_warm_up_disabled_runs_nothing(engines: list[RecordingEngine], tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ copies really overlap on a GPU) is left to a machine with one."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
@@ -17,11 +18,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+import server.devices
 import server.engines.torch as torch_engine
+import server.model
 from server.config import ModelConfig
 from server.devices import Device
 from server.engines import create_engine
 from server.engines.torch import COMPILE_LOCK, compile_options, load_program, program_module
+from server.model import ModelVersion
 from server.workers.pipeline import ModelPipeline
 from tests.integration.conftest import require_built_models
 from tests.unit.engines.test_engines import DIGITS, digits_config
@@ -279,13 +283,22 @@ def test_a_failure_on_the_device_is_an_engine_error_that_keeps_its_cause(
 # e. torch.compile per bucket: modes, one compile at a time, each one timed and logged
 
 
-@pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"])
-def test_compile_modes_record_cuda_graphs_without_trees(mode: str) -> None:
-    """torch's options for the mode, and CUDA graphs, where it records them, without trees."""
-    torchs = torch._inductor.list_mode_options(mode, dynamic=False)
-    trees = {"triton.cudagraph_trees": False} if torchs.get("triton.cudagraphs") else {}
-    assert compile_options(mode) == {**torchs, **trees}
-    assert compile_options("reduce-overhead") == {"triton.cudagraphs": True, "triton.cudagraph_trees": False}
+@pytest.mark.parametrize(
+    ("mode", "options"),
+    [
+        ("default", {}),
+        ("reduce-overhead", {"triton.cudagraphs": True, "triton.cudagraph_trees": False}),
+        ("max-autotune", {
+            "max_autotune": True, "coordinate_descent_tuning": True,
+            "triton.cudagraphs": True, "triton.cudagraph_trees": False,
+        }),
+        ("max-autotune-no-cudagraphs", {"max_autotune": True, "coordinate_descent_tuning": True}),
+    ],
+)
+def test_compile_modes_record_cuda_graphs_without_trees(mode: str, options: dict[str, bool]) -> None:
+    """torch's options for the mode (as torch 2.13 gives them), and CUDA graphs, where it records
+    them, without trees."""
+    assert compile_options(mode) == options
 
 
 def test_compile_mode_needs_compile() -> None:
@@ -337,29 +350,61 @@ def test_each_bucket_compiles_once_under_the_lock_and_is_logged(
     assert all(line.endswith(" s") for line in lines)
 
 
+class _Traced(torch.nn.Module):
+    """Records the thread of each call of the program, and whether the compile lock was held."""
+
+    def __init__(self, inner: Any, calls: list[tuple[str, bool]]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls = calls
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        self.calls.append((threading.current_thread().name, COMPILE_LOCK.locked()))
+        return self.inner(*args)
+
+
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_cuda_graphs_are_recorded_again_on_the_instances_thread_under_the_lock(
-    digits: Path, compiled: list[dict[str, Any]], cuda: list[Event], caplog: pytest.LogCaptureFixture, mode: str
+def test_warm_up_compiles_on_the_instances_thread_so_its_batches_never_do(
+    digits: Path, compiled: list[dict[str, Any]], cuda: list[Event], caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch, mode: str,
 ) -> None:
-    """torch keeps recorded CUDA graphs per thread: warm-up's thread compiles and records, the
-    instance's thread records again at its first batch of the bucket, serially too. Without CUDA
-    graphs another thread just runs what was compiled."""
-    config = digits_config(torch={"compile": True, "compile_mode": mode}, batch_buckets=[8])
-    engine = create_engine(config, digits, Device("GPU", 0))
-    engine._module = _Forward(engine._module, cuda)
-    feed = {"image": images(8)}
-    with caplog.at_level(logging.INFO, logger="server.engines.torch"):
-        engine.run(feed)  # warm-up
-        serving = threading.Thread(target=lambda: [engine.run(feed) for _ in range(2)], name="digits-1-0")
-        serving.start()
-        serving.join()
+    """torch keeps recorded CUDA graphs per thread: warm-up runs on the thread that serves the
+    instance's batches, so each bucket is compiled (its graph recorded) once, at load, and no
+    batch waits for the compile lock. On any other thread, the first batch would record again."""
+    monkeypatch.setattr(server.devices, "visible_gpu_count", lambda: 1)
+    calls: list[tuple[str, bool]] = []
+    create = server.model.create_engine
+
+    def traced(*args: Any) -> Any:
+        engine = create(*args)
+        engine._module = _Traced(engine._module, calls)
+        return engine
+
+    monkeypatch.setattr(server.model, "create_engine", traced)
+    config = digits_config(
+        torch={"compile": True, "compile_mode": mode}, batch_buckets=[8], instance_group=[{"kind": "GPU", "count": 1}]
+    )
+    version = ModelVersion(config, 1, digits)
+    try:
+        with caplog.at_level(logging.INFO, logger="server.engines.torch"):
+            version._build()
+            (instance,) = version.instances
+            assert instance.pipeline.engine.compiles_per_shape
+            warm_up = len(calls)
+            for size in (3, 8, 1):
+                asyncio.run(instance.run([{"image": images(size)}]))
+    finally:
+        version._close_instances()
+    assert warm_up == 2  # batch sizes 1 and 8, both in the bucket of 8
+    assert calls == [("digits-1-0", True)] + [("digits-1-0", False)] * 4
     lines = [r.getMessage().rsplit(" in ", 1)[0] for r in caplog.records if r.name == "server.engines.torch"]
-    if mode == "default":
-        assert [e[1] for e in cuda if e[0] == "forward"] == [True, False, False]
-        assert lines == ["compiled digits batch 8"]
-    else:
-        assert [e[1] for e in cuda if e[0] == "forward"] == [True, True, False]
-        assert lines == ["compiled digits batch 8", "recorded the CUDA graph of digits batch 8 for thread digits-1-0"]
+    assert lines == ["compiled digits batch 8"]
+
+
+def test_only_a_compiled_program_has_warm_up_run_every_shape(digits: Path, compiled: list[dict[str, Any]]) -> None:
+    assert not create_engine(digits_config(), digits, Device("CPU")).compiles_per_shape
+    config = digits_config(torch={"compile": True}, batch_buckets=[8])
+    assert create_engine(config, digits, Device("CPU")).compiles_per_shape
 
 
 class Tokens(torch.nn.Module):
