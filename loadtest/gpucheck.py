@@ -2,14 +2,17 @@
 
 On a GPU host (loadtest/README.md, "GPU check"): install the carried wheels into a throwaway
 folder (`--wheels DIR`), build random-weight models of real shapes (ResNet-50, a BERT-base
-encoder, the shipped digits CNN) in FP32, FP16, BF16 and INT8 where the stack allows, time each
-engine alone per batch bucket, serve them all on the GPU through the real HTTP server with binary
-tensors and many concurrent clients, and write OUTDIR/gpu_check.json (the record) and
-OUTDIR/gpu_check.md (the tables), with the server's log.
+encoder, the shipped digits CNN) in FP32, FP16, BF16 and INT8 where the stack allows, plus digits
+torch.compiled per batch bucket (reduce-overhead: a CUDA graph per bucket) and ResNet-50 with two
+instances on the GPU (gpucheck_coverage.py); time each engine alone per batch bucket, serve them
+all on the GPU through the real HTTP server with binary tensors and many concurrent clients, and
+write OUTDIR/gpu_check.json (the record) and OUTDIR/gpu_check.md (the tables, and what the host
+cannot cover), with the server's log.
 
 Every phase has a time budget and the serving phase takes what is left; a watchdog writes what
 there is and stops the run at the limit. The report is rewritten after each phase, so even a run
-killed from outside leaves its figures; anything cut short is marked partial, with the reason.
+killed from outside leaves its figures; anything cut short is marked partial, with the reason,
+and a phase that ran past its budget is marked so.
 
 `--dry-run` runs the same flow on the CPU with tiny models and seconds of load (the test of this
 module); `--fetch-wheels DIR` is the step before, on a machine with PyPI (gpucheck_wheels.py).
@@ -29,18 +32,26 @@ import threading
 import time
 import traceback
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from loadtest import gpucheck_wheels as wheels
+from loadtest.gpucheck_coverage import (
+    Extra,
+    compiler_problem,
+    instance_comparison,
+    not_covered,
+    server_compiles,
+)
 from loadtest.machine import machine_record
 
 TIME_LIMIT_S = 480.0
 REPORT_RESERVE_S = 10.0  # kept back from the phases for the last report and the server's stop
 WATCHDOG_MARGIN_S = 3.0  # the watchdog writes and exits this long before the limit
+OVER_BUDGET_GRACE_S = 1.0  # a phase may end this long past its budget before it is marked over it
 JSON_FILE, MARKDOWN_FILE, SERVER_LOG, PROGRESS_LOG = "gpu_check.json", "gpu_check.md", "server.log", "progress.log"
 SCHEMA = "batchline.gpu_check/1"
 ROLES = ("digits", "resnet", "bert")  # build order: the cheap one first
@@ -64,37 +75,58 @@ class Profile:
     instances: int  # engine instances per model
     threads: int | None  # CPU threads per engine (None: the engine's default)
     precisions: tuple[str, ...] = ("fp32", "fp16", "bf16", "int8")
+    extras: tuple[Extra, ...] = ()  # variants built from a plain one: compiled, more instances
+    differences: tuple[str, ...] = ()  # what this kind of run does unlike the GPU run, for the report
 
 
+# On the GPU the compiled variant's buckets are its role's engine buckets, so that its figures read
+# against the plain variant's bucket by bucket; the ResNet of two instances is FP16, where a batch's host
+# staging (77 MB of FP32 pixels at 128) is as long as its compute, so that overlap shows.
 GPU = Profile(
     mode="gpu",
-    budgets={"install": 60, "build": 150, "engine": 110, "server_start": 120},
+    budgets={"install": 60, "build": 150, "engine": 140, "server_start": 150},
     max_batch={"resnet": 128, "bert": 64, "digits": 1024},
     buckets={"resnet": [1, 8, 32, 128], "bert": [1, 8, 32, 64], "digits": [1, 64, 256, 1024]},
     items_per_request={"resnet": 1, "bert": 1, "digits": 16},
     concurrency={"resnet": 128, "bert": 128, "digits": 64},
-    engine_seconds=1.0, served_seconds=8.0, served_warmup_s=1.5, client_processes=4, instances=1, threads=None,
+    engine_seconds=1.0, served_seconds=6.0, served_warmup_s=1.5, client_processes=4, instances=1, threads=None,
+    extras=(Extra("digits", "fp32", "compiled", compile_mode="reduce-overhead"),
+            Extra("resnet", "fp16", "x2", instances=2)),
 )
 DRY_RUN = Profile(
     mode="dry-run",
-    budgets={"install": 30, "build": 60, "engine": 30, "server_start": 60},
+    budgets={"install": 30, "build": 60, "engine": 60, "server_start": 90},
     max_batch={"resnet": 8, "bert": 8, "digits": 64},
     buckets={"resnet": [1, 8], "bert": [1, 8], "digits": [1, 64]},
     items_per_request={"resnet": 1, "bert": 1, "digits": 4},
     concurrency={"resnet": 4, "bert": 4, "digits": 4},
-    engine_seconds=0.1, served_seconds=0.5, served_warmup_s=0.2, client_processes=2, instances=1, threads=1,
-    precisions=("fp32", "bf16", "int8"),  # FP16 is BF16's path; on a CPU it only costs time
+    engine_seconds=0.1, served_seconds=0.4, served_warmup_s=0.15, client_processes=2, instances=1, threads=1,
+    precisions=("fp32", "int8"),
+    extras=(Extra("digits", "fp32", "compiled", compile_mode="default", buckets=(64,)),
+            Extra("resnet", "fp32", "x2", instances=2)),
+    differences=(
+        ("runs on the CPU: tiny models (ResNet of 4 bottlenecks at 32x32, BERT of 2 layers at sequence 16,"
+         " digits trained 1 epoch), one CPU thread per engine, seconds of load from 2 client processes"),
+        ("no FP16 or BF16 variants: each is the FP32 program cast by the torch engine at load, a path of"
+         " its own in the GPU run (tests/unit/engines test the cast); on a CPU they only cost time"),
+        ("digits compiled in torch.compile's default mode over the one bucket [64] (batches of 1 padded up to"
+         " it), not reduce-overhead over [1, 64, 256, 1024]: a CPU has no CUDA graphs (reduce-overhead compiles as"
+         " default does there), and each compile on the CPU builds C++ kernels, seconds apiece"),
+        "the ResNet of two instances is FP32 (no FP16 here) on CPU instances: two threads of compute, no CUDA streams",
+    ),
 )
 
 
 class Run:
     """The record of one check, its clock and its files."""
 
-    def __init__(self, out: Path, profile: Profile, limit_s: float, argv: list[str]) -> None:
+    def __init__(self, out: Path, profile: Profile, limit_s: float, argv: list[str],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.out = out
         self.profile = profile
         self.limit_s = limit_s
-        self.started = time.monotonic()
+        self.clock = clock  # the run's budgets and elapsed times (the tests pass a fake one)
+        self.started = clock()
         # a short limit (the tests') scales the reserve and the watchdog's margin down with it
         self.deadline = self.started + limit_s - min(REPORT_RESERVE_S, 0.1 * limit_s)
         self.stop_at = self.started + limit_s - min(WATCHDOG_MARGIN_S, 0.05 * limit_s)
@@ -109,7 +141,9 @@ class Run:
             "complete": False,
             "partial": [],  # why anything is missing: phases cut short, variants skipped
             "phases": {},
-            "profile": {k: v for k, v in vars(profile).items()},
+            "profile": {k: [asdict(e) for e in v] if k == "extras" else v for k, v in vars(profile).items()
+                        if k != "differences"},
+            "dry_run_differences": list(profile.differences),
             "models": {},
             "summary": [],
         }
@@ -117,10 +151,10 @@ class Run:
         (out / PROGRESS_LOG).write_text("")
 
     def elapsed(self) -> float:
-        return time.monotonic() - self.started
+        return self.clock() - self.started
 
     def left(self) -> float:
-        return self.deadline - time.monotonic()
+        return self.deadline - self.clock()
 
     def log(self, message: str) -> None:
         line = f"[gpu_check {self.elapsed():6.1f}s] {message}"
@@ -135,14 +169,17 @@ class Run:
 
     @contextmanager
     def phase(self, name: str, budget: float | None) -> Iterator[float]:
-        """Yield the phase's deadline (time.monotonic()); record its time and outcome. A phase that
-        raises is recorded as failed with the reason, and the run goes on to the report."""
+        """Yield the phase's deadline (on the run's clock); record its time and outcome. A phase
+        that raises is recorded as failed with the reason, and the run goes on to the report. A
+        phase that ends past its budget (a step longer than the time it had left: a compile, a
+        load) is marked `over_budget_s`, which the report shows: the budgets are what keeps the
+        whole run within its limit, so the phases after it had less time than planned."""
         seconds = self.left() if budget is None else min(budget, self.left())
         entry: dict[str, Any] = {"budget_s": round(seconds, 1), "status": "running"}
         with self.lock:
             self.record["phases"][name] = entry
         self.log(f"phase {name}: up to {seconds:.0f} s")
-        start = time.monotonic()
+        start = self.clock()
         try:
             yield start + seconds
             entry["status"] = "done"
@@ -151,7 +188,11 @@ class Run:
                          traceback=traceback.format_exc(limit=8)[-3000:])
             self.partial(f"phase {name} failed: {type(exc).__name__}: {exc}")
         finally:
-            entry["took_s"] = round(time.monotonic() - start, 1)
+            took = self.clock() - start
+            entry["took_s"] = round(took, 1)
+            if took > seconds + OVER_BUDGET_GRACE_S:
+                entry["over_budget_s"] = round(took - seconds, 1)
+                self.log(f"phase {name}: OVER its budget of {seconds:.0f} s by {entry['over_budget_s']} s")
             self.log(f"phase {name}: {entry['status']} in {entry['took_s']} s")
             self.write()
 
@@ -171,7 +212,7 @@ class Run:
     def watch(self) -> None:
         """At the limit: write what there is, stop the children (the server, the clients), exit."""
         def expire() -> None:
-            remaining = self.stop_at - time.monotonic()
+            remaining = self.stop_at - self.clock()
             if remaining > 0:
                 time.sleep(remaining)
             if self.finished:
@@ -207,6 +248,7 @@ def check(out: Path, profile: Profile, limit_s: float, wheel_folder: Path | None
     run.watch()
     run.log(f"{profile.mode} check into {out}, limit {limit_s:.0f} s, work folder {work}")
     run.record["machine"] = machine_record()
+    run.record["not_covered"] = not_covered(profile.mode, onnx_providers())
     if wheel_folder is not None:
         with run.phase("install", profile.budgets["install"]):
             run.record["wheels"] = wheels.install(wheel_folder, work / "site")
@@ -271,17 +313,17 @@ def build_phase(run: Run, repository: Path, artifacts: Path, deadline: float) ->
     built: dict[str, Any] = {}
     kind = "GPU" if device.type == "cuda" else "CPU"
     for role in ROLES:
-        if time.monotonic() > deadline:
+        if run.clock() > deadline:
             run.partial(f"{role}: not built, the build phase ran out of time")
             continue
-        started = time.monotonic()
+        started = run.clock()
         entry: dict[str, Any] = {"name": role, "variants": {}}
         with run.lock:
             run.record["models"][role] = entry
         try:
             model = models.BUILDERS[role](shapes, device)
             entry.update(name=model.name, about=model.about)
-            run.log(f"{role}: {model.name} built in {time.monotonic() - started:.1f} s; exporting")
+            run.log(f"{role}: {model.name} built in {run.clock() - started:.1f} s; exporting")
             fp32 = artifacts / f"{model.name}-fp32.pt2"
             models.save(models.export(model.module, model, device), fp32)
             options = {"kind": kind, "instances": profile.instances, "max_batch": profile.max_batch[role],
@@ -291,6 +333,10 @@ def build_phase(run: Run, repository: Path, artifacts: Path, deadline: float) ->
                 method = ("torch.export program (FP32)" if precision == "fp32"
                           else f"the FP32 program, cast to {precision} by the torch engine at load")
                 entry["variants"][precision] = {"name": name, "status": "built", "method": method}
+                for extra in (e for e in profile.extras if (e.role, e.precision) == (role, precision)):
+                    buckets = list(extra.buckets or profile.buckets[role])
+                    entry["variants"][extra.key] = extra_variant(extra, model, repository, fp32, device, options,
+                                                                 buckets)
             if "int8" in profile.precisions:
                 entry["variants"]["int8"] = int8_variant(run, model, repository, artifacts, device, options, deadline)
         except Exception as exc:  # noqa: BLE001 (one model that cannot be built does not stop the others)
@@ -298,7 +344,7 @@ def build_phase(run: Run, repository: Path, artifacts: Path, deadline: float) ->
             entry["traceback"] = traceback.format_exc(limit=8)[-3000:]
             run.partial(f"{role}: not built: {entry['error']}")
             continue
-        entry["build_s"] = round(time.monotonic() - started, 1)
+        entry["build_s"] = round(run.clock() - started, 1)
         built[role] = model
         outcomes = ", ".join(f"{p} {v['status']}" for p, v in entry["variants"].items())
         run.log(f"{role}: variants {outcomes} ({entry['build_s']} s)")
@@ -306,11 +352,29 @@ def build_phase(run: Run, repository: Path, artifacts: Path, deadline: float) ->
     return {"models": built, "repository": repository, "device": device}
 
 
+def extra_variant(extra: Extra, model: Any, repository: Path, program: Path, device: Any, options: dict[str, Any],
+                  buckets: list[int]) -> dict[str, Any]:
+    """A variant built from a plain one (gpucheck_coverage.Extra): compiled over `buckets`, or
+    with more instances; unsupported, with the reason, where torch.compile cannot run here."""
+    from loadtest import gpucheck_models as models
+
+    record: dict[str, Any] = {"of": extra.precision, "instances": extra.instances}
+    if extra.compile_mode:
+        problem = compiler_problem(device.type)
+        if problem:
+            return {**record, "status": "unsupported", "reason": f"torch.compile cannot run here: {problem}"}
+        record.update(compile_mode=extra.compile_mode, batch_buckets=buckets)
+    name = models.write_variant(repository, model, extra.precision, program, **{**options, "instances": extra.instances},
+                                suffix=extra.suffix, batch_buckets=buckets if extra.compile_mode else None,
+                                compile_mode=extra.compile_mode)
+    return {"name": name, "status": "built", "method": extra.method(buckets), **record}
+
+
 def int8_variant(run: Run, model: Any, repository: Path, artifacts: Path, device: Any, options: dict[str, Any],
                  deadline: float) -> dict[str, Any]:
     from loadtest import gpucheck_models as models
 
-    if time.monotonic() > deadline:
+    if run.clock() > deadline:
         run.partial(f"{model.name} int8: not built, the build phase ran out of time")
         return {"status": "skipped", "reason": "the build phase ran out of time"}
     try:
@@ -338,6 +402,15 @@ def device_record(torch: Any, device: Any) -> dict[str, Any]:
     else:
         record.update(name="cpu", threads=torch.get_num_threads())
     return record
+
+
+def onnx_providers() -> list[str] | None:
+    """ONNX Runtime's available providers, or None where it is not installed."""
+    try:
+        import onnxruntime
+    except ImportError:
+        return None
+    return list(onnxruntime.get_available_providers())
 
 
 def onnx_record(profile: Profile) -> dict[str, Any]:
@@ -368,7 +441,7 @@ def built_variants(run: Run, context: dict[str, Any]) -> Iterator[tuple[str, Any
 def engine_phase(run: Run, context: dict[str, Any], deadline: float) -> None:
     import torch
 
-    from loadtest.gpucheck_measure import GpuTrace, engine_buckets
+    from loadtest.gpucheck_measure import GpuTrace
     from server.config import load_model_config
     from server.devices import Device
     from server.engines import create_engine
@@ -383,59 +456,107 @@ def engine_phase(run: Run, context: dict[str, Any], deadline: float) -> None:
 
     todo = list(built_variants(run, context))
     for position, (role, model, precision, variant) in enumerate(todo):
-        if time.monotonic() > deadline:
+        if run.clock() > deadline:
             variant["engine"] = {"skipped": "the engine phase ran out of time"}
             run.partial(f"{variant['name']}: engine alone not measured, the phase ran out of time")
             continue
-        buckets = profile.buckets[role]
-        share = (deadline - time.monotonic()) / (len(todo) - position) / (len(buckets) + 2)
+        buckets = variant.get("batch_buckets") or profile.buckets[role]
+        share = (deadline - run.clock()) / (len(todo) - position) / (len(buckets) + 2)
         seconds = max(0.05, min(profile.engine_seconds, share))
         folder = context["repository"] / variant["name"]
-        loaded = time.monotonic()
-        engine = None
+        loaded = run.clock()
+        engines: list[Any] = []
         try:
-            engine = create_engine(load_model_config(folder / "config.yaml"), folder / "1", placement)
-            load_s = time.monotonic() - loaded
+            config = load_model_config(folder / "config.yaml")
+            for _ in range(variant.get("instances", 1)):  # one by one: those made are closed if the next fails
+                engines.append(create_engine(config, folder / "1", placement))
+            record: dict[str, Any] = {"load_s": round(run.clock() - loaded, 2), "seconds_per_bucket": round(seconds, 3)}
 
             def batches(size: int, model: Any = model) -> list[dict[str, Any]]:
                 return [model.samples(size, offset=k * size) for k in range(4)]
 
-            with trace.window() as gpu:
-                results, skipped = engine_buckets(engine.run, batches, buckets, seconds, deadline, synchronize)
-            record: dict[str, Any] = {"load_s": round(load_s, 2), "seconds_per_bucket": round(seconds, 3),
-                                      "buckets": results, "gpu": gpu}
-            if skipped:
-                record["skipped_buckets"] = skipped
-                run.partial(f"{variant['name']}: engine buckets {skipped} not measured, the phase ran out of time")
+            if len(engines) > 1:
+                record.update(instances_alone(run, engines, batches, buckets, profile.max_batch[role], seconds, trace))
+            else:
+                record.update(one_engine(run, engines[0], batches, buckets, seconds, deadline, synchronize, trace,
+                                         compiled=bool(variant.get("compile_mode"))))
+            if record.get("skipped_buckets"):
+                run.partial(f"{variant['name']}: engine buckets {record['skipped_buckets']} not measured,"
+                            " the phase ran out of time")
             if model.heldout is not None:
-                record["accuracy"] = accuracy(engine, model, profile.max_batch[role])
+                record["accuracy"] = accuracy(engines[0], model, profile.max_batch[role])
             variant["engine"] = record
+            results = record["buckets"]
             best = max(results, key=lambda r: r["items_s"]) if results else None
             run.log(f"{variant['name']}: engine best {best['items_s'] if best else '-'} items/s"
-                    f" at batch {best['batch_size'] if best else '-'}")
+                    f" at batch {best['batch_size'] if best else '-'}"
+                    + (f", {record['speedup']}x one instance" if "speedup" in record else "")
+                    + (f", compiled in {sum(c['seconds'] for c in record['compile']):.1f} s" if "compile" in record
+                       else ""))
         except Exception as exc:  # noqa: BLE001 (one variant that cannot load or run does not stop the others)
             variant["engine"] = {"error": f"{type(exc).__name__}: {str(exc)[:1000]}"}
             run.log(f"{variant['name']}: engine FAILED: {exc}")
         finally:
-            if engine is not None:
+            for engine in engines:
                 engine.close()
-            del engine
+            del engines
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         run.write()
 
 
+def one_engine(run: Run, engine: Any, batches: Callable[[int], list[dict[str, Any]]], buckets: list[int],
+               seconds: float, deadline: float, synchronize: Callable[[], None], trace: Any,
+               compiled: bool) -> dict[str, Any]:
+    """One instance per bucket; a compiled engine's first run of each bucket (its compile, and
+    its CUDA graph where the mode records one) timed first, apart from the figures."""
+    from loadtest.gpucheck_measure import engine_buckets, first_runs
+
+    record: dict[str, Any] = {}
+    if compiled:
+        record["compile"] = first_runs(engine.run, batches, buckets, deadline, synchronize, run.clock)
+    with trace.window() as gpu:
+        results, skipped = engine_buckets(engine.run, batches, buckets, seconds, deadline, synchronize, run.clock)
+    record.update(buckets=results, gpu=gpu)
+    if skipped:
+        record["skipped_buckets"] = skipped
+    return record
+
+
+def instances_alone(run: Run, engines: list[Any], batches: Callable[[int], list[dict[str, Any]]], buckets: list[int],
+                    max_batch: int, seconds: float, trace: Any) -> dict[str, Any]:
+    """Several instances of one model on one device, each on a thread of its own as the server
+    runs them (on a GPU each enqueues on its own CUDA stream and waits for that stream alone), at
+    the largest bucket the server may form: one instance alone, then all at once."""
+    from loadtest.gpucheck_measure import engines_at_once
+
+    size = max(b for b in buckets if b <= max_batch)
+    inputs = batches(size)
+    with trace.window() as gpu_one:
+        one = engines_at_once([e.run for e in engines[:1]], inputs, size, seconds)
+    with trace.window() as gpu:
+        many = engines_at_once([e.run for e in engines], inputs, size, seconds)
+    run.log(f"{len(engines)} instances at batch {size}: {many['items_s']} items/s, one alone {one['items_s']}")
+    return {"instances": len(engines), "buckets": [many], "gpu": gpu, "one_instance": {**one, "gpu": gpu_one},
+            "speedup": round(many["items_s"] / one["items_s"], 3) if one["items_s"] else None}
+
+
 def accuracy(engine: Any, model: Any, batch: int) -> float:
-    """Top-1 accuracy over the held-out images, through the engine as the server runs it."""
+    """Top-1 accuracy over the held-out images, through the engine as the server runs it: in
+    batches of `batch`, the last padded up to it as the server pads a batch to its bucket (a
+    compiled engine meets only the shapes it was compiled for)."""
     import numpy as np
 
     images, labels = model.heldout
     name = model.inputs[0]["name"]
     predicted = []
     for start in range(0, len(images), batch):
-        outputs = engine.run({name: np.ascontiguousarray(images[start:start + batch])})
-        predicted.append(np.asarray(outputs[model.output["name"]]).argmax(axis=1))
+        chunk = images[start:start + batch]
+        padded = np.zeros((batch, *chunk.shape[1:]), dtype=chunk.dtype)
+        padded[:len(chunk)] = chunk
+        outputs = engine.run({name: padded})
+        predicted.append(np.asarray(outputs[model.output["name"]])[:len(chunk)].argmax(axis=1))
     return round(float((np.concatenate(predicted) == labels).mean()), 4)
 
 
@@ -451,14 +572,20 @@ def serve_phase(run: Run, context: dict[str, Any], deadline: float) -> None:
     serve: dict[str, Any] = {"models": [v["name"] for *_, v in todo]}
     flags += [flag for name in serve["models"] for flag in ("--model", name)]
     run.record["serve"] = serve
-    started = time.monotonic()
+    started = run.clock()
     startup = min(profile.budgets["server_start"], deadline - started)
     with localserver.running_server(context["repository"], *flags, log_path=run.out / SERVER_LOG,
                                     wait_path="/v2/health/live", startup_timeout_s=startup) as url:
-        states = wait_for_models(url, serve["models"], started + startup)
-        serve.update(url=url, startup_s=round(time.monotonic() - started, 1), states=states)
+        states = wait_for_models(url, serve["models"], started + startup, run.clock)
+        serve.update(url=url, startup_s=round(run.clock() - started, 1), states=states)
         run.log(f"server at {url}: {sum(s == 'READY' for s in states.values())}/{len(states)} models ready"
                 f" in {serve['startup_s']} s")
+        log = (run.out / SERVER_LOG).read_text(errors="replace")
+        for *_, variant in todo:
+            if variant.get("compile_mode"):  # compiled at load, every bucket: the log has the times
+                variant["server_compile"] = server_compiles(log, variant["name"])
+                run.log(f"{variant['name']}: the server compiled {len(variant['server_compile']['compiles'])}"
+                        f" buckets in {variant['server_compile']['compile_s']} s")
         trace = GpuTrace()
         with Clients(profile.client_processes) as clients:
             ready = [(role, model, precision, v) for role, model, precision, v in todo if states.get(v["name"]) == "READY"]
@@ -467,7 +594,7 @@ def serve_phase(run: Run, context: dict[str, Any], deadline: float) -> None:
                     variant["served"] = {"error": f"not ready in the server: {states.get(variant['name'])}"}
                     run.partial(f"{variant['name']}: not served, {variant['served']['error']}")
             for position, (role, model, precision, variant) in enumerate(ready):
-                share = (deadline - time.monotonic()) / (len(ready) - position) - profile.served_warmup_s - 2.0
+                share = (deadline - run.clock()) / (len(ready) - position) - profile.served_warmup_s - 2.0
                 duration = min(profile.served_seconds, share)
                 if duration < min(1.0, profile.served_seconds):
                     variant["served"] = {"skipped": "the serve phase ran out of time"}
@@ -484,6 +611,9 @@ def serve_phase(run: Run, context: dict[str, Any], deadline: float) -> None:
                 served["gpu"] = gpu
                 served["server"] = stats_delta(before, model_stats(url, variant["name"]))
                 served.update(engine_reference(variant.get("engine"), profile.max_batch[role], served["items_s"]))
+                if variant.get("instances", 1) > 1:  # read against the plain variant's one instance, same load
+                    one = run.record["models"][role]["variants"].get(variant["of"], {}).get("served")
+                    served["against_one_instance"] = instance_comparison(one, served, variant["instances"])
                 variant["served"] = served
                 run.log(f"{variant['name']}: served {served['items_s']} items/s, p50 {served['latency_ms']['p50']} ms,"
                         f" p99 {served['latency_ms']['p99']} ms, {served['error_count']} errors,"
@@ -493,10 +623,11 @@ def serve_phase(run: Run, context: dict[str, Any], deadline: float) -> None:
                 run.write()
 
 
-def wait_for_models(url: str, names: list[str], deadline: float) -> dict[str, str]:
-    """Each model's state once none is loading any more (or at `deadline`): READY, or the
-    reason it is not. The server's own readiness is strict (every model), so one variant that
-    cannot load would hide the others."""
+def wait_for_models(url: str, names: list[str], deadline: float,
+                    clock: Callable[[], float] = time.monotonic) -> dict[str, str]:
+    """Each model's state once none is loading any more (or at `deadline`, on `clock`): READY,
+    or the reason it is not. The server's own readiness is strict (every model), so one variant
+    that cannot load would hide the others."""
     states: dict[str, str] = {}
     while True:
         request = urllib.request.Request(f"{url}/v2/repository/index", data=b"{}", method="POST",
@@ -510,7 +641,7 @@ def wait_for_models(url: str, names: list[str], deadline: float) -> dict[str, st
         pending = [n for n in names if states.get(n, "LOADING") == "LOADING"]
         if not pending:
             return {n: states.get(n, "missing") for n in names}
-        if time.monotonic() > deadline:
+        if clock() > deadline:
             return {n: states.get(n, "missing") if n not in pending else "LOADING when the start budget ran out"
                     for n in names}
         time.sleep(0.25)

@@ -213,15 +213,15 @@ def _percentile(values: np.ndarray, q: float) -> float | None:
 
 # ---- the engine alone ----------------------------------------------------------------------------
 def engine_buckets(run_batch: Callable[[dict[str, np.ndarray]], Any], batches: Callable[[int], list[dict[str, np.ndarray]]],
-                   buckets: list[int], seconds: float, deadline: float, synchronize: Callable[[], None]) -> tuple[
-                       list[dict[str, Any]], list[int]]:
+                   buckets: list[int], seconds: float, deadline: float, synchronize: Callable[[], None],
+                   clock: Callable[[], float] = time.monotonic) -> tuple[list[dict[str, Any]], list[int]]:
     """Items/s and latency of `run_batch` per batch bucket, `seconds` each (loadtest/engine.py's
     measure: warm-up runs, then back to back), the device synchronised around every run so that
     a run's time is its whole work. Returns the figures and the buckets left out for lack of
-    time (`deadline`, time.monotonic())."""
+    time (`deadline`, on `clock`)."""
     results, skipped = [], []
     for size in buckets:
-        if time.monotonic() + seconds > deadline:
+        if clock() + seconds > deadline:
             skipped.append(size)
             continue
         inputs = batches(size)
@@ -233,6 +233,69 @@ def engine_buckets(run_batch: Callable[[dict[str, np.ndarray]], Any], batches: C
         synchronize()
         results.append(measure(one, size, seconds).as_dict())
     return results, skipped
+
+
+def first_runs(run_batch: Callable[[dict[str, np.ndarray]], Any], batches: Callable[[int], list[dict[str, np.ndarray]]],
+               buckets: list[int], deadline: float, synchronize: Callable[[], None],
+               clock: Callable[[], float] = time.monotonic) -> list[dict[str, Any]]:
+    """Each bucket's first run, timed: where a compiled engine compiles the bucket (and records
+    its CUDA graph). A compile cannot be cut short, so none starts past `deadline` (on `clock`);
+    the buckets left are compiled, and timed apart from their figures, by engine_buckets."""
+    timings = []
+    for size in buckets:
+        if clock() > deadline:
+            break
+        inputs = batches(size)[0]
+        synchronize()
+        start = time.perf_counter()
+        run_batch(inputs)
+        synchronize()
+        timings.append({"batch_size": size, "seconds": round(time.perf_counter() - start, 3)})
+    return timings
+
+
+def engines_at_once(run_batches: list[Callable[[dict[str, np.ndarray]], Any]], inputs: list[dict[str, np.ndarray]],
+                    size: int, seconds: float) -> dict[str, Any]:
+    """Items/s of several engine instances running at once, each on a thread of its own (as the
+    server runs its instances), each loadtest/engine.py's measure for `seconds`; started
+    together. No device-wide synchronisation: an instance's run waits for its own work (on a GPU,
+    its own CUDA stream), and a device-wide wait would serialise the very overlap measured."""
+    barrier = threading.Barrier(len(run_batches))
+    results: list[Any] = [None] * len(run_batches)
+    errors: list[BaseException] = []
+
+    def work(index: int) -> None:
+        run_batch = run_batches[index]
+
+        def one(step: int) -> None:
+            run_batch(inputs[(index + step) % len(inputs)])
+
+        try:
+            barrier.wait()
+            results[index] = measure(one, size, seconds)
+        except BaseException as exc:  # noqa: BLE001 (re-raised on the calling thread)
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(i,), name=f"gpucheck-instance-{i}") for i in range(len(run_batches))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    runs = sum(r.runs for r in results)
+    elapsed = max(r.elapsed_s for r in results)
+    ms = np.array([v for r in results for v in r.latencies_s]) * 1000
+    return {
+        "batch_size": size,
+        "instances": len(run_batches),
+        "runs": runs,
+        "elapsed_s": round(elapsed, 3),
+        "items_s": round(size * runs / elapsed, 1),
+        "latency_ms": {"p50": round(float(np.percentile(ms, 50)), 3), "p99": round(float(np.percentile(ms, 99)), 3),
+                       "min": round(float(ms.min()), 3)},
+    }
 
 
 # ---- the GPU's counters --------------------------------------------------------------------------

@@ -345,13 +345,16 @@ class Unsupported(RuntimeError):
 
 
 def write_variant(repository: Path, model: Model, precision: str, artifact: Path, *, kind: str, instances: int,
-                  max_batch: int, threads: int | None) -> str:
-    """The folder `<model>-<precision>` of `repository` (config.yaml, 1/model.pt2, its digest
-    record), checked by the server's own config schema; returns its name."""
+                  max_batch: int, threads: int | None, suffix: str = "", batch_buckets: list[int] | None = None,
+                  compile_mode: str | None = None) -> str:
+    """The folder `<model>-<precision>[-<suffix>]` of `repository` (config.yaml, 1/model.pt2, its
+    digest record), checked by the server's own config schema; returns its name. `compile_mode`
+    serves it torch.compiled once per batch bucket (`batch_buckets`, which the server pads every
+    batch up to and warms up one by one)."""
     from server.config import load_model_config
     from server.engines.digests import record_digests
 
-    name = f"{model.name}-{precision}"
+    name = f"{model.name}-{precision}" + (f"-{suffix}" if suffix else "")
     folder = repository / name
     version = folder / "1"
     version.mkdir(parents=True, exist_ok=True)
@@ -372,9 +375,14 @@ def write_variant(repository: Path, model: Model, precision: str, artifact: Path
         "instance_group": [{"count": instances, "kind": kind}],
         "warmup": {"batch_sizes": sorted({1, max_batch})},
     }
-    if threads:
-        config["torch"] = {"num_threads": threads}
-    header = f"# Written by loadtest/gpu_check: {model.about.get('source')}, {precision}.\n"
+    if batch_buckets:
+        config["batch_buckets"] = list(batch_buckets)
+    torch_options: dict[str, Any] = {"num_threads": threads} if threads else {}
+    if compile_mode:
+        torch_options.update(compile=True, compile_mode=compile_mode)
+    if torch_options:
+        config["torch"] = torch_options
+    header = f"# Written by loadtest/gpu_check: {model.about.get('source')}, {name}.\n"
     (folder / "config.yaml").write_text(header + yaml.safe_dump(config, sort_keys=False))
     load_model_config(folder / "config.yaml")
     return name

@@ -70,6 +70,9 @@ def markdown(record: dict[str, Any]) -> str:
     ]
     if record.get("partial"):
         lines += ["**Partial:**", "", *[f"- {reason}" for reason in record["partial"]], ""]
+    if record.get("dry_run_differences"):
+        lines += ["**What this dry run does unlike the GPU run:**", "",
+                  *[f"- {difference}" for difference in record["dry_run_differences"]], ""]
     rows = record.get("summary") or []
     lines += [
         "## Engine alone and served",
@@ -97,6 +100,7 @@ def markdown(record: dict[str, Any]) -> str:
          for precision, variant in entry.get("variants", {}).items()
          for b in (variant.get("engine") or {}).get("buckets", [])],
     ), ""]
+    lines += compiled_and_instances(record)
     lines += ["## Models", ""]
     for entry in record.get("models", {}).values():
         about = ", ".join(f"{k} {v}" for k, v in entry.get("about", {}).items())
@@ -105,9 +109,15 @@ def markdown(record: dict[str, Any]) -> str:
     onnx = record.get("onnx")
     if onnx:
         lines += [f"- ONNX Runtime: {onnx['status']}: {onnx['reason']}."]
-    lines += ["", "## Phases", "", markdown_table(
-        ("phase", "budget s", "took s", "status", "error"),
-        [(name, p.get("budget_s"), p.get("took_s"), p.get("status"), p.get("error")) for name, p in record["phases"].items()],
+    lines += [""]
+    if record.get("not_covered"):
+        lines += ["## Not covered on this host", "",
+                  "A complete run covers what the tables show, and not these:", "",
+                  *[f"- {item['what']}: {item['why']}." for item in record["not_covered"]], ""]
+    lines += ["## Phases", "", markdown_table(
+        ("phase", "budget s", "took s", "over budget s", "status", "error"),
+        [(name, p.get("budget_s"), p.get("took_s"), p.get("over_budget_s"), p.get("status"), p.get("error"))
+         for name, p in record["phases"].items()],
     ), ""]
     wheels = record.get("wheels")
     if wheels:
@@ -121,3 +131,69 @@ def markdown(record: dict[str, Any]) -> str:
         lines += [f"Server: started in {serve.get('startup_s')} s; {len(serve['states']) - len(not_ready)}"
                   f"/{len(serve['states'])} models ready" + (f"; not ready: {not_ready}" if not_ready else "") + ".", ""]
     return "\n".join(lines)
+
+
+def compiled_and_instances(record: dict[str, Any]) -> list[str]:
+    """The compiled variants against their plain one (compile times from the engine alone and
+    from the server's log), and the variants of several instances against one."""
+    compiled, instances = [], []
+    for entry in record.get("models", {}).values():
+        variants = entry.get("variants", {})
+        for key, variant in variants.items():
+            if variant.get("status") != "built" or "of" not in variant:
+                continue
+            plain = variants.get(variant["of"], {})
+            engine, served = variant.get("engine") or {}, variant.get("served") or {}
+            if variant.get("compile_mode"):
+                server = variant.get("server_compile") or {}
+                compiled.append((
+                    entry["name"], key, variant["compile_mode"], _listed(variant.get("batch_buckets")),
+                    _seconds(engine.get("compile")), _seconds(server.get("compiles")), server.get("warmup_to_ready_s"),
+                    _best(engine), _best(plain.get("engine") or {}), served.get("items_s"),
+                    (plain.get("served") or {}).get("items_s"), engine.get("accuracy"),
+                    (plain.get("engine") or {}).get("accuracy"),
+                ))
+            elif variant.get("instances", 1) > 1:
+                one = engine.get("one_instance") or {}
+                against = served.get("against_one_instance") or {}
+                instances.append((
+                    entry["name"], key, variant["instances"], _best(engine, "batch_size"), one.get("items_s"),
+                    _best(engine), engine.get("speedup"), against.get("one_instance_items_s"), served.get("items_s"),
+                    against.get("speedup"),
+                ))
+    lines: list[str] = []
+    if compiled:
+        lines += ["## torch.compile, per batch bucket", "",
+                  ("Compile s: each bucket's first run (its compile, and its CUDA graph in reduce-overhead mode) in"
+                   " the engine alone, and as the server's log has it at load (`compiled ...` lines); warm-up to"
+                   " ready: from the warm-up's first line to the model ready, every bucket compiled and run."),
+                  "", markdown_table(
+                      ("model", "variant", "mode", "buckets", "compile s, engine alone", "compile s, server",
+                       "warm-up to ready s", "engine items/s", "plain engine items/s", "served items/s",
+                       "plain served items/s", "accuracy", "plain accuracy"), compiled), ""]
+    if instances:
+        lines += ["## Instances on one device", "",
+                  ("Engine alone: the instances each on a thread of its own at the largest bucket the server may"
+                   " form (on a GPU each on its own CUDA stream), against one instance alone. Served: the same load"
+                   " as the plain variant's, which has one instance."),
+                  "", markdown_table(
+                      ("model", "variant", "instances", "batch", "engine, one instance", "engine, all", "speedup",
+                       "served, one instance", "served, all", "served speedup"), instances), ""]
+    return lines
+
+
+def _best(engine: dict[str, Any], field: str = "items_s") -> Any:
+    buckets = engine.get("buckets") or []
+    return max(buckets, key=lambda b: b["items_s"])[field] if buckets else None
+
+
+def _seconds(compiles: list[dict[str, Any]] | None) -> str | None:
+    """`1: 2.1, 64: 0.3 (2.4)`: each bucket's seconds, and their sum."""
+    if not compiles:
+        return None
+    parts = ", ".join(f"{c.get('batch_size') or c.get('shape')}: {c['seconds']:.2f}" for c in compiles)
+    return f"{parts} ({sum(c['seconds'] for c in compiles):.2f})"
+
+
+def _listed(values: list[int] | None) -> str | None:
+    return " ".join(map(str, values)) if values else None
