@@ -92,8 +92,13 @@ class DataPlane:
         }
 
     def model_config(self, name: str, version: str | None) -> dict[str, Any]:
-        config = self.repository.get(name, version).config if version else self.repository.config(name)
-        return triton_model_config(config)
+        if version:
+            served = self.repository.get(name, version)
+            return triton_model_config(served.config, served.placement)
+        loaded = self.repository.versions(name)
+        if loaded:
+            return triton_model_config(loaded[-1].config, loaded[-1].placement)
+        return triton_model_config(self.repository.config(name))
 
     def statistics(self, name: str | None, version: str | None) -> dict[str, Any]:
         if name is None:

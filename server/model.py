@@ -28,7 +28,7 @@ from server.config import ModelConfig, TensorConfig
 from server.devices import Device, placements
 from server.engines import create_engine
 from server.errors import BatchlineError, EngineError, InvalidInput, Unavailable
-from server.gpu import identity
+from server.gpu import driver_versions, identity
 from server.preprocess import TextTokenizer
 from server.protocol.datatypes import numpy_dtype
 from server.scheduler.admission import Admission
@@ -36,6 +36,7 @@ from server.scheduler.batcher import Batcher, BatchRunner, QueueSettings
 from server.scheduler.policy import BatchPolicy
 from server.scheduler.request import InferenceRequest, RequestRecord
 from server.stats import ModelStatistics
+from server.versions import installed_versions, tensorrt_version
 from server.workers.instance import ModelInstance
 from server.workers.pipeline import ModelPipeline, paddable_inputs
 
@@ -57,6 +58,7 @@ class ModelVersion:
         self.state = ModelState.LOADING
         self.reason = ""
         self.stats = ModelStatistics()
+        self.placement = ""  # where and on what it runs, once ready (the model config's parameters show it)
         self.instances: list[ModelInstance] = []  # in service (the batcher says which are idle)
         self._abandoned: list[ModelInstance] = []  # stuck past the watchdog, maybe forever
         self._pads: dict[str, float] = {}
@@ -80,7 +82,7 @@ class ModelVersion:
         """Build, warm up and profile every instance off the event loop; never raises."""
         try:
             await asyncio.to_thread(self._build)
-            gpus = await asyncio.to_thread(_gpu_identities, self.instances)  # NVML may block: off the loop
+            gpus, driver = await asyncio.to_thread(_gpu_identities, self.instances)  # NVML may block: off the loop
         except BatchlineError as exc:
             self._fail(exc.message)
             return
@@ -92,6 +94,7 @@ class ModelVersion:
             self._policy(), self._queue_settings(), list(self.instances), self.stats,
             replace=self._replace, on_exhausted=self._exhausted,
         )
+        self.placement = _placement(self.instances, gpus, driver)
         self.state = ModelState.READY
         for instance in self.instances:
             d = instance.pipeline.engine.describe()
@@ -401,8 +404,9 @@ class ModelVersion:
         """The tensors of KServe v2 model metadata. Not the device: v2 metadata has fixed fields
         (name, versions, platform, inputs, outputs; gRPC's ModelMetadataResponse has no others,
         nor a parameters map), so a device field would be ours alone and lost to every client and
-        front end that keeps to the protocol. Each instance's device, GPU model and providers are
-        in the ready log line; the whole GPU stack (driver, CUDA, libraries) in the startup log."""
+        front end that keeps to the protocol. Where the version runs (`placement`: devices, GPU
+        model, driver, CUDA, engine library and providers) is in the model config's parameters
+        map, which Triton's clients read as is, and in the ready log line."""
         return {
             "inputs": [self._tensor_metadata(t) for t in self.config.inputs],
             "outputs": [self._tensor_metadata(t) for t in self.config.outputs],
@@ -412,10 +416,49 @@ class ModelVersion:
         return {"name": tensor.name, "datatype": tensor.datatype, "shape": self.config.api_shape(tensor)}
 
 
-def _gpu_identities(instances: list[ModelInstance]) -> dict[int, str]:
-    """The model and compute capability of each GPU the instances run on, by CUDA index."""
+def _gpu_identities(instances: list[ModelInstance]) -> tuple[dict[int, str], str]:
+    """The model and compute capability of each GPU the instances run on, by CUDA index, and
+    the driver and CUDA versions ("" without a GPU)."""
     indices = {i.device.index for i in instances if i.device.kind == "GPU"}
-    return {index: identity(index) or "unknown GPU" for index in indices}
+    if not indices:
+        return {}, ""
+    driver, cuda = driver_versions()
+    return {index: identity(index) or "unknown GPU" for index in indices}, (
+        f"driver {driver or 'unknown'}, CUDA {cuda or 'unknown'}")
+
+
+_ENGINE_DISTRIBUTIONS = {"onnxruntime": ("onnxruntime-gpu", "onnxruntime"), "torch": ("torch",)}
+
+
+def _placement(instances: list[ModelInstance], gpus: dict[int, str], driver: str) -> str:
+    """One line for clients (the model config's `placement` parameter): each distinct device
+    with its GPU model and compute capability, the driver and CUDA, and the engine's library
+    and providers, e.g. "cuda:0 NVIDIA H200 sm90 x2; driver 580.65, CUDA 13.0; onnxruntime-gpu
+    1.31.1 [CUDAExecutionProvider, CPUExecutionProvider]"."""
+    if not instances:
+        return ""
+    counts: dict[str, int] = {}
+    for instance in instances:
+        name = str(instance.device) + (f" {gpus[instance.device.index]}" if instance.device.kind == "GPU" else "")
+        counts[name] = counts.get(name, 0) + 1
+    where = ", ".join(name + (f" x{n}" if n > 1 else "") for name, n in counts.items())
+    description = instances[0].pipeline.engine.describe()
+    library = _engine_library(description.engine)
+    providers = [p for p in description.providers if not p.startswith(library.split()[0])]  # torch names itself
+    runs = library + (f" [{', '.join(providers)}]" if providers else "")
+    return "; ".join(part for part in (where, driver, runs) if part)
+
+
+def _engine_library(engine: str) -> str:
+    """The installed distribution that runs `engine`, with its version."""
+    if engine == "tensorrt":
+        version = tensorrt_version()
+        return f"tensorrt {version}" if version else "tensorrt"
+    for name in _ENGINE_DISTRIBUTIONS.get(engine, ()):
+        version = installed_versions((name,))[name]
+        if version:
+            return f"{name} {version}"
+    return engine
 
 
 def _close_all(instances: list[ModelInstance]) -> None:

@@ -24,7 +24,10 @@ def _tensor(tensor: TensorConfig) -> dict[str, Any]:
     return {"name": tensor.name, "data_type": triton_data_type(tensor.datatype), "dims": tensor.dims}
 
 
-def triton_model_config(config: ModelConfig) -> dict[str, Any]:
+def triton_model_config(config: ModelConfig, placement: str = "") -> dict[str, Any]:
+    """Triton's model config document; `placement` (where the served version runs: devices, GPU
+    model, driver, CUDA, engine library) goes in its parameters map, which Triton's clients, HTTP
+    and gRPC alike, read as they are (v2 model metadata has no place for it)."""
     policy = config.version_policy
     if policy.all is not None:
         version_policy: dict[str, Any] = {"all": {}}
@@ -49,17 +52,19 @@ def triton_model_config(config: ModelConfig) -> dict[str, Any]:
             for i, g in enumerate(config.instance_group)
         ],
         "version_policy": version_policy,
-        "parameters": _parameters(config),
+        "parameters": _parameters(config, placement),
     }
     if config.dynamic_batching is not None:
         document["dynamic_batching"] = config.dynamic_batching.model_dump(exclude_none=True)
     return document
 
 
-def _parameters(config: ModelConfig) -> dict[str, dict[str, str]]:
+def _parameters(config: ModelConfig, placement: str = "") -> dict[str, dict[str, str]]:
     """The precision the engine runs, and for a build what it was built as (a torch INT8 program
-    runs with precision fp32 and build_precision int8)."""
+    runs with precision fp32 and build_precision int8); where it runs, once loaded."""
     parameters = {"precision": config.precision}
+    if placement:
+        parameters["placement"] = placement
     if config.build is not None:
         parameters |= {"build_source": config.build.source, "build_engine": config.build.engine,
                        "build_precision": config.build.precision, "build_device": config.build.device}

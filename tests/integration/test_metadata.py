@@ -52,6 +52,13 @@ def test_model_config_is_tritons_json(client) -> None:
     assert config["instance_group"][0]["kind"] == "KIND_CPU" and config["instance_group"][0]["count"] == 1
     assert "max_queue_delay_microseconds" in config["dynamic_batching"]
     assert client.get_model_config("digits", "1")["platform"] == "pytorch_libtorch"
+    # where the served version runs, in the parameters map tritonclient reads as it is
+    from importlib import metadata
+
+    placement = config["parameters"]["placement"]["string_value"]
+    assert placement == f"cpu; onnxruntime {metadata.version('onnxruntime')} [CPUExecutionProvider]"
+    digits = client.get_model_config("digits")["parameters"]["placement"]["string_value"]
+    assert digits.startswith("cpu; torch ") and "[" not in digits
 
 
 def test_metadata_errors(server_url, client) -> None:

@@ -257,5 +257,34 @@ def test_the_ready_log_names_the_model_of_each_gpu(monkeypatch: pytest.MonkeyPat
     from server import model
 
     monkeypatch.setattr(model, "identity", {0: "NVIDIA H200 sm90"}.get)
+    monkeypatch.setattr(model, "driver_versions", lambda: ("580.65.06", "13.0"))
     instances = [SimpleNamespace(device=d) for d in (Device("GPU", 0), Device("GPU", 0), Device("GPU", 1), Device("CPU"))]
-    assert model._gpu_identities(instances) == {0: "NVIDIA H200 sm90", 1: "unknown GPU"}  # type: ignore[arg-type]
+    assert model._gpu_identities(instances) == (  # type: ignore[arg-type]
+        {0: "NVIDIA H200 sm90", 1: "unknown GPU"}, "driver 580.65.06, CUDA 13.0")
+    assert model._gpu_identities(instances[3:]) == ({}, "")  # type: ignore[arg-type]
+
+
+def test_the_model_config_names_where_a_version_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Devices with their GPU model (counted), driver and CUDA, the engine's library and the
+    providers that took; torch names itself in its providers, so once."""
+    from importlib import metadata
+
+    from server import model
+    from server.engines.base import EngineDescription
+
+    def instance(device: Device, engine: str, providers: list[str]) -> SimpleNamespace:
+        described = EngineDescription(engine, str(device), "fp16", providers)
+        return SimpleNamespace(device=device, pipeline=SimpleNamespace(engine=SimpleNamespace(describe=lambda: described)))
+
+    ort = [instance(Device("GPU", 0), "onnxruntime", ["CUDAExecutionProvider", "CPUExecutionProvider"])] * 2
+    ort.append(instance(Device("GPU", 1), "onnxruntime", ["CUDAExecutionProvider", "CPUExecutionProvider"]))
+    gpus = {0: "NVIDIA H200 sm90", 1: "NVIDIA H200 sm90"}
+    assert model._placement(ort, gpus, "driver 580.65.06, CUDA 13.0") == (  # type: ignore[arg-type]
+        "cuda:0 NVIDIA H200 sm90 x2, cuda:1 NVIDIA H200 sm90; driver 580.65.06, CUDA 13.0; "
+        f"onnxruntime {metadata.version('onnxruntime')} [CUDAExecutionProvider, CPUExecutionProvider]")
+    torch = [instance(Device("CPU"), "torch", [f"torch {metadata.version('torch')}"])]
+    assert model._placement(torch, {}, "") == f"cpu; torch {metadata.version('torch')}"  # type: ignore[arg-type]
+    monkeypatch.setattr(model, "tensorrt_version", lambda: "10.9.0.34")
+    trt = [instance(Device("GPU", 0), "tensorrt", [])]
+    assert model._placement(trt, gpus, "driver 580.65.06, CUDA 13.0") == (  # type: ignore[arg-type]
+        "cuda:0 NVIDIA H200 sm90; driver 580.65.06, CUDA 13.0; tensorrt 10.9.0.34")
