@@ -89,6 +89,7 @@ class ServedModel:
 
     version = 1
     ready = True
+    placement = "cpu; onnxruntime 1.0 [CPUExecutionProvider]"
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
