@@ -227,13 +227,23 @@ JSON_VALUES: list[Any] = [None, True, False, 0, -1, 1, 2**63 - 1, 2**64 - 1, 1.5
                           [], [1], {}, {"a": 1}]
 
 
+def _a_deadline_too_short_to_meet(parameter: str, value: Any, response: Any) -> bool:
+    """`timeout: 1` (one microsecond, or True read as 1) is a valid deadline that no batch can
+    meet: its answer is the deadline's 504, in the error shape, not a server fault."""
+    if parameter != "timeout" or value not in (1, True) or response.status_code != 504:
+        return False
+    assert "deadline" in orjson.loads(response.content)["error"], response.text
+    return True
+
+
 @pytest.mark.parametrize("parameter", ["priority", "timeout", "binary_data_output", "binary_data_size",
                                        "shared_memory_region", "classification", "sequence_id", "custom"])
 def test_request_parameters_of_every_json_type_never_reach_a_5xx(client: asgi.ASGIClient, parameter: str) -> None:
     for value in JSON_VALUES:
         response = client.post(path_of("digits", None, "/infer"), data=infer_body(**{parameter: value}))
-        assert response.status_code < 500, (parameter, value, response.status_code, response.text[:300])
-        if response.status_code >= 400:
+        if not _a_deadline_too_short_to_meet(parameter, value, response):
+            assert response.status_code < 500, (parameter, value, response.status_code, response.text[:300])
+        if 400 <= response.status_code < 500:
             assert_client_error(response, f"{parameter}={value!r}")
         tensor_parameters = orjson.dumps({"inputs": [{**IMAGE, "parameters": {parameter: value}}]})
         response = client.post(path_of("digits", None, "/infer"), data=tensor_parameters)
