@@ -33,7 +33,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path, 
     wheels = tmp_path_factory.mktemp("wheels")
     (wheels / "requirements.txt").write_text(f"numpy=={metadata.version('numpy')}\n")
     started = time.monotonic()
-    run_command(str(LAUNCHER), "--dry-run", "--wheels", str(wheels), "--work", str(out / "work"), str(out), timeout=300)
+    run_command(str(LAUNCHER), "--dry-run", "--wheels", str(wheels), "--work", str(out / "work"), str(out), timeout=1300)
     took = time.monotonic() - started
     return json.loads((out / "gpu_check.json").read_text()), (out / "gpu_check.md").read_text(), out, took
 
