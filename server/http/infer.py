@@ -21,7 +21,7 @@ from typing import Any
 
 from server import dataplane
 from server.dataplane import DataPlane
-from server.errors import Cancelled, InvalidInput, PayloadTooLarge
+from server.errors import Cancelled, InvalidInput, PayloadTooLarge, Unavailable
 from server.http.access_log import AccessLog
 from server.http.errors import error_parts
 from server.protocol.v2 import encode_error
@@ -175,9 +175,13 @@ class InferEndpoint:
         try:
             return await self._plane.infer(model, version, body, header_length, record)
         except asyncio.CancelledError:
-            if watcher is None or not watcher.done():
-                raise  # the server is shutting down, not the client leaving
             handler.uncancel()
+            if watcher is None or not watcher.done():
+                # Not the client leaving: uvicorn ran out of its grace period while stopping and
+                # cancels what is still running. The client is still there: tell it, in the
+                # protocol's shape (uvicorn would answer 500 and log a traceback).
+                return Unavailable("the server stopped before this request was answered (its grace period "
+                                   "for requests in flight ran out); retry on another replica")
             return None
         except Exception as exc:
             return exc

@@ -674,7 +674,7 @@ def test_the_image_command_serves_checks_health_and_drains_on_sigterm(dockerfile
             assert health.returncode == 0, health.stderr
 
             statuses: list[int] = []
-            body = {"inputs": [{"name": "text", "shape": [32, 1], "datatype": "BYTES", "data": _texts(32)}]}
+            body = {"inputs": [{"name": "text", "shape": [8, 1], "datatype": "BYTES", "data": _texts(8)}]}
 
             def send() -> None:
                 try:

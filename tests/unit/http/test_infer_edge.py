@@ -324,3 +324,36 @@ async def test_a_disconnect_as_the_result_arrives_never_cancels_the_answer() -> 
     assert task.done() and not task.cancelled(), "the handler was cancelled after its result arrived"
     assert task.exception() is None
     assert exchange.status == 200 and exchange.json()["outputs"][0]["data"] == [2.0]
+
+
+class NeverAnswers:
+    """A model whose request is still running when the server's grace period runs out."""
+
+    config = ResultAsClientLeaves.config
+    version = 1
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+
+    def get(self, name: str, version: str | None = None) -> NeverAnswers:
+        return self
+
+    async def infer(self, inputs: dict[str, Any], parameters: Any, record: Any = None) -> dict[str, np.ndarray]:
+        self.entered.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def test_a_request_cut_off_by_the_end_of_the_grace_period_is_told_503_not_500() -> None:
+    """uvicorn cancels the handlers still running when its graceful shutdown times out: the
+    client is still connected and gets a 503 in the error shape, not uvicorn's 500 and a logged
+    traceback."""
+    exchange = Exchange.of(infer_body(2.0))
+    model = NeverAnswers()
+    app = FastInferApp(unreachable, InferEndpoint(DataPlane(model), LIMIT))  # type: ignore[arg-type]
+    task = asyncio.create_task(app(exchange.scope, exchange.receive, exchange.send))
+    await asyncio.wait_for(model.entered.wait(), 10)
+    task.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")  # as uvicorn does
+    await asyncio.wait({task}, timeout=10)
+    assert task.done() and not task.cancelled() and task.exception() is None
+    assert_error(exchange, 503, "stopped before this request was answered")
