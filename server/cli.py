@@ -67,6 +67,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from server.dataplane import DataPlane
     from server.devices import describe_stack
+    from server.heap import HeapPolicy
     from server.http.access_log import AccessLog
     from server.http.app import create_app
     from server.http.auth import AccessPolicy, SettingsError
@@ -80,8 +81,9 @@ def _serve(args: argparse.Namespace) -> int:
         logging.getLogger(__name__).error("not starting: %s", exc)
         return 2
     repository = ModelRepository(settings.model_repository.resolve(), settings.engine_threads)
-    plane = DataPlane(repository)
-    metrics = build_registry(repository, settings.device_price_per_hour)
+    heap = HeapPolicy().install()
+    plane = DataPlane(repository, heap)
+    metrics = build_registry(repository, settings.device_price_per_hour, heap=heap)
     app = create_app(
         plane, settings.models, settings.max_body_bytes, metrics, AccessLog(settings.access_log), access,
         max_in_flight=settings.max_in_flight, max_in_flight_bytes=settings.max_in_flight_bytes,

@@ -13,6 +13,7 @@ from typing import Any
 from server import __version__
 from server.config import ModelConfig
 from server.errors import BatchlineError, InvalidInput, QueueFull, Unavailable
+from server.heap import HeapPolicy
 from server.model import ModelVersion
 from server.protocol.triton_config import triton_model_config, triton_platform
 from server.protocol.v2 import (
@@ -43,14 +44,23 @@ EXTENSIONS = [
 
 
 class DataPlane:
-    def __init__(self, repository: ModelRepository) -> None:
+    def __init__(self, repository: ModelRepository, heap: HeapPolicy | None = None) -> None:
         self.repository = repository
+        self._heap = heap  # settled after models load or unload; None: the collector is left as it is
         self._startup: asyncio.Task[None] | None = None
         self.stopping = False  # a stop was asked for: not ready, no new inference; what is in flight finishes
 
     def start(self, models: list[str] | None = None) -> None:
         """Begin loading models in the background: the server is live at once, ready later."""
-        self._startup = asyncio.create_task(self.repository.load_all(models))
+        self._startup = asyncio.create_task(self._load_at_start(models))
+
+    async def _load_at_start(self, models: list[str] | None) -> None:
+        await self.repository.load_all(models)
+        self._settle()
+
+    def _settle(self) -> None:
+        if self._heap is not None:
+            self._heap.settle()
 
     def begin_stop(self) -> None:
         """The moment a stop is asked for (SIGTERM): readiness turns false, so the orchestrator
@@ -118,10 +128,16 @@ class DataPlane:
     async def load(self, name: str, parameters: dict[str, Any]) -> None:
         if parameters.get("config") or any(k.startswith("file:") for k in parameters):
             raise InvalidInput("loading with a config override or files is not supported; edit config.yaml")
-        await self.repository.load(name)
+        try:
+            await self.repository.load(name)
+        finally:
+            self._settle()  # a reload's old versions, or a failed load's remains, are freed now
 
     async def unload(self, name: str) -> None:
-        await self.repository.unload(name)
+        try:
+            await self.repository.unload(name)
+        finally:
+            self._settle()
 
     async def infer(
         self,

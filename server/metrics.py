@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from server.gpu import GpuReading, GpuSampler
+from server.heap import HeapPolicy
 from server.repository import ModelRepository
 from server.stats import OUTCOMES, Histogram
 
@@ -24,7 +25,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class BatchlineCollector(Collector):
-    """Model statistics, GPU counters and the device price, at scrape time.
+    """Model statistics, GPU counters, the device price and garbage-collector pauses, at scrape time.
 
     The GPUs come from `sampler` (its last reading, never a blocking NVML call), or from `gpus`,
     a callable that must answer at once (fixed readings in tests); neither: no GPU metrics.
@@ -36,11 +37,13 @@ class BatchlineCollector(Collector):
         price_per_hour: float | None = None,
         gpus: Callable[[], list[GpuReading]] | None = None,
         sampler: GpuSampler | None = None,
+        heap: HeapPolicy | None = None,
     ) -> None:
         self._repository = repository
         self._price = price_per_hour
         self._gpus = gpus
         self._sampler = sampler
+        self._heap = heap
 
     def collect(self) -> Iterator[Metric]:
         yield from self._model_metrics()
@@ -62,6 +65,15 @@ class BatchlineCollector(Collector):
             )
             price.add_metric(["gpu" if on_gpu else "cpu"], self._price)
             yield price
+        if self._heap is not None:
+            pauses = HistogramMetricFamily(
+                "batchline_gc_pause_seconds",
+                "Garbage-collector pauses by generation; each stops the thread that triggered it, often the event loop.",
+                labels=["generation"],
+            )
+            for generation, histogram in self._heap.pauses.items():
+                _add(pauses, [str(generation)], histogram)
+            yield pauses
 
     def _model_metrics(self) -> Iterator[Metric]:
         requests = CounterMetricFamily("batchline_requests", "Requests by outcome.", labels=[*MODEL_LABELS, "outcome"])
@@ -167,13 +179,16 @@ def _gpu_metrics(gpus: list[GpuReading]) -> Iterator[Metric]:
 
 
 def build_registry(
-    repository: ModelRepository, price_per_hour: float | None = None, sampler: GpuSampler | None = None
+    repository: ModelRepository,
+    price_per_hour: float | None = None,
+    sampler: GpuSampler | None = None,
+    heap: HeapPolicy | None = None,
 ) -> CollectorRegistry:
     """The server's registry; the GPUs are read by `sampler`, by default one started here (its
     thread ends at once where there is no NVML)."""
     registry = CollectorRegistry()
     gpus = sampler if sampler is not None else GpuSampler().start()
-    registry.register(BatchlineCollector(repository, price_per_hour, sampler=gpus))
+    registry.register(BatchlineCollector(repository, price_per_hour, sampler=gpus, heap=heap))
     ProcessCollector(registry=registry)
     return registry
 

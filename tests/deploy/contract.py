@@ -52,6 +52,7 @@ CONTRACT: dict[str, tuple[str, frozenset[str]]] = {
     "batchline_memory_splits_total": ("counter", MODEL),
     "batchline_instance_batch_cap": ("gauge", MODEL | {"model_instance"}),
     "batchline_device_price_per_hour": ("gauge", frozenset({"device"})),
+    "batchline_gc_pause_seconds": ("histogram", frozenset({"generation"})),
     "batchline_gpu_utilization_ratio": ("gauge", GPU),
     "batchline_gpu_memory_used_bytes": ("gauge", GPU),
     "batchline_gpu_memory_total_bytes": ("gauge", GPU),

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.gpu import GpuReading
+from server.heap import HeapPolicy
 from server.metrics import BatchlineCollector, exposition
 from tests.deploy.contract import CONTRACT, GPU_ONLY
 
@@ -17,9 +18,9 @@ class _NoModels:
         return []
 
 
-def scrape(gpus: list[GpuReading], price: float | None) -> dict[str, tuple[str, set[str]]]:
+def scrape(gpus: list[GpuReading], price: float | None, heap: HeapPolicy | None = None) -> dict[str, tuple[str, set[str]]]:
     registry = CollectorRegistry()
-    registry.register(BatchlineCollector(_NoModels(), price, gpus=lambda: gpus))  # type: ignore[arg-type]
+    registry.register(BatchlineCollector(_NoModels(), price, gpus=lambda: gpus, heap=heap))  # type: ignore[arg-type]
     found: dict[str, tuple[str, set[str]]] = {}
     for family in text_string_to_metric_families(exposition(registry).decode()):
         for sample in family.samples:
@@ -44,3 +45,12 @@ def test_gpu_and_price_metrics_are_the_contracts() -> None:
 def test_no_gpu_metrics_without_a_gpu_and_no_price_without_one() -> None:
     found = scrape([], None)
     assert not set(found) & (set(GPU_ONLY) | {"batchline_device_price_per_hour"})
+
+
+def test_gc_pauses_are_the_contracts() -> None:
+    name = "batchline_gc_pause_seconds"
+    kind, labels = CONTRACT[name]
+    found = scrape([], None, HeapPolicy())
+    for sample in ("_bucket", "_sum", "_count"):
+        assert found[name + sample] == (kind, labels | ({"le"} if sample == "_bucket" else set()))
+    assert name + "_count" not in scrape([], None), "no policy, no pauses to show"

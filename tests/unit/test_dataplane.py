@@ -118,3 +118,43 @@ def test_metadata_and_config_name_the_same_triton_platform(engine: str) -> None:
     platform = plane.model_metadata("double", None)["platform"]
     assert platform == plane.model_config("double", None)["platform"] == plane.model_config("double", "1")["platform"]
     assert platform == {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch", "tensorrt": "tensorrt_plan"}[engine]
+
+
+class CountingHeap:
+    def __init__(self) -> None:
+        self.settled = 0
+
+    def settle(self) -> None:
+        self.settled += 1
+
+
+class LoadingRepository(StubRepository):
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.fail = fail
+
+    async def load_all(self, names: list[str] | None) -> None:
+        pass
+
+    async def load(self, name: str) -> None:
+        if self.fail:
+            raise InvalidInput("bad config")
+
+    async def unload(self, name: str) -> None:
+        pass
+
+
+async def test_the_heap_settles_after_models_load_or_unload_failed_or_not() -> None:
+    heap = CountingHeap()
+    plane = DataPlane(LoadingRepository(), heap)  # type: ignore[arg-type]
+    plane.start(None)
+    assert plane._startup is not None
+    await plane._startup
+    assert heap.settled == 1, "settled once the startup models are loaded, before readiness"
+    await plane.load("double", {})
+    await plane.unload("double")
+    assert heap.settled == 3
+    failing = DataPlane(LoadingRepository(fail=True), heap)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        await failing.load("double", {})
+    assert heap.settled == 4, "a failed load leaves remains to free too"
