@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -63,7 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
         logging.getLogger(__name__).error("model repository %s is not a folder", settings.model_repository)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub at run time
-    import uvicorn
+    import uvloop
 
     from server.dataplane import DataPlane
     from server.devices import describe_stack
@@ -71,9 +71,10 @@ def _serve(args: argparse.Namespace) -> int:
     from server.http.access_log import AccessLog
     from server.http.app import create_app
     from server.http.auth import AccessPolicy, SettingsError
-    from server.http.stopping import StoppingServer
+    from server.http.frontend import HttpFrontEnd
     from server.metrics import build_registry
     from server.repository import ModelRepository
+    from server.server import Server, StartFailed
 
     try:
         access = AccessPolicy.from_settings(settings)
@@ -85,7 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
     plane = DataPlane(repository, heap)
     metrics = build_registry(repository, settings.device_price_per_hour, heap=heap)
     app = create_app(
-        plane, settings.models, settings.max_body_bytes, metrics, AccessLog(settings.access_log), access,
+        plane, settings.max_body_bytes, metrics, AccessLog(settings.access_log), access,
         max_in_flight=settings.max_in_flight, max_in_flight_bytes=settings.max_in_flight_bytes,
     )
     try:
@@ -102,24 +103,14 @@ def _serve(args: argparse.Namespace) -> int:
                      name="describe-devices", daemon=True).start()
     if settings.port_file is not None:
         _write_port_file(settings.port_file, port)
-    server = StoppingServer(plane, uvicorn.Config(
-        app,
-        host=settings.host,
-        port=port,
-        log_level=settings.log_level,
-        loop="uvloop",
-        http="httptools",
-        access_log=False,
-        timeout_graceful_shutdown=30,
-    ))
-    # uvicorn hands the stop signal back to the handler it found once it has drained: a no-op
-    # one here, so a clean stop exits 0 (a container's orchestrator reads anything else as a fault).
-    signal.signal(signal.SIGTERM, lambda *_: None)
+    server = Server(plane, [HttpFrontEnd(app, listener, settings.log_level)], settings.models)
     try:
-        server.run(sockets=[listener])
-    except KeyboardInterrupt:
-        pass
-    return 0 if server.started else 3  # 3: uvicorn's own code for a server that never started
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(server.run())
+    except StartFailed as exc:
+        logging.getLogger(__name__).error("not serving: %s", exc)
+        return 3
+    return 0  # a clean stop: a container's orchestrator reads anything else as a fault
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -1,39 +1,28 @@
 """The data plane every front end shares: KServe v2 operations over the model repository.
 
-Front ends (HTTP today) only move bytes and statuses; what each operation means lives here.
+Protocol-neutral: calls come in as named numpy arrays and parameters, results go out as named
+arrays, and failures are the typed errors of `server.errors`. Each front end owns its codec
+(JSON and binary tensors over HTTP, protobuf over gRPC) and maps those errors to its statuses.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
-import threading
 from typing import Any
+
+import numpy as np
 
 from server import __version__
 from server.config import ModelConfig
-from server.errors import BatchlineError, InvalidInput, QueueFull, Unavailable
+from server.errors import InvalidInput, QueueFull, Unavailable
 from server.heap import HeapPolicy
 from server.model import ModelVersion
 from server.protocol.triton_config import triton_model_config, triton_platform
-from server.protocol.v2 import (
-    DecodedRequest,
-    ParsedRequest,
-    build_tensors,
-    encode_response,
-    parse_request,
-)
 from server.repository import ModelRepository
 from server.scheduler.admission import check_declared
 from server.scheduler.request import RequestRecord
 
-# Work that grows with a request runs on a worker thread above these sizes, so one big request
-# never stalls the event loop every other request shares. Measured worst cases inline (orjson,
-# one core): 16 KiB of JSON, nested or many tiny strings, ~1 ms to parse and build; 64 KiB of
-# JSON outputs ~0.5 ms to encode; 1 MiB of binary outputs, one copy, ~0.1 ms.
-INLINE_DECODE_BYTES = 16 << 10
-INLINE_ENCODE_JSON_BYTES = 64 << 10
-OFFLOAD_BYTES = 1 << 20
+Output = tuple[str, str, np.ndarray]  # name, datatype, array
 
 EXTENSIONS = [
     "binary_tensor_data",
@@ -139,59 +128,41 @@ class DataPlane:
         finally:
             self._settle()
 
-    async def infer(
-        self,
-        name: str,
-        version: str | None,
-        body: bytes,
-        header_length: int | None,
-        record: RequestRecord | None = None,
-    ) -> tuple[bytes, int | None]:
-        """One v2 infer call: bytes in, response bytes (and binary header length) out.
+    def admit(self, name: str, version: str | None) -> ModelVersion:
+        """The model that will serve a call, after the refusals that cost nothing, so a front end
+        runs them before it decodes anything: stopping (503), the model (404, 503) and its queue
+        (429)."""
+        if self.stopping:
+            raise Unavailable("the server is shutting down; send the request to another replica")
+        model = self.repository.get(name, version)
+        refuse_when_full(model)
+        return model
 
-        The cheap refusals come first, each before any work that grows with the request: the
-        model (404, 503) and its queue (429) before the body is parsed; names, datatypes, shapes
-        and the batch size (400) before any tensor is built.
-        """
+    @staticmethod
+    def check_inputs(model: ModelVersion, declared: dict[str, tuple[str, list[int]]]) -> None:
+        """Names, datatypes, shapes and the batch size (400), from what the request declares:
+        a front end calls this before it builds any tensor."""
         try:
-            if self.stopping:
-                raise Unavailable("the server is shutting down; send the request to another replica")
-            model = self.repository.get(name, version)
-            refuse_when_full(model)
-        except BatchlineError as exc:
-            # the access log line still names its request; not under overload, where refusing is all
-            if record is not None and not isinstance(exc, QueueFull):
-                record.request_id = await asyncio.to_thread(_request_id, body, header_length)
-            raise
-        if record is not None:
-            record.model_version = model.version
-        if len(body) > INLINE_DECODE_BYTES:
-            parsed = await asyncio.to_thread(_parse_without_gc, body, header_length)
-        else:
-            parsed = parse_request(body, header_length)
-        if record is not None:
-            record.request_id = parsed.id
-        try:
-            check_declared(model.config, {d.name: (d.datatype, d.shape) for d in parsed.inputs})
+            check_declared(model.config, declared)
         except InvalidInput:
             model.stats.count_failure("invalid")
             raise
-        if parsed.decode_bytes > INLINE_DECODE_BYTES:
-            decoded = await asyncio.to_thread(build_tensors, parsed)
-        else:
-            decoded = build_tensors(parsed)
-        selection = selected_outputs(model.config, decoded)
-        outputs = await model.infer(decoded.inputs, decoded.parameters, record)
-        tensors = [(n, datatype, outputs[n], binary) for n, datatype, binary in selection]
-        json_bytes = binary_bytes = 0
-        for _, _, array, binary in tensors:
-            if binary:
-                binary_bytes += array.nbytes
-            else:
-                json_bytes += array.nbytes
-        if json_bytes > INLINE_ENCODE_JSON_BYTES or binary_bytes > OFFLOAD_BYTES:
-            return await asyncio.to_thread(encode_response, name, model.version, decoded.id, tensors)
-        return encode_response(name, model.version, decoded.id, tensors)
+
+    @staticmethod
+    async def infer(
+        model: ModelVersion,
+        inputs: dict[str, tuple[str, np.ndarray]],
+        parameters: dict[str, Any],
+        outputs: list[str] | None = None,
+        record: RequestRecord | None = None,
+    ) -> list[Output]:
+        """Run one call on `model` (from `admit`): its inputs as named arrays and its parameters
+        (priority, timeout and what the model's admission reads) in; the `outputs` asked for
+        (None: all), checked before any compute, out in that order. Requests from every front
+        end share the model's queue and batches."""
+        selection = output_tensors(model.config, outputs)
+        results = await model.infer(inputs, parameters, record)
+        return [(name, datatype, results[name]) for name, datatype in selection]
 
 
 def refuse_when_full(model: ModelVersion) -> None:
@@ -204,51 +175,16 @@ def refuse_when_full(model: ModelVersion) -> None:
         raise QueueFull(f"the queue of this model is full ({limit} requests waiting); retry later")
 
 
-_gc_lock = threading.Lock()
-_gc_pauses = 0
-_gc_was_enabled = False
-
-
-def _parse_without_gc(body: bytes, header_length: int | None) -> ParsedRequest:
-    """parse_request with the cyclic GC paused. orjson holds the GIL for the whole parse, so a
-    worker thread alone does not free the loop; most of a nested body's parse time is the
-    collections its hundred thousand fresh lists trigger (measured: 200k lists, ~200 ms with
-    GC, ~30 ms without). The pause is process-wide and counted, so overlapping parses nest."""
-    global _gc_pauses, _gc_was_enabled
-    with _gc_lock:
-        if _gc_pauses == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_pauses += 1
-    try:
-        return parse_request(body, header_length)
-    finally:
-        with _gc_lock:
-            _gc_pauses -= 1
-            if _gc_pauses == 0 and _gc_was_enabled:
-                gc.enable()
-
-
-def _request_id(body: bytes, header_length: int | None) -> str | None:
-    """The request's id for the access log of a refused request, best effort (a worker thread:
-    the body was never parsed, and a big one is not parsed on the loop for a log line)."""
-    try:
-        request = _parse_without_gc(body, header_length)
-    except BatchlineError:
-        return None
-    return request.id
-
-
-def selected_outputs(config: ModelConfig, request: DecodedRequest) -> list[tuple[str, str, bool]]:
-    """(name, datatype, as_binary) of each output to return, checked before any compute."""
-    if request.outputs is None:
-        return [(t.name, t.datatype, request.binary_output) for t in config.outputs]
+def output_tensors(config: ModelConfig, names: list[str] | None) -> list[tuple[str, str]]:
+    """(name, datatype) of each output to return (None: every output, in the config's order);
+    an unknown name is a 400 before any compute."""
+    if names is None:
+        return [(t.name, t.datatype) for t in config.outputs]
     selection = []
-    for wanted in request.outputs:
-        tensor = config.output(wanted.name)
+    for name in names:
+        tensor = config.output(name)
         if tensor is None:
-            names = ", ".join(t.name for t in config.outputs)
-            raise InvalidInput(f"model '{config.name}' has no output '{wanted.name}' (outputs: {names})")
-        binary = request.binary_output if wanted.binary is None else wanted.binary
-        selection.append((tensor.name, tensor.datatype, binary))
+            known = ", ".join(t.name for t in config.outputs)
+            raise InvalidInput(f"model '{config.name}' has no output '{name}' (outputs: {known})")
+        selection.append((tensor.name, tensor.datatype))
     return selection

@@ -10,8 +10,6 @@ any route runs.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
@@ -45,7 +43,6 @@ def _status_only(ok: bool, what: str) -> Response:
 
 def create_app(
     plane: DataPlane,
-    models: list[str] | None = None,
     max_body_bytes: int = 64 << 20,
     metrics: CollectorRegistry | None = None,
     access_log: AccessLog | None = None,
@@ -53,21 +50,14 @@ def create_app(
     max_in_flight: int = 512,
     max_in_flight_bytes: int = 1 << 30,
 ) -> AccessGate:
-    """The ASGI app; models load in the background once it starts. `access` defaults to the
-    closed policy: model control off, no tokens."""
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        plane.start(models)
-        yield
-        await plane.stop()
-
+    """The ASGI app over `plane`, whose lifecycle (loading, stopping) is its owner's: the
+    Server in `batchline serve`. `access` defaults to the closed policy: model control off, no
+    tokens."""
     app = FastAPIOffline(  # /docs and /redoc, their scripts and styles served from /docs/static
         static_url="/docs/static",
         title="Batchline",
         version=__version__,
         summary="KServe v2 inference server with dynamic batching",
-        lifespan=lifespan,
     )
     install_error_handlers(app)
     v2 = APIRouter(prefix="/v2", tags=["KServe v2"])

@@ -19,9 +19,9 @@ import zlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from server import dataplane
 from server.dataplane import DataPlane
 from server.errors import Cancelled, InvalidInput, PayloadTooLarge, Unavailable
+from server.http import v2_infer
 from server.http.access_log import AccessLog
 from server.http.errors import error_parts
 from server.protocol.v2 import encode_error
@@ -173,7 +173,7 @@ class InferEndpoint:
 
         timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch)
         try:
-            return await self._plane.infer(model, version, body, header_length, record)
+            return await v2_infer.infer_v2(self._plane, model, version, body, header_length, record)
         except asyncio.CancelledError:
             handler.uncancel()
             if watcher is None or not watcher.done():
@@ -213,7 +213,7 @@ class InferEndpoint:
         encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
         if encoding in _IDENTITY:
             return body
-        if len(body) * _MAX_DEFLATE_RATIO > dataplane.INLINE_DECODE_BYTES:  # it may inflate to megabytes
+        if len(body) * _MAX_DEFLATE_RATIO > v2_infer.INLINE_DECODE_BYTES:  # it may inflate to megabytes
             return await asyncio.to_thread(_decompressed, body, encoding, self._limit)
         return _decompressed(body, encoding, self._limit)
 

@@ -202,7 +202,7 @@ def test_sigterm_drains_requests_in_flight_and_queued(tmp_path: Path) -> None:
     finally:
         stop(process)
     text = log.read_text()
-    assert "Application shutdown complete" in text and "Traceback" not in text, text[-4000:]
+    assert "stopped: the front ends drained, the models unloaded" in text and "Traceback" not in text, text[-4000:]
     # the start-up log names what the models compute on; this test's assumption about the machine
     # is stated and checked: a GPU shows as cuda:0, none as one line that says so
     devices = next((line for line in text.splitlines() if " devices: " in line), None)

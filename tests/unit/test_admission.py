@@ -10,12 +10,11 @@ from pydantic import ValidationError
 
 from server import errors
 from server.config import InstanceGroup, ModelConfig
-from server.dataplane import selected_outputs
+from server.dataplane import output_tensors
 from server.devices import Device, placements
 from server.errors import EngineError, InvalidInput
 from server.gpu import cuda_visible
 from server.http.errors import STATUS_BY_ERROR, status_of
-from server.protocol.v2 import DecodedRequest, RequestedOutput
 from server.scheduler.admission import validate_inputs
 
 
@@ -211,34 +210,20 @@ def test_bytes_input_that_is_not_utf8_is_refused_at_the_door() -> None:
         validate_inputs(config, {"raw": texts(b"\xff", b"a")})
 
 
-# --- selected_outputs --------------------------------------------------------------------
+# --- output_tensors ----------------------------------------------------------------------
 
 
-def request(outputs: list[RequestedOutput] | None, binary_output: bool = False) -> DecodedRequest:
-    return DecodedRequest(id=None, parameters={}, inputs={}, outputs=outputs, binary_output=binary_output)
+def test_all_outputs_by_default_in_the_configs_order() -> None:
+    assert output_tensors(model(), None) == [("scores", "FP32"), ("label", "BYTES")]
 
 
-@pytest.mark.parametrize("binary_output", [False, True])
-def test_all_outputs_by_default(binary_output: bool) -> None:
-    assert selected_outputs(model(), request(None, binary_output)) == [
-        ("scores", "FP32", binary_output),
-        ("label", "BYTES", binary_output),
-    ]
-
-
-def test_requested_outputs_in_request_order_with_flags() -> None:
-    wanted = [RequestedOutput("label", None), RequestedOutput("scores", True)]
-    assert selected_outputs(model(), request(wanted)) == [("label", "BYTES", False), ("scores", "FP32", True)]
-    wanted = [RequestedOutput("label", False), RequestedOutput("scores", None)]
-    assert selected_outputs(model(), request(wanted, binary_output=True)) == [
-        ("label", "BYTES", False),
-        ("scores", "FP32", True),
-    ]
+def test_requested_outputs_in_request_order() -> None:
+    assert output_tensors(model(), ["label", "scores"]) == [("label", "BYTES"), ("scores", "FP32")]
 
 
 def test_unknown_output() -> None:
     with pytest.raises(InvalidInput, match=r"model 'toy' has no output 'logits' \(outputs: scores, label\)"):
-        selected_outputs(model(), request([RequestedOutput("scores", None), RequestedOutput("logits", None)]))
+        output_tensors(model(), ["scores", "logits"])
 
 
 # --- status_of ---------------------------------------------------------------------------

@@ -9,10 +9,10 @@ import numpy as np
 import orjson
 import pytest
 
-from server import dataplane
 from server.config import EngineName, ModelConfig
 from server.dataplane import DataPlane
-from server.errors import InvalidInput
+from server.errors import InvalidInput, Unavailable
+from server.http import v2_infer
 
 CONFIG = ModelConfig.model_validate(
     {
@@ -55,9 +55,26 @@ def body(values: list[float], outputs: list[str] | None = None) -> bytes:
 async def test_unknown_output_is_refused_before_any_compute() -> None:
     repository = StubRepository()
     plane = DataPlane(repository)  # type: ignore[arg-type]
-    with pytest.raises(InvalidInput, match="no output 'z'"):
-        await plane.infer("double", None, body([1.0], ["z"]), None)
+    model = plane.admit("double", None)
+    with pytest.raises(InvalidInput, match=r"model 'double' has no output 'z' \(outputs: y\)"):
+        await plane.infer(model, {"x": ("FP32", np.ones((1, 1), np.float32))}, {}, ["y", "z"])  # type: ignore[arg-type]
     assert repository.model.calls == 0
+
+
+async def test_outputs_come_back_named_in_the_order_asked() -> None:
+    plane = DataPlane(StubRepository())  # type: ignore[arg-type]
+    model = plane.admit("double", None)
+    x = ("FP32", np.array([[1.0, 2.0]], np.float32))
+    ((name, datatype, array),) = await plane.infer(model, {"x": x}, {})  # type: ignore[arg-type]
+    assert (name, datatype, array.tolist()) == ("y", "FP32", [[2.0, 4.0]])
+    assert [o[0] for o in await plane.infer(model, {"x": x}, {}, ["y"])] == ["y"]  # type: ignore[arg-type]
+
+
+async def test_a_stopping_server_admits_nothing() -> None:
+    plane = DataPlane(StubRepository())  # type: ignore[arg-type]
+    plane.begin_stop()
+    with pytest.raises(Unavailable, match="shutting down"):
+        plane.admit("double", None)
 
 
 async def test_large_bodies_and_outputs_are_coded_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,12 +88,12 @@ async def test_large_bodies_and_outputs_are_coded_off_the_event_loop(monkeypatch
         return spy
 
     for name in ("parse_request", "build_tensors", "encode_response"):
-        monkeypatch.setattr(dataplane, name, on_thread(getattr(dataplane, name)))
+        monkeypatch.setattr(v2_infer, name, on_thread(getattr(v2_infer, name)))
     plane = DataPlane(StubRepository())  # type: ignore[arg-type]
-    small, _ = await plane.infer("double", None, body([1.0, 2.0]), None)
-    monkeypatch.setattr(dataplane, "INLINE_DECODE_BYTES", 4)
-    monkeypatch.setattr(dataplane, "INLINE_ENCODE_JSON_BYTES", 4)
-    large, _ = await plane.infer("double", None, body([1.0, 2.0]), None)
+    small, _ = await v2_infer.infer_v2(plane, "double", None, body([1.0, 2.0]), None)
+    monkeypatch.setattr(v2_infer, "INLINE_DECODE_BYTES", 4)
+    monkeypatch.setattr(v2_infer, "INLINE_ENCODE_JSON_BYTES", 4)
+    large, _ = await v2_infer.infer_v2(plane, "double", None, body([1.0, 2.0]), None)
     main = threading.main_thread().name
     assert threads[:3] == [main, main, main]
     assert main not in threads[3:] and len(threads) == 6

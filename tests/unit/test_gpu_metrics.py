@@ -254,7 +254,7 @@ async def test_a_hung_nvml_call_stalls_neither_metrics_nor_the_event_loop(nvml: 
     fake = FakeNvml(count=2, hang=("nvmlDeviceGetPowerUsage", 0))
     nvml.append(fake)
     repository = ModelRepository(tmp_path)
-    app = create_app(DataPlane(repository), [], metrics=build_registry(repository))
+    app = create_app(DataPlane(repository), metrics=build_registry(repository))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://batchline.test") as client:
         await asyncio.to_thread(fake.hanging.wait, BOUND_S * 5)  # the sampler's first read is stuck
         response, elapsed, lag = await timed_with_loop_lag(client.get("/metrics"))

@@ -11,10 +11,10 @@ import numpy as np
 import orjson
 import pytest
 
-from server import dataplane
 from server.config import ModelConfig
 from server.dataplane import DataPlane
 from server.errors import InvalidInput
+from server.http import v2_infer
 from server.protocol import v2
 from server.protocol.v2 import parse_request
 from server.scheduler import admission
@@ -151,13 +151,13 @@ class Repository:
         return self.model
 
 
-async def test_the_data_plane_checks_shapes_before_building_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_v2_call_checks_shapes_before_building_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     built: list[object] = []
-    monkeypatch.setattr(dataplane, "build_tensors", lambda parsed: built.append(parsed))
+    monkeypatch.setattr(v2_infer, "build_tensors", lambda parsed: built.append(parsed))
     repository = Repository()
     plane = DataPlane(repository)  # type: ignore[arg-type]
     body = orjson.dumps({"inputs": [{"name": "text", "shape": [5, 1], "datatype": "BYTES", "data": ["a"] * 5}]})
     with pytest.raises(InvalidInput, match="batch size 5"):
-        await plane.infer("embed", None, body, None)
+        await v2_infer.infer_v2(plane, "embed", None, body, None)
     assert built == [] and repository.model.calls == 0
     assert repository.model.stats.failures == ["invalid"]

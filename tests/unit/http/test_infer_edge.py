@@ -18,10 +18,9 @@ import numpy as np
 import orjson
 import pytest
 
-from server import dataplane
 from server.config import ModelConfig
 from server.dataplane import DataPlane
-from server.http import infer
+from server.http import infer, v2_infer
 from server.http.infer import FastInferApp, InferEndpoint
 from server.metrics import build_registry, exposition
 from tests.unit.http.conftest import HOLD, Exchange, Gate, infer_body
@@ -136,7 +135,7 @@ async def test_a_large_compressed_body_is_inflated_off_the_event_loop(
     assert len(small_body) < len(large_body)
     monkeypatch.setattr(infer.zlib, "decompressobj", watched)
     # inline only what cannot inflate past the threshold: deflate expands at most 1032 times
-    monkeypatch.setattr(dataplane, "INLINE_DECODE_BYTES", len(small_body) * 1032)
+    monkeypatch.setattr(v2_infer, "INLINE_DECODE_BYTES", len(small_body) * 1032)
     app = FastInferApp(unreachable, InferEndpoint(plane, 1 << 20))
     small = await call(app, Exchange.of(small_body, {"content-encoding": "gzip"}))
     large = await call(app, Exchange.of(large_body, {"content-encoding": "gzip"}))

@@ -13,8 +13,8 @@ from typing import Any
 import orjson
 import pytest
 
-from server import dataplane
 from server.dataplane import DataPlane
+from server.http import v2_infer
 from server.http.app import create_app
 from server.http.infer import CONTROL_BODY_BYTES, FastInferApp, InferEndpoint
 from server.protocol.v2 import decode_request
@@ -113,8 +113,8 @@ async def test_a_full_queue_refuses_before_the_body_is_parsed(
         model = repository.get("spin")
         await eventually(lambda: model.queue_depth == 1, "one request waits in the queue")
         parsed: list[bytes] = []
-        real = dataplane.parse_request
-        monkeypatch.setattr(dataplane, "parse_request", lambda body, length: parsed.append(body) or real(body, length))
+        real = v2_infer.parse_request
+        monkeypatch.setattr(v2_infer, "parse_request", lambda body, length: parsed.append(body) or real(body, length))
         refused = await call(app, Exchange.of(infer_body(2.0)))
         assert refused.status == 429 and refused.headers["retry-after"] == "1"
         assert "queue of this model is full" in refused.json()["error"]

@@ -104,7 +104,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedOnce]:
     _write_model(root, "idle")  # never loaded: 503 on its routes
     plane = DataPlane(ModelRepository(root))
     metrics = build_registry(plane.repository)
-    served = ServedOnce(create_app(plane, ["digits"], max_body_bytes=MAX_BODY_BYTES, metrics=metrics), plane, ["digits"])
+    served = ServedOnce(create_app(plane, max_body_bytes=MAX_BODY_BYTES, metrics=metrics), plane, ["digits"])
     with asgi.get_client(served) as client:  # starts the lifespan: the models load
         deadline = time.monotonic() + 120
         while client.get("/v2/health/ready").status_code != 200:

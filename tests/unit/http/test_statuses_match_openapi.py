@@ -212,7 +212,7 @@ async def served(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tupl
     """The app as `batchline serve` builds it, serving digits, with a small body limit, model
     control on and both tokens set. The client sends the inference token unless told otherwise."""
     plane = DataPlane(ModelRepository(repository(tmp_path_factory.mktemp("statuses") / "models")))
-    app = create_app(plane, ["digits"], max_body_bytes=MAX_BODY_BYTES, metrics=CollectorRegistry(), access=ACCESS)
+    app = create_app(plane, max_body_bytes=MAX_BODY_BYTES, metrics=CollectorRegistry(), access=ACCESS)
     async with started(plane, ["digits"]), client_of(app, dict(AS_CLIENT)) as client:
         assert plane.model_ready("digits", "1"), plane.repository.versions("digits")[0].reason
         yield client, plane
@@ -325,7 +325,7 @@ async def test_load_and_unload_are_refused_with_403_while_model_control_is_off(
     """Off is the default: even a rightful caller is refused, in Triton's words (Triton answers 503)."""
     _, plane = served
     serving = plane.repository.get("digits", "1")
-    async with client_of(create_app(plane, ["digits"])) as closed:
+    async with client_of(create_app(plane)) as closed:
         response = await closed.post(path, json={}, headers=dict(AS_ADMIN))
         check(document, "POST", path, response, 403)
         assert "explicit model load / unload is not allowed" in response.json()["error"]
@@ -341,7 +341,7 @@ async def test_model_control_without_an_admin_token_takes_only_calls_addressed_t
     """A page can rebind its own DNS name to 127.0.0.1 and reach a laptop's server, but its
     requests still carry its own name in Host."""
     _, plane = served
-    app = create_app(plane, ["digits"], access=AccessPolicy(model_control=True))
+    app = create_app(plane, access=AccessPolicy(model_control=True))
     async with client_of(app, base_url="http://attacker.example:8000") as rebound:
         response = await rebound.post(UNLOAD.format(model="idle"), json={})
         check(document, "POST", UNLOAD.format(model="idle"), response, 403)
@@ -357,11 +357,11 @@ async def test_readiness_is_503_when_a_model_failed_to_load_and_200_when_all_ser
     _write_config(tmp_path / "failing", "broken")
     (tmp_path / "failing" / "broken" / "1").mkdir()  # no artifact
     failing = DataPlane(ModelRepository(tmp_path / "failing"))
-    async with started(failing, ["broken"]), client_of(create_app(failing, ["broken"])) as client:
+    async with started(failing, ["broken"]), client_of(create_app(failing)) as client:
         check(document, "GET", "/v2/health/ready", await client.get("/v2/health/ready"), 503)
 
     empty = DataPlane(ModelRepository(tmp_path / "empty"))
-    async with started(empty, []), client_of(create_app(empty, [])) as client:
+    async with started(empty, []), client_of(create_app(empty)) as client:
         await until(empty.server_ready, "an empty repository to load")
         check(document, "GET", "/v2/health/ready", await client.get("/v2/health/ready"), 200)
 

@@ -1,23 +1,47 @@
-"""A stop (SIGTERM) as the data plane sees it: readiness false and new inference refused at
-once, what is already queued or running answered, then the models unloaded."""
+"""A stop (SIGTERM) as the Server runs it: readiness false and new inference refused at once,
+what is already queued or running answered, every front end drained, then the models unloaded."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 
 import httpx
-import uvicorn
+import pytest
 
 from server.dataplane import DataPlane
 from server.http.app import create_app
-from server.http.stopping import StoppingServer
+from server.model import ModelState
+from server.server import Server, StartFailed
 from tests.unit.http.conftest import HOLD, Gate, infer_body
 from tests.unit.waiting import eventually
 
 
+class RecordingFrontEnd:
+    """A front end that records what the Server asks of it."""
+
+    def __init__(self, name: str, fail: bool = False) -> None:
+        self.name = name
+        self.fail = fail
+        self.calls: list[str] = []
+
+    async def start(self) -> None:
+        self.calls.append("start")
+        if self.fail:
+            raise StartFailed(f"{self.name} could not bind")
+
+    async def drain(self) -> None:
+        self.calls.append("drain")
+
+    def force(self) -> None:
+        self.calls.append("force")
+
+
 async def test_a_stop_refuses_new_work_and_answers_what_is_in_flight(plane: DataPlane, gate: Gate) -> None:
-    plane.start([])  # the fixture loaded spin already: nothing more to load
+    frontends = [RecordingFrontEnd("http"), RecordingFrontEnd("grpc")]
+    server = Server(plane, frontends, [])  # the fixture loaded spin already: nothing more to load
+    running = asyncio.create_task(server.run())
     await eventually(plane.server_ready, "the server is ready")
     app = create_app(plane)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://batchline") as client:
@@ -28,8 +52,9 @@ async def test_a_stop_refuses_new_work_and_answers_what_is_in_flight(plane: Data
         model = plane.repository.get("spin")
         await eventually(lambda: model.queue_depth == 1, "a request waits in the queue")
 
-        StoppingServer(plane, uvicorn.Config(app)).handle_exit(signal.SIGTERM, None)
+        os.kill(os.getpid(), signal.SIGTERM)  # what an orchestrator sends
 
+        await eventually(lambda: plane.stopping, "the signal reached the server")
         ready = await client.get("/v2/health/ready")
         assert ready.status_code == 503
         refused = await client.post("/v2/models/spin/infer", content=infer_body(3.0))
@@ -38,3 +63,25 @@ async def test_a_stop_refuses_new_work_and_answers_what_is_in_flight(plane: Data
         gate.released.set()
         assert [(await t).status_code for t in (held, queued)] == [200, 200]
         assert 3.0 not in gate.ran()
+    await asyncio.wait_for(running, 30)
+    assert [f.calls for f in frontends] == [["start", "drain"], ["start", "drain"]]
+    assert model.state is not ModelState.READY and plane.repository.versions("spin") == [], "unloaded last"
+
+
+async def test_a_second_interrupt_stops_waiting(plane: DataPlane) -> None:
+    frontend = RecordingFrontEnd("http")
+    server = Server(plane, [frontend], [])
+    running = asyncio.create_task(server.run())
+    await eventually(lambda: frontend.calls == ["start"], "the front end started")
+    server.request_stop()
+    server.request_stop()
+    await asyncio.wait_for(running, 30)
+    assert frontend.calls == ["start", "drain", "force"] or frontend.calls == ["start", "force", "drain"]
+
+
+async def test_a_front_end_that_cannot_start_stops_the_others(plane: DataPlane) -> None:
+    started, broken = RecordingFrontEnd("http"), RecordingFrontEnd("grpc", fail=True)
+    with pytest.raises(StartFailed, match="grpc could not bind"):
+        await asyncio.wait_for(Server(plane, [started, broken], []).run(), 30)
+    assert started.calls == ["start", "drain"] and broken.calls == ["start"]
+    assert plane.stopping and plane.repository.versions("spin") == []
