@@ -261,8 +261,8 @@ class OnnxRuntimeEngine(Engine):
 
     def signature(self) -> EngineSignature:
         return EngineSignature(
-            inputs=tuple(_tensor_signature(i) for i in self._session.get_inputs()),
-            outputs=tuple(_tensor_signature(o) for o in self._session.get_outputs()),
+            inputs=tuple(tensor_signature(i) for i in self._session.get_inputs()),
+            outputs=tuple(tensor_signature(o) for o in self._session.get_outputs()),
         )
 
     def describe(self) -> EngineDescription:
@@ -275,7 +275,7 @@ class OnnxRuntimeEngine(Engine):
         )
 
 
-def _tensor_signature(node: ort.NodeArg) -> TensorSignature:
+def tensor_signature(node: ort.NodeArg) -> TensorSignature:
     """Symbolic and unknown dims are variable. ORT reports an empty shape both for scalars and
     for tensors of unknown rank; it is read as unknown, and warm-up checks what comes back."""
     dims = node.shape

@@ -1,0 +1,253 @@
+"""`batchline import PATH --name NAME`: a model folder (config + version 1) from a user's model.
+
+Triton completes a config from the model the same way: names, datatypes and dims come from the
+artifact's own signature (an ONNX graph, a torch.export program); a first dim that is variable on
+every input and output is the batch dim. The written config is plain YAML to review and edit.
+What the artifact leaves open (a tensor of unknown rank, a type v2 cannot name, first dims that
+disagree) is an error that says what to decide, never a guess. The draft is checked against the
+artifact with the same check the server runs at load, and the version's SHA256SUMS is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from server.config import ModelConfig
+from server.engines.digests import record_digests
+from server.engines.signature import EngineSignature, TensorSignature, check_signature
+from server.errors import BatchlineError
+
+ENGINE_BY_SUFFIX = {".onnx": "onnxruntime", ".pt2": "torch"}
+ARTIFACT_BY_ENGINE = {"onnxruntime": "model.onnx", "torch": "model.pt2"}
+DEFAULT_MAX_BATCH_SIZE = 32
+DEFAULT_MAX_QUEUE_SIZE = 1024
+DEFAULT_TIMEOUT_US = 30_000_000
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a folder name, and a path segment of the v2 URLs
+
+
+class ImportRefused(BatchlineError):
+    """The artifact cannot become a config without a decision only its owner can make."""
+
+
+def read_signature(artifact: Path) -> tuple[str, EngineSignature]:
+    """The engine that serves `artifact` and the artifact's inputs and outputs."""
+    engine = ENGINE_BY_SUFFIX.get(artifact.suffix)
+    if engine is None:
+        known = ", ".join(ENGINE_BY_SUFFIX)
+        raise ImportRefused(f"{artifact}: not a model file this server imports (file types: {known})")
+    if not artifact.is_file():
+        raise ImportRefused(f"{artifact}: no such file")
+    if engine == "onnxruntime":
+        return engine, _onnx_signature(artifact)
+    return engine, _program_signature(artifact)
+
+
+def _onnx_signature(artifact: Path) -> EngineSignature:
+    import onnxruntime as ort
+
+    from server.engines.onnxruntime import tensor_signature
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(str(artifact), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # ORT raises its own types for every kind of bad file
+        raise ImportRefused(f"{artifact}: ONNX Runtime cannot load it: {exc}") from exc
+    return EngineSignature(
+        inputs=tuple(tensor_signature(i) for i in session.get_inputs()),
+        outputs=tuple(tensor_signature(o) for o in session.get_outputs()),
+    )
+
+
+def _program_signature(artifact: Path) -> EngineSignature:
+    import torch
+
+    from server.engines.torch import EXPORT_LOCK, program_signature
+
+    try:
+        with EXPORT_LOCK:
+            program = torch.export.load(str(artifact))
+    except Exception as exc:  # torch raises many types for a file that is not a program
+        raise ImportRefused(f"{artifact}: not a torch.export program torch {torch.__version__} loads: {exc}") from exc
+    return program_signature(program)
+
+
+def draft_config(
+    name: str,
+    engine: str,
+    signature: EngineSignature,
+    max_batch_size: int | None = None,
+    dims: dict[str, list[int]] | None = None,
+) -> dict[str, Any]:
+    """The config of `signature` as a plain mapping. `max_batch_size`: None detects the batch
+    dim (and uses DEFAULT_MAX_BATCH_SIZE), 0 serves unbatched; `dims` gives the full shape of
+    tensors whose rank the artifact leaves open."""
+    dims = dims or {}
+    tensors = [*signature.inputs, *signature.outputs]
+    for tensor in tensors:
+        if tensor.datatype is None:
+            raise ImportRefused(f"tensor '{tensor.name}' has type {tensor.native_type or 'unknown'}, which the v2 "
+                                "protocol cannot carry: re-export the model with another type for it")
+    unknown = sorted(set(dims) - {t.name for t in tensors})
+    if unknown:
+        raise ImportRefused(f"--dims names {unknown[0]!r}, which the model does not have "
+                            f"(its tensors: {', '.join(t.name for t in tensors)})")
+    shapes = {t.name: _shape(t, dims) for t in tensors}
+    batched = _batched(signature, shapes, max_batch_size)
+    config: dict[str, Any] = {"name": name, "engine": engine, "max_batch_size": 0}
+    if batched:
+        config["max_batch_size"] = max_batch_size or DEFAULT_MAX_BATCH_SIZE
+    config["inputs"] = [_tensor(t, shapes[t.name], batched) for t in signature.inputs]
+    config["outputs"] = [_tensor(t, shapes[t.name], batched) for t in signature.outputs]
+    if batched:
+        config["dynamic_batching"] = {
+            "max_queue_delay_microseconds": 0,
+            "default_queue_policy": {
+                "max_queue_size": DEFAULT_MAX_QUEUE_SIZE,
+                "default_timeout_microseconds": DEFAULT_TIMEOUT_US,
+            },
+        }
+    return config
+
+
+def _shape(tensor: TensorSignature, dims: dict[str, list[int]]) -> list[int | None]:
+    given = dims.get(tensor.name)
+    if given is not None:
+        if tensor.shape is not None and len(given) != len(tensor.shape):
+            raise ImportRefused(f"--dims gives '{tensor.name}' {len(given)} dims; the model says {len(tensor.shape)}")
+        return [None if d == -1 else d for d in given]
+    if tensor.shape is None:
+        raise ImportRefused(f"the model does not say the rank of '{tensor.name}': give its full shape, the batch "
+                            f"dim first if it has one, e.g. --dims {tensor.name}=-1,3 (-1 for a variable dim)")
+    return list(tensor.shape)
+
+
+def _batched(signature: EngineSignature, shapes: dict[str, list[int | None]], max_batch_size: int | None) -> bool:
+    """Whether the first dim is a batch dim: variable on every input and output."""
+    if max_batch_size == 0:
+        return False
+    variable = {name: bool(shape) and shape[0] is None for name, shape in shapes.items()}
+    inputs_variable = all(variable[t.name] for t in signature.inputs)
+    if inputs_variable and all(variable.values()):
+        return True
+    if max_batch_size is None and not inputs_variable:
+        return False  # a fixed first dim on an input: the model takes what it was exported for
+    fixed = sorted(name for name, is_variable in variable.items() if not is_variable)
+    if max_batch_size is not None:
+        raise ImportRefused(f"--max-batch-size {max_batch_size}: the first dim of {', '.join(fixed)} is not variable, "
+                            "so requests cannot be batched; re-export with a dynamic batch axis or use --max-batch-size 0")
+    raise ImportRefused(f"every input's first dim is variable but not that of {', '.join(fixed)}: is the first dim "
+                        "a batch dim? --max-batch-size N says yes, --max-batch-size 0 serves it unbatched")
+
+
+def _tensor(tensor: TensorSignature, shape: list[int | None], batched: bool) -> dict[str, Any]:
+    dims = [-1 if d is None else d for d in (shape[1:] if batched else shape)]
+    return {"name": tensor.name, "datatype": tensor.datatype, "dims": dims}
+
+
+def import_model(
+    artifact: Path,
+    repository: Path,
+    name: str,
+    max_batch_size: int | None = None,
+    dims: dict[str, list[int]] | None = None,
+) -> Path:
+    """Write `repository/name` (config.yaml and 1/ with the artifact and its SHA256SUMS) and
+    return it. Nothing is written unless the whole folder is ready: it appears by one rename."""
+    if not NAME.fullmatch(name):
+        raise ImportRefused(f"--name {name!r}: use letters, digits, '_', '.' and '-' (starting with a letter or "
+                            "digit, at most 128): it names a folder and appears in URLs")
+    target = repository / name
+    if target.exists():
+        raise ImportRefused(f"{target} exists already: choose another --name, or remove it first")
+    engine, signature = read_signature(artifact)
+    raw = draft_config(name, engine, signature, max_batch_size, dims)
+    config = ModelConfig.model_validate(raw)
+    check_signature(config, signature)
+    repository.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.import-", dir=repository))
+    try:
+        version = staging / "1"
+        version.mkdir()
+        shutil.copyfile(artifact, version / ARTIFACT_BY_ENGINE[engine])
+        record_digests(version)
+        (staging / "config.yaml").write_text(_config_text(raw, artifact), encoding="utf-8")
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _config_text(raw: dict[str, Any], artifact: Path) -> str:
+    header = (
+        f"# Written by `batchline import` from {artifact.name}: names, datatypes and dims are the model's.\n"
+        "# Review max_batch_size, dynamic_batching and instance_group for your traffic and machine.\n"
+    )
+    return header + yaml.safe_dump(raw, sort_keys=False, default_flow_style=None)
+
+
+def parse_dims(values: list[str]) -> dict[str, list[int]]:
+    """--dims NAME=D1,D2,... (repeatable) as a mapping; -1 marks a variable dim."""
+    parsed: dict[str, list[int]] = {}
+    for value in values:
+        name, sep, text = value.partition("=")
+        try:
+            dims = [int(d) for d in text.split(",")] if sep and text else None
+        except ValueError:
+            dims = None
+        if not name or dims is None or any(d == 0 or d < -1 for d in dims):
+            raise ImportRefused(f"--dims {value!r}: expected NAME=D1,D2,... with each dim positive or -1")
+        parsed[name] = dims
+    return parsed
+
+
+def add_import_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "import",
+        help="add a model (ONNX file or torch.export program) to the repository, its config read from the model",
+        description="Write a model folder (config.yaml and version 1) for PATH into the repository. Names, "
+        "datatypes and dims come from the model; a first dim that is variable on every input and output is the "
+        "batch dim. The config is plain YAML to review; the version's SHA256SUMS is recorded.",
+    )
+    parser.add_argument("path", type=Path, help="the model: a .onnx file, or a .pt2 torch.export program")
+    parser.add_argument("--name", required=True, help="the model's name in the repository")
+    parser.add_argument(
+        "--max-batch-size", type=int, default=None, metavar="N",
+        help=f"most items per batch (default: {DEFAULT_MAX_BATCH_SIZE} when the model has a batch dim); "
+        "0 serves it unbatched",
+    )
+    parser.add_argument(
+        "--dims", action="append", default=[], metavar="NAME=D1,D2",
+        help="the full shape of a tensor whose rank the model leaves open, batch dim first; -1 is variable (repeatable)",
+    )
+    parser.add_argument(
+        "--model-repository", type=Path, default=None,
+        help="folder of models (default: $BATCHLINE_MODEL_REPOSITORY or models)",
+    )
+    parser.set_defaults(handler=run_import)
+    return parser
+
+
+def run_import(args: argparse.Namespace) -> int:
+    repository = args.model_repository or Path(os.environ.get("BATCHLINE_MODEL_REPOSITORY", "models"))
+    if args.max_batch_size is not None and args.max_batch_size < 0:
+        print("batchline import: --max-batch-size must be 0 or more", file=sys.stderr)
+        return 2
+    try:
+        folder = import_model(args.path, repository, args.name, args.max_batch_size, parse_dims(args.dims))
+    except BatchlineError as exc:
+        print(f"batchline import: {exc.message}", file=sys.stderr)
+        return 2
+    print(f"imported {args.path} as {folder}; review {folder / 'config.yaml'}, then: "
+          f"batchline serve --model-repository {repository} --model {args.name}")
+    return 0

@@ -1,0 +1,153 @@
+"""`batchline import`: a user's ONNX file or torch.export program becomes a model folder whose
+config is read from the model, serves, and asks instead of guessing where the model is silent."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from onnx import TensorProto, helper
+
+from server.config import load_model_config
+from server.engines.digests import RECORD, file_digest
+from server.model_import import ImportRefused, import_model, parse_dims
+from server.repository import ModelRepository
+from tests.unit.onnx_models import doubling, parse_and_double, save, unstated_rank
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def onnx_file(tmp_path: Path, writer=doubling) -> Path:  # type: ignore[no-untyped-def]
+    return writer(tmp_path / "source") / "model.onnx"
+
+
+async def test_an_onnx_file_with_a_batch_axis_imports_batched_and_serves(tmp_path: Path) -> None:
+    repository = tmp_path / "models"
+    folder = import_model(onnx_file(tmp_path), repository, "mine")
+    config = load_model_config(folder / "config.yaml")
+    assert config.engine == "onnxruntime" and config.max_batch_size == 32
+    assert [(t.name, t.datatype, t.dims) for t in config.inputs] == [("x", "FP32", [2])]
+    assert [(t.name, t.datatype, t.dims) for t in config.outputs] == [("y", "FP32", [2])]
+    queue = config.dynamic_batching.default_queue_policy if config.dynamic_batching else None
+    assert queue is not None and queue.max_queue_size > 0, "bounded by default, as the shipped models are"
+    digest, name = (folder / "1" / RECORD).read_text().split()
+    assert name == "model.onnx" and digest == file_digest(folder / "1" / "model.onnx")
+    served = ModelRepository(repository)
+    await served.load("mine")
+    try:
+        result = await served.get("mine").infer({"x": ("FP32", np.array([[1.0, 2.0]], np.float32))})
+        assert result["y"].tolist() == [[2.0, 4.0]]
+    finally:
+        await served.unload_all()
+
+
+def test_string_tensors_become_bytes(tmp_path: Path) -> None:
+    folder = import_model(onnx_file(tmp_path, parse_and_double), tmp_path / "models", "parse")
+    config = load_model_config(folder / "config.yaml")
+    assert [(t.name, t.datatype) for t in config.inputs] == [("text", "BYTES")]
+    assert [(t.name, t.datatype) for t in config.outputs] == [("doubled", "FP32"), ("doubled_text", "BYTES")]
+
+
+def test_a_fixed_first_dim_serves_unbatched_with_the_full_shape(tmp_path: Path) -> None:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])
+    save(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]), tmp_path / "fixed")
+    folder = import_model(tmp_path / "fixed" / "model.onnx", tmp_path / "models", "fixed")
+    config = load_model_config(folder / "config.yaml")
+    assert config.max_batch_size == 0 and config.dynamic_batching is None
+    assert config.inputs[0].dims == [1, 3]
+    with pytest.raises(ImportRefused, match="first dim of x, y is not variable"):
+        import_model(tmp_path / "fixed" / "model.onnx", tmp_path / "models", "fixed2", max_batch_size=8)
+
+
+def test_an_output_whose_first_dim_is_fixed_is_a_question(tmp_path: Path) -> None:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])
+    total = helper.make_tensor_value_info("total", TensorProto.FLOAT, [3])
+    graph = helper.make_graph([helper.make_node("ReduceMax", ["x"], ["total"], axes=[0], keepdims=0)], "g", [x], [total])
+    save(graph, tmp_path / "sum")
+    with pytest.raises(ImportRefused, match=r"not that of total: is the first dim a batch dim\?"):
+        import_model(tmp_path / "sum" / "model.onnx", tmp_path / "models", "sum")
+    folder = import_model(tmp_path / "sum" / "model.onnx", tmp_path / "models", "sum", max_batch_size=0)
+    assert load_model_config(folder / "config.yaml").inputs[0].dims == [-1, 3]
+
+
+def test_an_unknown_rank_is_asked_for_and_answered_with_dims(tmp_path: Path) -> None:
+    artifact = onnx_file(tmp_path, unstated_rank)
+    with pytest.raises(ImportRefused, match="does not say the rank of 'y'.*--dims y=-1,3"):
+        import_model(artifact, tmp_path / "models", "squeeze")
+    assert not (tmp_path / "models" / "squeeze").exists(), "nothing is written for a refused import"
+    folder = import_model(artifact, tmp_path / "models", "squeeze", dims=parse_dims(["y=-1"]))
+    config = load_model_config(folder / "config.yaml")
+    assert config.max_batch_size == 0, "`axes` has a fixed first dim: not a batch dim"
+    assert config.outputs[0].dims == [-1]
+
+
+def test_names_and_places_are_checked_before_anything_is_written(tmp_path: Path) -> None:
+    artifact = onnx_file(tmp_path)
+    import_model(artifact, tmp_path / "models", "mine")
+    with pytest.raises(ImportRefused, match="exists already"):
+        import_model(artifact, tmp_path / "models", "mine")
+    with pytest.raises(ImportRefused, match="use letters, digits"):
+        import_model(artifact, tmp_path / "models", "../elsewhere")
+    with pytest.raises(ImportRefused, match="not a model file this server imports"):
+        import_model(tmp_path / "model.bin", tmp_path / "models", "other")
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"not a graph")
+    with pytest.raises(ImportRefused, match="ONNX Runtime cannot load it"):
+        import_model(broken, tmp_path / "models", "broken")
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["mine"], "no staging folder is left behind"
+
+
+@pytest.mark.parametrize("value", ["x", "x=", "x=0", "x=a,b", "=3", "x=-2"])
+def test_bad_dims_are_refused(value: str) -> None:
+    with pytest.raises(ImportRefused, match="expected NAME=D1,D2"):
+        parse_dims([value])
+
+
+class Scale(torch.nn.Module):
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return image.flatten(1).sum(1, keepdim=True) * 2
+
+
+async def test_a_torch_export_program_imports_batched_and_serves(tmp_path: Path) -> None:
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    program = torch.export.export(Scale(), (torch.ones(2, 1, 4),), dynamic_shapes={"image": {0: batch}})
+    torch.export.save(program, tmp_path / "scale.pt2")
+    folder = import_model(tmp_path / "scale.pt2", tmp_path / "models", "scale")
+    config = load_model_config(folder / "config.yaml")
+    assert config.engine == "torch" and config.max_batch_size == 32
+    assert [(t.name, t.datatype, t.dims) for t in config.inputs] == [("image", "FP32", [1, 4])]
+    assert [(t.datatype, t.dims) for t in config.outputs] == [("FP32", [1])]
+    served = ModelRepository(tmp_path / "models")
+    await served.load("scale")
+    try:
+        output = config.outputs[0].name
+        result = await served.get("scale").infer({"image": ("FP32", np.ones((3, 1, 4), np.float32))})
+        assert result[output].tolist() == [[8.0], [8.0], [8.0]]
+    finally:
+        await served.unload_all()
+
+
+def test_the_command_writes_the_folder_and_says_how_to_serve_it(tmp_path: Path) -> None:
+    artifact = onnx_file(tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-m", "server.cli", "import", str(artifact), "--name", "mine",
+         "--model-repository", str(tmp_path / "models")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "batchline serve --model-repository" in run.stdout and "--model mine" in run.stdout
+    text = (tmp_path / "models" / "mine" / "config.yaml").read_text()
+    assert text.startswith("# Written by `batchline import` from model.onnx")
+    assert yaml.safe_load(text)["name"] == "mine"
+    again = subprocess.run(
+        [sys.executable, "-m", "server.cli", "import", str(artifact), "--name", "mine",
+         "--model-repository", str(tmp_path / "models")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert again.returncode == 2 and "exists already" in again.stderr and "Traceback" not in again.stderr
