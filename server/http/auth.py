@@ -160,6 +160,10 @@ class AccessGate:
                 return
         await self.app(scope, receive, send)
 
+    def admits(self, scope: Scope) -> bool:
+        """Whether this request passes the gate (what a layer that answers before it must ask)."""
+        return self._refusal(scope) is None
+
     def _refusal(self, scope: Scope) -> Refusal | None:
         """Why this request may not pass, or None. Cheap where it matters: an infer call on a
         server without an inference token costs a set lookup and two prefix checks."""

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from server.http.door import Door, door_protocol
 from server.http.infer import ASGIApp
 from server.server import StartFailed
 
@@ -31,13 +32,14 @@ class HttpFrontEnd:
 
     def __init__(self, app: ASGIApp, listener: socket.socket, log_level: str = "info", grace_s: float = GRACE_S) -> None:
         self._listener = listener
+        door = Door.of(app)  # refusals answered before an ASGI task exists
         host, port = listener.getsockname()[:2]
         self._uvicorn = _Uvicorn(uvicorn.Config(
             app,
             host=host,
             port=port,  # for uvicorn's "running on" line; it serves `listener`
             log_level=log_level,
-            http="httptools",
+            http=door_protocol(door) if door is not None else "httptools",
             lifespan="off",
             access_log=False,  # the server's own access log (--access-log) covers infer calls
             timeout_graceful_shutdown=int(grace_s),

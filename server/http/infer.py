@@ -42,12 +42,12 @@ WATCH_AFTER_S = 0.002
 CLIENT_CLOSED = 499  # nginx's status for a client that left first: logged, never sent
 BUSY = 429
 # The refusal under overload is a constant: no encoding, no allocation per refused request.
-_BUSY_BODY = encode_error("the server is at its limit of requests in flight; retry after Retry-After seconds")
-_BUSY_HEADERS = [*_JSON, (b"content-length", str(len(_BUSY_BODY)).encode()), (b"retry-after", b"1")]
+BUSY_BODY = encode_error("the server is at its limit of requests in flight; retry after Retry-After seconds")
+_BUSY_HEADERS = [*_JSON, (b"content-length", str(len(BUSY_BODY)).encode()), (b"retry-after", b"1")]
 _BUSY_CLOSE_HEADERS = [*_BUSY_HEADERS, (b"connection", b"close")]
 _BUSY_START = {"type": "http.response.start", "status": BUSY, "headers": _BUSY_HEADERS}
 _BUSY_CLOSE_START = {"type": "http.response.start", "status": BUSY, "headers": _BUSY_CLOSE_HEADERS}
-_BUSY_END = {"type": "http.response.body", "body": _BUSY_BODY}
+_BUSY_END = {"type": "http.response.body", "body": BUSY_BODY}
 _EXPECT = b"expect"
 _CONTENT_LENGTH = b"content-length"
 _CONTENT_ENCODING = b"content-encoding"
@@ -65,7 +65,7 @@ class InferEndpoint:
         max_in_flight: int = 512,
         max_in_flight_bytes: int = 1 << 30,
     ) -> None:
-        self._plane = plane
+        self.plane = plane
         self._limit = max_body_bytes
         self._access_log = access_log or AccessLog()
         self._max_in_flight = max_in_flight
@@ -76,13 +76,8 @@ class InferEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send, model: str, version: str | None) -> None:
         started = time.perf_counter_ns()
         headers = dict(scope["headers"])
-        declared = _length(headers.get(_CONTENT_LENGTH))
-        reserved = self._limit if declared is None else min(declared, self._limit + 1)
-        if _CONTENT_ENCODING in headers:  # it may inflate up to the limit
-            reserved = self._limit
-        if self.in_flight >= self._max_in_flight or (
-            self.in_flight_bytes and self.in_flight_bytes + reserved > self._max_in_flight_bytes
-        ):
+        reserved = self.reservation(headers)
+        if reserved is None:
             await self._refuse_busy(scope, send, headers, model, started)
             return
         self.in_flight += 1
@@ -99,6 +94,28 @@ class InferEndpoint:
                 f"{client[0]}:{client[1]}" if client else "-", scope["path"], model, status, started, record
             )
 
+    def reservation(self, headers: dict[bytes, bytes]) -> int | None:
+        """The body bytes a request holds while in flight (declared, or the limit when undeclared
+        or compressed), or None when the in-flight bounds refuse it now. A request alone is
+        always let in."""
+        declared = _length(headers.get(_CONTENT_LENGTH))
+        reserved = self._limit if declared is None else min(declared, self._limit + 1)
+        if _CONTENT_ENCODING in headers:  # it may inflate up to the limit
+            reserved = self._limit
+        if self.in_flight >= self._max_in_flight or (
+            self.in_flight_bytes and self.in_flight_bytes + reserved > self._max_in_flight_bytes
+        ):
+            return None
+        return reserved
+
+    def log_refusal(self, scope: Scope, model: str, status: int, started: int) -> None:
+        """The access log line of a request refused before its body was read."""
+        if self._access_log.enabled:
+            client = scope.get("client")
+            self._access_log.write(
+                f"{client[0]}:{client[1]}" if client else "-", scope["path"], model, status, started, RequestRecord()
+            )
+
     async def _refuse_busy(
         self, scope: Scope, send: Send, headers: dict[bytes, bytes], model: str, started: int
     ) -> None:
@@ -107,11 +124,7 @@ class InferEndpoint:
         expects = headers.get(_EXPECT, b"").lower() == b"100-continue"
         await send(_BUSY_CLOSE_START if expects else _BUSY_START)
         await send(_BUSY_END)
-        if self._access_log.enabled:
-            client = scope.get("client")
-            self._access_log.write(
-                f"{client[0]}:{client[1]}" if client else "-", scope["path"], model, BUSY, started, RequestRecord()
-            )
+        self.log_refusal(scope, model, BUSY, started)
 
     async def _respond(
         self,
@@ -173,7 +186,7 @@ class InferEndpoint:
 
         timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch)
         try:
-            return await v2_infer.infer_v2(self._plane, model, version, body, header_length, record)
+            return await v2_infer.infer_v2(self.plane, model, version, body, header_length, record)
         except asyncio.CancelledError:
             handler.uncancel()
             if watcher is None or not watcher.done():
@@ -303,18 +316,30 @@ async def _send(
 
 class FastInferApp:
     """Routes POST .../infer to the bare endpoint and everything else to the FastAPI app, whose
-    POST bodies (the control plane's small JSON objects) are capped at CONTROL_BODY_BYTES."""
+    POST bodies (the control plane's small JSON objects) are capped at CONTROL_BODY_BYTES, but
+    for those under `own_bodies`: routes that bound their own bodies (OpenAI's /v1, whose
+    embeddings bodies run to the server's body limit)."""
 
-    def __init__(self, app: ASGIApp, endpoint: InferEndpoint, control_body_bytes: int = CONTROL_BODY_BYTES) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        endpoint: InferEndpoint,
+        control_body_bytes: int = CONTROL_BODY_BYTES,
+        own_bodies: tuple[str, ...] = (),
+    ) -> None:
         self.app = app
-        self._endpoint = endpoint
+        self.endpoint = endpoint
         self._control_limit = control_body_bytes
+        self._own_bodies = own_bodies
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             match = INFER_PATH.fullmatch(scope["path"])
             if match is not None:
-                await self._endpoint(scope, receive, send, match["model"], match["version"])
+                await self.endpoint(scope, receive, send, match["model"], match["version"])
+                return
+            if scope["path"].startswith(self._own_bodies):
+                await self.app(scope, receive, send)
                 return
             await self._control(scope, receive, send)
             return

@@ -1,0 +1,114 @@
+"""Refusals the HTTP protocol answers itself, before uvicorn makes an ASGI task for them.
+
+Under overload most requests are refused, and what a refusal costs is what the server has left
+to serve the rest: on one core, an ASGI 429 costs about as much as a whole request cycle of the
+framework (a task, the app's layers, two sends). The door looks at a request's head as uvicorn
+parsed it and, for an infer call the server would refuse with a 429 anyway (in-flight bounds,
+or a full queue), writes the constant answer to the socket at once; its body is discarded as it
+arrives, and the connection is kept (closed for a client waiting for 100 Continue, which may
+never send its body, and for one that asked to close). Everything else, and every request when
+the access gate would refuse it (401 comes before 429), goes the usual way.
+
+This subclasses uvicorn's httptools protocol and relies on its request cycle's state
+(`response_started`, `response_complete`, `keep_alive`): pinned in pyproject, and the tests
+drive keep-alive, pipelining, 100-continue and HTTP/1.0 through a real uvicorn.
+"""
+
+from __future__ import annotations
+
+import http
+import time
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+from server.errors import BatchlineError, QueueFull
+from server.http.auth import AccessGate
+from server.http.infer import BUSY, BUSY_BODY, INFER_PATH, FastInferApp, InferEndpoint, Scope
+from server.protocol.v2 import encode_error
+
+_STATUS_LINE = f"HTTP/1.1 {BUSY} {http.HTTPStatus(BUSY).phrase}\r\n".encode()
+_EXPECT = b"expect"
+_MAX_CACHED_BODIES = 256
+
+
+class Door:
+    """Decides, from a request's head alone, which infer calls are refused before the app."""
+
+    def __init__(self, gate: AccessGate, endpoint: InferEndpoint) -> None:
+        self._gate = gate
+        self._endpoint = endpoint
+        self._bodies: dict[str, bytes] = {}  # a full queue's message -> its encoded error body
+
+    @classmethod
+    def of(cls, app: Any) -> Door | None:
+        """The door of an app `create_app` built (None for any other ASGI app)."""
+        if isinstance(app, AccessGate) and isinstance(app.app, FastInferApp):
+            return cls(app, app.app.endpoint)
+        return None
+
+    def refusal(self, scope: Scope) -> tuple[bytes, str, bool] | None:
+        """(body, Retry-After, close) of a 429 to answer now, or None: the app decides."""
+        if scope["method"] != "POST":
+            return None
+        match = INFER_PATH.fullmatch(scope["path"])
+        if match is None or not self._gate.admits(scope):
+            return None
+        headers = dict(scope["headers"])
+        close = headers.get(_EXPECT, b"").lower() == b"100-continue"
+        if self._endpoint.reservation(headers) is None:
+            body, retry_after = BUSY_BODY, "1"
+        else:
+            try:
+                self._endpoint.plane.admit(match["model"], match["version"])
+            except QueueFull as exc:
+                body, retry_after = self._queue_full_body(exc), str(max(1, round(exc.retry_after_s)))
+            except BatchlineError:
+                return None  # 404, 503: the app answers, its access log line with the request's id
+            else:
+                return None
+        self._endpoint.log_refusal(scope, match["model"], BUSY, time.perf_counter_ns())
+        return body, retry_after, close
+
+    def _queue_full_body(self, error: QueueFull) -> bytes:
+        body = self._bodies.get(error.message)
+        if body is None:
+            body = encode_error(error.message)
+            if len(self._bodies) < _MAX_CACHED_BODIES:
+                self._bodies[error.message] = body
+        return body
+
+
+def door_protocol(door: Door) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with `door` in front of the app."""
+
+    class DoorProtocol(HttpToolsProtocol):
+        def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+            refusal = door.refusal(cycle.scope)
+            if refusal is None:
+                super()._start_asgi_task(cycle, app)
+                return
+            body, retry_after, close = refusal
+            close = close or not cycle.keep_alive
+            cycle.response_started = cycle.response_complete = True  # what follows of the body is dropped
+            self.transport.write(b"".join([
+                _STATUS_LINE,
+                *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers),
+                b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
+                b"\r\nretry-after: ", retry_after.encode(), b"\r\n",
+                b"connection: close\r\n\r\n" if close else b"\r\n",
+                body,
+            ]))
+            if close:
+                self.transport.close()
+            # As if the response completed later, as it does through the app: by then the parser
+            # has seen the rest of this chunk, and a request that followed owns the connection.
+            self.loop.call_soon(self._refused, cycle)
+
+        def _refused(self, cycle: RequestResponseCycle) -> None:
+            if self.cycle is cycle or self.pipeline:
+                self.on_response_complete()  # the next pipelined request, or the keep-alive timer
+            else:  # a later request runs already; it arms the keep-alive timer when it is answered
+                self.server_state.total_requests += 1
+
+    return DoorProtocol

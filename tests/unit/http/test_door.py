@@ -1,0 +1,195 @@
+"""The door: 429s answered by the HTTP protocol before an ASGI task exists, through a real
+uvicorn on loopback, with HTTP/1.1's connection rules kept: the refused body is dropped and the
+connection kept, pipelined requests answered in order, 100-continue and HTTP/1.0 closed."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import pytest_asyncio
+
+from server.dataplane import DataPlane
+from server.http.app import create_app
+from server.http.auth import AccessPolicy
+from server.http.door import Door
+from server.http.frontend import HttpFrontEnd
+from server.http.infer import INFER_PATH, InferEndpoint
+from server.repository import ModelRepository
+from tests.unit.http.conftest import HOLD, Gate, infer_body
+from tests.unit.http.tiny_models import write_spin_model
+from tests.unit.waiting import eventually
+
+TOKEN = "an-inference-token-of-some-length"
+
+
+async def started(app: Any) -> tuple[HttpFrontEnd, int]:
+    listener = socket.create_server(("127.0.0.1", 0))
+    frontend = HttpFrontEnd(app, listener, log_level="warning", grace_s=1)
+    await frontend.start()
+    return frontend, listener.getsockname()[1]
+
+
+@pytest_asyncio.fixture
+async def one_slot(plane: DataPlane, gate: Gate) -> AsyncIterator[tuple[int, asyncio.Task[tuple[int, bytes]]]]:
+    """A server that serves one infer call at a time, that call held in the engine: every
+    other infer call is over the in-flight bound."""
+    plane.start([])
+    frontend, port = await started(create_app(plane, max_in_flight=1))
+    held = asyncio.create_task(exchange(port, post(infer_body(HOLD))))
+    await eventually(gate.held.is_set, "a request holds the instance")
+    yield port, held
+    gate.released.set()
+    await frontend.drain()
+
+
+def post(body: bytes, *headers: str, version: str = "1.1", path: str = "/v2/models/spin/infer") -> bytes:
+    head = [f"POST {path} HTTP/{version}", "Host: batchline", "Content-Type: application/json",
+            f"Content-Length: {len(body)}", *headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def get(path: str) -> bytes:
+    return f"GET {path} HTTP/1.1\r\nHost: batchline\r\n\r\n".encode()
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    status_line = await reader.readline()
+    status = int(status_line.split()[1])
+    headers: dict[str, str] = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        headers[name.strip().lower()] = value.strip()
+    body = await reader.readexactly(int(headers.get("content-length", "0")))
+    return status, headers, body
+
+
+async def exchange(port: int, request: bytes) -> tuple[int, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    status, _, body = await read_response(reader)
+    writer.close()
+    return status, body
+
+
+async def test_a_refused_request_keeps_its_connection_and_what_follows_is_answered(
+    one_slot: tuple[int, asyncio.Task[tuple[int, bytes]]], gate: Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port, held = one_slot
+    through_the_app: list[object] = []
+    monkeypatch.setattr(InferEndpoint, "_refuse_busy", lambda *args: through_the_app.append(args))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(post(infer_body(1.0)) + get("/v2/health/live"))  # pipelined: a body, then a request
+    status, headers, body = await read_response(reader)
+    assert status == 429 and headers["retry-after"] == "1" and "date" in headers
+    assert "limit of requests in flight" in orjson.loads(body)["error"]
+    assert (await read_response(reader))[0] == 200, "the request after the refused body was answered"
+    gate.released.set()
+    assert (await held)[0] == 200
+    writer.write(post(infer_body(2.0)))  # the same connection, later: served
+    status, _, body = await read_response(reader)
+    assert status == 200 and orjson.loads(body)["outputs"][0]["data"] == [2.0]
+    writer.close()
+    assert 1.0 not in gate.ran(), "a refused request never reached the engine"
+    assert through_the_app == [], "the protocol answered the 429, not the app (does uvicorn still call the door?)"
+
+
+@pytest.mark.parametrize("how", ["100-continue", "HTTP/1.0", "Connection: close"])
+async def test_a_refused_client_that_cannot_go_on_is_closed(
+    one_slot: tuple[int, asyncio.Task[tuple[int, bytes]]], how: str
+) -> None:
+    port, _ = one_slot
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    if how == "100-continue":
+        writer.write(post(b"", "Expect: 100-continue").replace(b"Content-Length: 0", b"Content-Length: 64"))
+    elif how == "HTTP/1.0":
+        writer.write(post(infer_body(1.0), version="1.0"))
+    else:
+        writer.write(post(infer_body(1.0), "Connection: close"))
+    status, headers, _ = await read_response(reader)
+    assert status == 429 and headers["connection"] == "close"
+    assert await asyncio.wait_for(reader.read(), 5) == b"", "the server closed the connection"
+    writer.close()
+
+
+async def test_a_full_queue_is_refused_at_the_door_with_its_model_and_counted(root: Path, gate: Gate) -> None:
+    write_spin_model(root, "bounded", dynamic_batching={"max_queue_delay_microseconds": 0,
+                                                        "default_queue_policy": {"max_queue_size": 1}})
+    plane = DataPlane(ModelRepository(root))
+    plane.start(["bounded"])
+    await eventually(plane.server_ready, "the model is ready")
+    frontend, port = await started(create_app(plane))
+    path = "/v2/models/bounded/infer"
+    model = plane.repository.get("bounded")
+    held = asyncio.create_task(exchange(port, post(infer_body(HOLD), path=path)))
+    await eventually(gate.held.is_set, "a request holds the instance")
+    queued = asyncio.create_task(exchange(port, post(infer_body(2.0), path=path)))
+    await eventually(lambda: model.queue_depth == 1, "a request waits")
+    try:
+        status, body = await exchange(port, post(infer_body(3.0), path=path))
+        assert status == 429 and "queue of this model is full (1 requests waiting)" in orjson.loads(body)["error"]
+        assert plane.statistics("bounded", None)["model_stats"][0]["failures"]["queue_full"] == 1
+    finally:
+        gate.released.set()
+        assert [(await t)[0] for t in (held, queued)] == [200, 200]
+        await frontend.drain()
+        await plane.stop()
+    assert 3.0 not in gate.ran()
+
+
+class RefusesMarked(Door):
+    """The door's protocol under test on its own: refuses requests that carry `x-refuse`."""
+
+    def __init__(self) -> None:
+        pass
+
+    def refusal(self, scope: Any) -> tuple[bytes, str, bool] | None:
+        return (b'{"error":"marked"}', "1", False) if (b"x-refuse", b"1") in scope["headers"] else None
+
+
+async def test_a_refused_request_taken_from_the_pipeline_lets_the_next_one_run(
+    plane: DataPlane, gate: Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plane.start([])
+    monkeypatch.setattr(Door, "of", classmethod(lambda cls, app: RefusesMarked()))
+    frontend, port = await started(create_app(plane))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        # held in the engine, then two requests pipelined behind it on the same connection
+        writer.write(post(infer_body(HOLD)))
+        await eventually(gate.held.is_set, "the first request holds the instance")
+        writer.write(post(infer_body(1.0), "x-refuse: 1") + post(infer_body(2.0)))
+        await asyncio.sleep(0.2)
+        gate.released.set()
+        statuses = [(await asyncio.wait_for(read_response(reader), 10))[0] for _ in range(3)]
+        assert statuses == [200, 429, 200]
+    finally:
+        writer.close()
+        await frontend.drain()
+
+
+async def test_what_the_door_leaves_to_the_app(plane: DataPlane) -> None:
+    plane.start([])
+    gate = create_app(plane, max_in_flight=1, access=AccessPolicy(inference_token=TOKEN))
+    door = Door.of(gate)
+    assert door is not None
+    endpoint = gate.app.endpoint  # type: ignore[attr-defined]
+    endpoint.in_flight = 1  # over the bound: an infer call would be refused
+
+    def scope(method: str, path: str, *headers: tuple[bytes, bytes]) -> dict[str, Any]:
+        return {"type": "http", "method": method, "path": path, "headers": list(headers), "client": None}
+
+    bearer = (b"authorization", f"Bearer {TOKEN}".encode())
+    assert door.refusal(scope("POST", "/v2/models/spin/infer", bearer)) is not None
+    assert door.refusal(scope("POST", "/v2/models/spin/infer")) is None, "no token: the gate answers 401 first"
+    assert door.refusal(scope("GET", "/v2/models/spin", bearer)) is None
+    assert door.refusal(scope("POST", "/v2/repository/index", bearer)) is None
+    endpoint.in_flight = 0
+    assert door.refusal(scope("POST", "/v2/models/spin/infer", bearer)) is None, "within bounds: served"
+    assert door.refusal(scope("POST", "/v2/models/unknown/infer", bearer)) is None, "404 with its access log line"
+    assert INFER_PATH.fullmatch("/v2/models/spin/versions/1/infer")
