@@ -13,6 +13,7 @@ from pathlib import Path
 
 from server import __version__
 from server.config import ServerSettings
+from server.model_import import add_import_parser
 from server.quantize.cli import add_build_parser
 
 
@@ -205,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("arguments", nargs=argparse.REMAINDER, help="a mode and its flags (see `batchline bench --help`)")
     bench.set_defaults(handler=_bench)
     add_build_parser(commands)
+    add_import_parser(commands)
     return parser
 
 

@@ -6,18 +6,25 @@ every input and output is the batch dim. The written config is plain YAML to rev
 What the artifact leaves open (a tensor of unknown rank, a type v2 cannot name, first dims that
 disagree) is an error that says what to decide, never a guess. The draft is checked against the
 artifact with the same check the server runs at load, and the version's SHA256SUMS is recorded.
+
+A local Hugging Face folder (a sentence-transformers embedding model, a sequence classifier) is
+exported to ONNX first, with its tokenizer carried over and the text tokenized in the server
+(server/hf_export.py), and the export is checked against the original before anything appears.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -25,6 +32,9 @@ from server.config import ModelConfig
 from server.engines.digests import record_digests
 from server.engines.signature import EngineSignature, TensorSignature, check_signature
 from server.errors import BatchlineError
+
+if TYPE_CHECKING:
+    from server.hf_export import HfSource
 
 ENGINE_BY_SUFFIX = {".onnx": "onnxruntime", ".pt2": "torch"}
 ARTIFACT_BY_ENGINE = {"onnxruntime": "model.onnx", "torch": "model.pt2"}
@@ -160,32 +170,121 @@ def import_model(
     name: str,
     max_batch_size: int | None = None,
     dims: dict[str, list[int]] | None = None,
+    max_length: int | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> Path:
     """Write `repository/name` (config.yaml and 1/ with the artifact and its SHA256SUMS) and
-    return it. Nothing is written unless the whole folder is ready: it appears by one rename."""
+    return it. Nothing is written unless the whole folder is ready: it appears by one rename.
+    `artifact` may be a Hugging Face folder (`max_length` then overrides its token window);
+    `say` hears the progress and the check's figures of a folder's export."""
     if not NAME.fullmatch(name):
         raise ImportRefused(f"--name {name!r}: use letters, digits, '_', '.' and '-' (starting with a letter or "
                             "digit, at most 128): it names a folder and appears in URLs")
     target = repository / name
     if target.exists():
         raise ImportRefused(f"{target} exists already: choose another --name, or remove it first")
+    if artifact.is_dir():
+        if dims:
+            raise ImportRefused("--dims is for model files: a folder's tensors come from its own config")
+        return _import_folder(artifact, repository, name, max_batch_size, max_length, say or _quiet)
+    if max_length is not None:
+        raise ImportRefused("--max-length is for Hugging Face folders: a model file's inputs are its own")
     engine, signature = read_signature(artifact)
     raw = draft_config(name, engine, signature, max_batch_size, dims)
     config = ModelConfig.model_validate(raw)
     check_signature(config, signature)
-    repository.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.import-", dir=repository))
-    try:
+    with _staged(repository, name) as staging:
         version = staging / "1"
-        version.mkdir()
         shutil.copyfile(artifact, version / ARTIFACT_BY_ENGINE[engine])
         record_digests(version)
         (staging / "config.yaml").write_text(_config_text(raw, artifact), encoding="utf-8")
-        os.replace(staging, target)
+    return target
+
+
+@contextmanager
+def _staged(repository: Path, name: str) -> Iterator[Path]:
+    """A hidden folder (with 1/) in the repository that becomes `repository/name` by one rename
+    when the block succeeds, and is removed when it does not."""
+    repository.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.import-", dir=repository))
+    try:
+        staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from a server running as another user
+        (staging / "1").mkdir()
+        yield staging
+        os.replace(staging, repository / name)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return target
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def _import_folder(
+    folder: Path, repository: Path, name: str, max_batch_size: int | None, max_length: int | None,
+    say: Callable[[str], None],
+) -> Path:
+    """A Hugging Face folder: read (every refusal before any weight loads), exported to ONNX with
+    its tokenizer, checked against the config as the server checks it at load and against the
+    original model's outputs, then published."""
+    from server import hf_export
+
+    if max_batch_size == 0:
+        raise ImportRefused("--max-batch-size 0: a text model is served batched; give N > 0 or leave it out")
+    try:
+        source = hf_export.read_folder(folder, max_length)
+    except hf_export.ExportRefused as exc:
+        raise ImportRefused(exc.message) from exc
+    raw = draft_text_config(name, source, max_batch_size)
+    config = ModelConfig.model_validate(raw)
+    with _staged(repository, name) as staging:
+        version = staging / "1"
+        try:
+            module = hf_export.export_source(source, version / "model.onnx", say)
+        except hf_export.ExportRefused as exc:
+            raise ImportRefused(exc.message) from exc
+        shutil.copyfile(source.tokenizer_file, version / "tokenizer.json")
+        check_signature(config, _onnx_signature(version / "model.onnx"))
+        say(f"checking the export against the original on {len(hf_export.CHECK_SENTENCES)} texts ...")
+        report = hf_export.check_export(source, version / "model.onnx", version / "tokenizer.json", module)
+        for line in report.lines:
+            say(f"  {line}")
+        record_digests(version)
+        (staging / "config.yaml").write_text(_folder_config_text(raw, source, report.reference), encoding="utf-8")
+    return repository / name
+
+
+def draft_text_config(name: str, source: HfSource, max_batch_size: int | None = None) -> dict[str, Any]:
+    """The config of an exported folder: a BYTES `text` input tokenized in the server, one output
+    (`embedding`, or `logits` as the model returns them: softmax or sigmoid is the client's
+    choice, as with TEI's raw scores and Triton's exported classifiers), bounded batching."""
+    tokenize: dict[str, Any] = {"input": "text", "tokenizer": "tokenizer.json", "max_length": source.max_length}
+    if "token_type_ids" not in source.token_inputs:
+        tokenize["token_type_ids"] = None
+    if source.pad_id:
+        tokenize["pad_id"] = source.pad_id
+    tokenize["sequence_buckets"] = source.tokenize_spec().sequence_buckets
+    if source.kind == "embedding":
+        output = {"name": "embedding", "datatype": "FP32", "dims": [source.dim], "engine_name": source.output_name}
+    else:
+        output = {"name": "logits", "datatype": "FP32", "dims": [source.dim]}
+    return {
+        "name": name,
+        "engine": "onnxruntime",
+        "precision": "fp32",
+        "max_batch_size": max_batch_size or DEFAULT_MAX_BATCH_SIZE,
+        "inputs": [{"name": "text", "datatype": "BYTES", "dims": [1]}],
+        "outputs": [output],
+        "preprocess": {"tokenize": tokenize},
+        "dynamic_batching": {
+            "max_queue_delay_microseconds": 0,
+            "default_queue_policy": {
+                "max_queue_size": DEFAULT_MAX_QUEUE_SIZE,
+                "default_timeout_microseconds": DEFAULT_TIMEOUT_US,
+            },
+        },
+    }
 
 
 def _config_text(raw: dict[str, Any], artifact: Path) -> str:
@@ -194,6 +293,20 @@ def _config_text(raw: dict[str, Any], artifact: Path) -> str:
         "# Review max_batch_size, dynamic_batching and instance_group for your traffic and machine.\n"
     )
     return header + yaml.safe_dump(raw, sort_keys=False, default_flow_style=None)
+
+
+def _folder_config_text(raw: dict[str, Any], source: HfSource, reference: str) -> str:
+    lines = [
+        f"# Written by `batchline import` from the Hugging Face folder {source.folder.name}: {source.describe()},",
+        f"# exported to ONNX and checked against {reference}.",
+        "# Clients send UTF-8 text; the server tokenizes it with the model's own tokenizer.json.",
+    ]
+    if source.labels:
+        labels = ", ".join(f"{i} {json.dumps(label, ensure_ascii=False)}" for i, label in enumerate(source.labels))
+        lines.append(f"# logits, one per label: {labels}")
+    lines += [f"# Note: {note}" for note in source.notes]
+    lines.append("# Review max_batch_size, dynamic_batching and instance_group for your traffic and machine.")
+    return "\n".join(lines) + "\n" + yaml.safe_dump(raw, sort_keys=False, default_flow_style=None, allow_unicode=True)
 
 
 def parse_dims(values: list[str]) -> dict[str, list[int]]:
@@ -214,12 +327,18 @@ def parse_dims(values: list[str]) -> dict[str, list[int]]:
 def add_import_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "import",
-        help="add a model (ONNX file or torch.export program) to the repository, its config read from the model",
+        help="add a model (ONNX file, torch.export program, or Hugging Face folder) to the repository, its "
+        "config read from the model",
         description="Write a model folder (config.yaml and version 1) for PATH into the repository. Names, "
         "datatypes and dims come from the model; a first dim that is variable on every input and output is the "
-        "batch dim. The config is plain YAML to review; the version's SHA256SUMS is recorded.",
+        "batch dim. A Hugging Face folder (a sentence-transformers embedding model, or a *ForSequenceClassification "
+        "model) is exported to ONNX with its tokenizer and checked against the original first. The config is plain "
+        "YAML to review; the version's SHA256SUMS is recorded.",
     )
-    parser.add_argument("path", type=Path, help="the model: a .onnx file, or a .pt2 torch.export program")
+    parser.add_argument(
+        "path", type=Path,
+        help="the model: a .onnx file, a .pt2 torch.export program, or a local Hugging Face folder",
+    )
     parser.add_argument("--name", required=True, help="the model's name in the repository")
     parser.add_argument(
         "--max-batch-size", type=int, default=None, metavar="N",
@@ -229,6 +348,10 @@ def add_import_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     parser.add_argument(
         "--dims", action="append", default=[], metavar="NAME=D1,D2",
         help="the full shape of a tensor whose rank the model leaves open, batch dim first; -1 is variable (repeatable)",
+    )
+    parser.add_argument(
+        "--max-length", type=int, default=None, metavar="N",
+        help="Hugging Face folders: tokens per text, past which text is cut (default: the folder's own)",
     )
     parser.add_argument(
         "--model-repository", type=Path, default=None,
@@ -244,7 +367,8 @@ def run_import(args: argparse.Namespace) -> int:
         print("batchline import: --max-batch-size must be 0 or more", file=sys.stderr)
         return 2
     try:
-        folder = import_model(args.path, repository, args.name, args.max_batch_size, parse_dims(args.dims))
+        folder = import_model(args.path, repository, args.name, args.max_batch_size, parse_dims(args.dims),
+                              args.max_length, say=print)
     except BatchlineError as exc:
         print(f"batchline import: {exc.message}", file=sys.stderr)
         return 2

