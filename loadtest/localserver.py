@@ -51,7 +51,8 @@ def running_server(
     with tempfile.TemporaryDirectory(prefix="batchline-port-") as folder:
         port_file = Path(folder) / "port"
         command = [sys.executable, "-m", "server.cli", "serve", "--model-repository", str(repository),
-                   "--host", "127.0.0.1", "--http-port", "0", "--port-file", str(port_file), *extra]
+                   "--host", "127.0.0.1", "--http-port", "0", "--port-file", str(port_file),
+                   "--grpc-port", "0", *extra]  # gRPC on a free port too (--grpc-port-file in extra learns it)
         if cpu is not None:
             command = ["taskset", "-c", str(cpu), *command]
         with open(log_path, "w") as log:

@@ -26,6 +26,9 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
             "host": args.host,
             "http_port": args.http_port,
             "port_file": args.port_file,
+            "allow_grpc": args.allow_grpc,
+            "grpc_port": args.grpc_port,
+            "grpc_port_file": args.grpc_port_file,
             "log_level": args.log_level,
             "models": args.model or None,
             "engine_threads": args.engine_threads,
@@ -66,10 +69,11 @@ def _serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub at run time
     import uvloop
 
+    from server.access_log import AccessLog
     from server.dataplane import DataPlane
     from server.devices import describe_stack
+    from server.grpc.frontend import grpc_frontends
     from server.heap import HeapPolicy
-    from server.http.access_log import AccessLog
     from server.http.app import create_app
     from server.http.auth import AccessPolicy, SettingsError
     from server.http.frontend import HttpFrontEnd
@@ -104,7 +108,8 @@ def _serve(args: argparse.Namespace) -> int:
                      name="describe-devices", daemon=True).start()
     if settings.port_file is not None:
         _write_port_file(settings.port_file, port)
-    server = Server(plane, [HttpFrontEnd(app, listener, settings.log_level)], settings.models)
+    server = Server(plane, [HttpFrontEnd(app, listener, settings.log_level),
+                            *grpc_frontends(settings, plane, access, _write_port_file)], settings.models)
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(server.run())
@@ -143,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
-        help="serve a model repository over HTTP",
-        description="Serve a model repository over KServe v2 HTTP. Every flag can also be set "
+        help="serve a model repository over HTTP and gRPC",
+        description="Serve a model repository over KServe v2 HTTP and gRPC. Every flag can also be set "
         "by an environment variable BATCHLINE_<NAME> (e.g. BATCHLINE_HTTP_PORT); flags win.",
     )
     serve.add_argument("--model-repository", help="folder of models (default: models)")
@@ -154,6 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--port-file", metavar="FILE",
         help="once the HTTP socket is bound, write its port number to FILE (replaced whole, never half "
         "written): how a caller learns the port of --http-port 0; poll /v2/health/live before sending",
+    )
+    serve.add_argument("--grpc-port", type=int, help="gRPC port (default: 8001; 0: any free port, see --grpc-port-file)")
+    serve.add_argument(
+        "--grpc-port-file", metavar="FILE",
+        help="once gRPC takes calls, write its port number to FILE (as --port-file does for HTTP)",
+    )
+    serve.add_argument(
+        "--allow-grpc", choices=["true", "false"],
+        help="serve gRPC beside HTTP, as Triton's --allow-grpc (default: true; false: HTTP only)",
     )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default: info")
     serve.add_argument(

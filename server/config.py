@@ -44,6 +44,11 @@ class ServerSettings(BaseSettings):
     port_file: Path | None = Field(
         default=None, description="Written with the bound port once listening (how a caller learns port 0's)."
     )
+    allow_grpc: bool = Field(default=True, description="Serve gRPC as well as HTTP (Triton's --allow-grpc).")
+    grpc_port: int = Field(default=8001, ge=0, le=65535, description="gRPC port (Triton's default, 8001).")
+    grpc_port_file: Path | None = Field(
+        default=None, description="Written with the bound gRPC port once gRPC takes calls (as port_file)."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     models: list[str] | None = Field(
         default=None, description="Load only these models at start (default: every model)."
@@ -244,6 +249,28 @@ class Preprocess(_Strict):
     tokenize: Tokenize | None = None
 
 
+class OpenAIServing(_Strict):
+    """Serve this model on the OpenAI-compatible routes (/v1) as well as KServe v2.
+
+    `embeddings`: a text model (preprocess.tokenize) whose output is one vector per text.
+    `matryoshka_dimensions` lists the shorter lengths a Matryoshka-trained model keeps its
+    meaning at; a request's `dimensions` must be one of them (or the full length), and the
+    truncated vector is re-normalized. Leave it out for other models: their prefixes are not
+    embeddings, so `dimensions` is refused.
+    """
+
+    task: Literal["embeddings"]
+    output: str | None = Field(default=None, description="The output holding the embedding (default: the only one).")
+    matryoshka_dimensions: list[Annotated[int, Field(gt=0)]] | None = Field(default=None, min_length=1)
+
+    @field_validator("matryoshka_dimensions")
+    @classmethod
+    def _increasing(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and sorted(set(value)) != value:
+            raise ValueError(f"matryoshka_dimensions must be strictly increasing, got {value}")
+        return value
+
+
 WarmupValue = bool | int | float | str
 
 
@@ -392,6 +419,7 @@ class ModelConfig(_Strict):
     onnxruntime: OnnxRuntimeOptions = Field(default_factory=OnnxRuntimeOptions)
     torch: TorchOptions = Field(default_factory=TorchOptions)
     build: BuildSpec | None = None
+    openai: OpenAIServing | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
@@ -430,6 +458,8 @@ class ModelConfig(_Strict):
                 raise ValueError("torch.compile needs fixed input dims (a variable dim would recompile per shape)")
         if self.dynamic_batching and self.dynamic_batching.max_batch_tokens and not self.tokenize:
             raise ValueError("dynamic_batching.max_batch_tokens needs preprocess.tokenize")
+        if self.openai is not None:
+            self._check_openai(self.openai)
         for tensor in self.outputs:
             if tensor.pad_value is not None:
                 raise ValueError(f"output {tensor.name!r}: pad_value applies to inputs only")
@@ -450,6 +480,31 @@ class ModelConfig(_Strict):
             if problem:
                 raise ValueError(f"warmup.inputs.{name}: {problem}")
         return self
+
+    def _check_openai(self, serving: OpenAIServing) -> None:
+        """An embeddings model reads text and answers one fixed-length FP32 vector per text."""
+        if self.tokenize is None:
+            raise ValueError("openai.task embeddings needs a text model (preprocess.tokenize)")
+        output = self.embedding_output()
+        if output is None:
+            known = ", ".join(t.name for t in self.outputs)
+            wanted = serving.output or "(the only output)"
+            raise ValueError(f"openai.output {wanted!r} is not one output of this model (outputs: {known})")
+        if output.datatype != "FP32" or len(output.dims) != 1 or output.dims[0] == -1:
+            raise ValueError(f"openai: output {output.name!r} must be FP32 with fixed dims [N], "
+                             f"not {output.datatype} {output.dims}")
+        for size in serving.matryoshka_dimensions or []:
+            if size >= output.dims[0]:
+                raise ValueError(f"openai.matryoshka_dimensions: {size} is not below the output's {output.dims[0]}")
+
+    def embedding_output(self) -> TensorConfig | None:
+        """The output the OpenAI embeddings route returns: the one `openai.output` names, else
+        the only output (None when neither applies)."""
+        if self.openai is None:
+            return None
+        if self.openai.output is not None:
+            return self.output(self.openai.output)
+        return self.outputs[0] if len(self.outputs) == 1 else None
 
     @property
     def tokenize(self) -> Tokenize | None:

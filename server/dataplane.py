@@ -24,6 +24,8 @@ from server.scheduler.request import RequestRecord
 
 Output = tuple[str, str, np.ndarray]  # name, datatype, array
 
+MAX_CONFIG_OVERRIDE_CHARS = 64 << 10  # a model's config is a few hundred bytes; HTTP's control bodies stop here too
+
 EXTENSIONS = [
     "binary_tensor_data",
     "model_configuration",
@@ -115,10 +117,17 @@ class DataPlane:
         return [e for e in entries if e["state"] == "READY"] if ready_only else entries
 
     async def load(self, name: str, parameters: dict[str, Any]) -> None:
-        if parameters.get("config") or any(k.startswith("file:") for k in parameters):
-            raise InvalidInput("loading with a config override or files is not supported; edit config.yaml")
+        """Load or reload `name`; a `config` parameter (JSON in config.yaml's schema) stands in for
+        config.yaml for this load only, as Triton's repository extension allows."""
+        if any(k.startswith("file:") for k in parameters):
+            raise InvalidInput("loading with files is not supported; put the model's files in its folder")
+        override = parameters.get("config") or None
+        if override is not None and not isinstance(override, str):
+            raise InvalidInput("the 'config' parameter must be a string: the model's config as JSON")
+        if override is not None and len(override) > MAX_CONFIG_OVERRIDE_CHARS:
+            raise InvalidInput(f"the 'config' parameter is over {MAX_CONFIG_OVERRIDE_CHARS} characters")
         try:
-            await self.repository.load(name)
+            await self.repository.load(name, override)
         finally:
             self._settle()  # a reload's old versions, or a failed load's remains, are freed now
 

@@ -360,6 +360,8 @@ class ModelVersion:
         # An unload that began meanwhile waited for this request: it is queued and drained.
         if self._closed or self.state not in (ModelState.READY, ModelState.UNLOADING):
             raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready: {self.reason}")
+        if record is not None:
+            record.tokens = admission.tokens_in(admitted.feed)
         request = InferenceRequest(
             admitted.feed,
             admitted.batch_size,

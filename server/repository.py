@@ -11,6 +11,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
+from pydantic import ValidationError
+
 from server.config import CONFIG_FILENAME, ModelConfig, load_model_config
 from server.errors import BatchlineError, ConfigError, EngineError, InvalidInput, ModelNotFound, Unavailable
 from server.model import ModelState, ModelVersion
@@ -71,17 +74,21 @@ class ModelRepository:
             if isinstance(result, Exception):
                 logger.error("model %s was not loaded: %s", name, result)
 
-    async def load(self, name: str) -> None:
+    async def load(self, name: str, config_override: str | None = None) -> None:
         """(Re)load a model. The new versions load and warm up while the old ones serve; they
         take over only when every one of them is ready, then the old ones drain. A reload that
         fails (config, build, artifact, warm-up, memory) leaves the old versions serving and
-        raises the reason, as Triton does."""
+        raises the reason, as Triton does. `config_override` (JSON) stands in for config.yaml
+        for this load only, as Triton's `config` load parameter: config.yaml is not touched."""
         path = self._model_dir(name)
         async with self._locks.setdefault(name, asyncio.Lock()):
             old = self._versions.get(name, {})
             serving = sorted(v for v, m in old.items() if m.ready)
             try:
-                config = self._with_overrides(load_model_config(path / CONFIG_FILENAME))
+                if config_override is None:
+                    config = self._with_overrides(load_model_config(path / CONFIG_FILENAME))
+                else:
+                    config = self._with_overrides(override_config(path, config_override))
                 if config.build is not None:  # a variant built from another model: build or reuse
                     await asyncio.to_thread(ensure_built, self.root, name, config)
                     # the build publishes the config it serves under (a torch INT8 program takes FP32)
@@ -199,6 +206,31 @@ class ModelRepository:
                 unloaded = name in self._unloaded
                 entries.append(IndexEntry(name, "", "UNAVAILABLE" if unloaded else "", "unloaded" if unloaded else ""))
         return entries
+
+
+def override_config(folder: Path, text: str) -> ModelConfig:
+    """A config sent with a load: JSON in config.yaml's schema, validated as config.yaml is. A
+    build is declared in config.yaml only (a build publishes the config it serves under)."""
+    where = f"the config sent to load '{folder.name}'"
+    try:
+        raw = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected an object at the top level")
+    raw.setdefault("name", folder.name)
+    try:
+        config = ModelConfig.model_validate(raw)
+    except ValidationError as exc:
+        reasons = "; ".join(
+            f"field '{'.'.join(str(p) for p in err['loc']) or '(top level)'}': {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"{where}: {reasons}") from exc
+    if config.name != folder.name:
+        raise ConfigError(f"{where}: field 'name': {config.name!r} differs from the model's {folder.name!r}")
+    if config.build is not None:
+        raise ConfigError(f"{where}: field 'build': a build is declared in {CONFIG_FILENAME}, not sent with a load")
+    return config
 
 
 def unknown_model(name: str, version: str | None = None) -> str:

@@ -27,6 +27,8 @@ from server.http.errors import error_response, install_error_handlers
 from server.http.infer import FastInferApp, InferEndpoint
 from server.http.openapi import openapi_document
 from server.metrics import CONTENT_TYPE, exposition
+from server.openai import PREFIX as OPENAI_PREFIX
+from server.openai.routes import openai_router
 from server.protocol.v2 import json_object
 
 _EMPTY_JSON = b"{}"
@@ -119,6 +121,7 @@ def create_app(
         return _json({})
 
     app.include_router(v2)
+    app.include_router(openai_router(plane, max_body_bytes, access_log))  # OpenAI's /v1, for embedding models
 
     if metrics is not None:
 
@@ -127,7 +130,8 @@ def create_app(
             return Response(exposition(metrics), media_type=CONTENT_TYPE)
 
     app.openapi = lambda: _cached_openapi(app)  # type: ignore[method-assign]
-    routes = FastInferApp(app, InferEndpoint(plane, max_body_bytes, access_log, max_in_flight, max_in_flight_bytes))
+    routes = FastInferApp(app, InferEndpoint(plane, max_body_bytes, access_log, max_in_flight, max_in_flight_bytes),
+                          own_bodies=(f"{OPENAI_PREFIX}/",))
     return AccessGate(routes, access or AccessPolicy())
 
 

@@ -29,6 +29,8 @@ from pydantic import SecretStr
 
 from server.config import ServerSettings
 from server.http.errors import ControlDisabled, NotAuthenticated, Refusal, UnsupportedMediaType, error_parts
+from server.openai import PREFIX as OPENAI_PREFIX
+from server.openai.errors import refusal_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -48,6 +50,7 @@ _LOOPBACK_NAMES = ("localhost",)
 _REALM = 'Bearer realm="batchline"'
 _JSON_TYPE = b"application/json"
 _FLAG = "--model-control (BATCHLINE_MODEL_CONTROL=1)"
+_OPENAI_PATHS = f"{OPENAI_PREFIX}/"
 
 
 class Access(enum.Enum):
@@ -156,6 +159,8 @@ class AccessGate:
             refusal = self._refusal(scope)
             if refusal is not None:
                 status, body, headers = error_parts(refusal)
+                if scope["path"].startswith(_OPENAI_PATHS):  # its clients read OpenAI's error body
+                    body = refusal_body(status, refusal.message)
                 await _answer(send, status, body, headers)
                 return
         await self.app(scope, receive, send)

@@ -19,10 +19,10 @@ import zlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from server.access_log import AccessLog
 from server.dataplane import DataPlane
 from server.errors import Cancelled, InvalidInput, PayloadTooLarge, Unavailable
 from server.http import v2_infer
-from server.http.access_log import AccessLog
 from server.http.errors import error_parts
 from server.protocol.v2 import encode_error
 from server.scheduler.request import RequestRecord

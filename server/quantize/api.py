@@ -97,7 +97,7 @@ def build(
     source_digest = file_digest(source_artifact)
     key = cache_key(
         source_digest=source_digest,
-        source_config=source_config.model_dump(mode="json", exclude={"name"}),
+        source_config=source_config.model_dump(mode="json", exclude={"name", "openai"}),  # serving only: no rebuild
         engine=engine,
         precision=precision,
         device=_device_identity(device),

@@ -216,6 +216,16 @@ class Admission:
         tokens = self._tokenizer.encode(texts) if texts is not None else None
         return self._admitted(inputs, batch_size, tokens, self._default_level, None)
 
+    def tokens_in(self, feed: dict[str, np.ndarray]) -> int:
+        """The tokens an admitted text request holds, padding left out (0 for other models):
+        counted from the tokenizer's own tensors, so the text is never tokenized twice."""
+        spec = self._config.tokenize
+        if spec is None or spec.input_ids not in feed:
+            return 0
+        if spec.attention_mask and spec.attention_mask in feed:
+            return int(feed[spec.attention_mask].sum())
+        return int(np.count_nonzero(feed[spec.input_ids] != spec.pad_id))
+
     def _texts(self, arrays: dict[str, np.ndarray]) -> list[str] | None:
         if self._text_input is None:
             return None

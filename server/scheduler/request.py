@@ -13,12 +13,14 @@ import numpy as np
 
 @dataclass
 class RequestRecord:
-    """What an access log line says about one request; filled in as it goes through."""
+    """What an access log line (and a front end's answer) says about one request; filled in as
+    it goes through."""
 
     request_id: str | None = None
     model_version: int | None = None
     queue_ns: int = 0
     compute_ns: int = 0
+    tokens: int = 0  # a text model's tokens as the model reads them (after truncation), counted at admission
 
 
 class RequestState(enum.Enum):

@@ -185,7 +185,7 @@ def test_sigterm_drains_requests_in_flight_and_queued(tmp_path: Path) -> None:
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "server.cli", "serve", "--model-repository", str(root),
-             "--host", "127.0.0.1", "--http-port", "0", "--port-file", str(port_file)],
+             "--host", "127.0.0.1", "--http-port", "0", "--port-file", str(port_file), "--grpc-port", "0"],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     try:

@@ -153,7 +153,7 @@ class LoadingRepository(StubRepository):
     async def load_all(self, names: list[str] | None) -> None:
         pass
 
-    async def load(self, name: str) -> None:
+    async def load(self, name: str, config_override: str | None = None) -> None:
         if self.fail:
             raise InvalidInput("bad config")
 

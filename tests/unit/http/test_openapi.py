@@ -22,6 +22,8 @@ from prometheus_client import CollectorRegistry
 from server.dataplane import DataPlane
 from server.http.app import create_app
 from server.http.openapi import ERROR_STATUSES, openapi_document
+from server.openai import codec as openai_codec
+from server.openai import errors as openai_errors
 from server.protocol.v2 import encode_error, encode_response
 from server.repository import ModelRepository
 
@@ -67,17 +69,40 @@ def test_no_route_lists_422_which_the_server_never_sends(document: dict[str, Any
     assert "ValidationError" not in orjson.dumps(document).decode()
 
 
-def test_every_error_response_is_the_kserve_error_body(document: dict[str, Any]) -> None:
+def test_every_error_response_is_the_kserve_error_body_or_openais_under_v1(document: dict[str, Any]) -> None:
     errors = [(route, status, response) for route, op in operations(document)
               for status, response in op["responses"].items() if int(status) >= 400]
     assert len(errors) > 20
     for route, status, response in errors:
-        assert response["content"] == {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}, (
+        schema = "OpenAIError" if route.split(" ", 1)[1].startswith("/v1/") else "Error"
+        assert response["content"] == {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}, (
             route, status)
         assert response["description"], (route, status)
     error = schema_validator(document, "Error")
     error.validate(orjson.loads(encode_error("model 'x' is not in the repository")))
     assert not error.is_valid({"detail": "FastAPI's shape, not ours"})
+    openai_error = schema_validator(document, "OpenAIError")
+    openai_error.validate(orjson.loads(openai_errors.error_body("no such model", "invalid_request_error", None,
+                                                                "model_not_found")))
+    assert not openai_error.is_valid(orjson.loads(encode_error("the KServe shape is not OpenAI's")))
+
+
+def test_the_openai_routes_declare_their_statuses_and_bodies(document: dict[str, Any]) -> None:
+    embeddings = document["paths"]["/v1/embeddings"]["post"]
+    assert set(embeddings["responses"]) == {"200", "400", "401", "404", "413", "429", "500", "503", "504"}
+    assert "Retry-After" in embeddings["responses"]["429"]["headers"]
+    assert embeddings["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/EmbeddingRequest"}
+    request = schema_validator(document, "EmbeddingRequest")
+    request.validate({"model": "minilm", "input": ["a", "b"], "encoding_format": "base64"})
+    assert not request.is_valid({"model": "minilm", "input": "a", "encoding_format": "int8"})
+    response = schema_validator(document, "EmbeddingResponse")
+    response.validate(orjson.loads(openai_codec.encode_embeddings(np.ones((2, 3), np.float32), "float", "m", 7)))
+    response.validate(orjson.loads(openai_codec.encode_embeddings(np.ones((2, 3), np.float32), "base64", "m", 7)))
+    assert set(document["paths"]["/v1/models"]["get"]["responses"]) == {"200", "401"}
+    assert set(document["paths"]["/v1/models/{model}"]["get"]["responses"]) == {"200", "401", "404", "503"}
+    schema_validator(document, "ModelList").validate(
+        {"object": "list", "data": [openai_codec.model_object("minilm", 1700000000)]})
 
 
 def test_a_full_queue_declares_retry_after(document: dict[str, Any]) -> None:

@@ -146,7 +146,7 @@ def _strategy(api: BaseSchema, route: str, mode: schemathesis.GenerationMode) ->
 
 # Requests that break the document's schemas, for the operations that declare a body: the others
 # take only strings in their path, which a string cannot break.
-WITH_A_BODY = [route for route in sorted(ERROR_STATUSES) if route.endswith("/infer")]
+WITH_A_BODY = [route for route in sorted(ERROR_STATUSES) if route.endswith(("/infer", "/v1/embeddings"))]
 CASES = [(route, schemathesis.GenerationMode.POSITIVE) for route in sorted(ERROR_STATUSES)]
 CASES += [(route, schemathesis.GenerationMode.NEGATIVE) for route in WITH_A_BODY]
 
@@ -221,6 +221,34 @@ def test_odd_model_names_are_a_4xx_on_every_route(client: asgi.ASGIClient, name:
         response = client.post(f"/v2/repository/models/{quote(name, safe='')}/{action}")
         assert_client_error(response, f"{action} {name[:12]!r}")
     assert_client_error(client.post(path_of(name, None, "/infer"), data=infer_body()), "infer")
+
+
+def assert_openai_client_error(response: Any, what: str) -> None:
+    """A 4xx with OpenAI's error body (the /v1 routes)."""
+    assert 400 <= response.status_code < 500, f"{what}: {response.status_code} {response.text[:300]}"
+    assert response.headers["content-type"].startswith("application/json"), what
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str), (what, error)
+
+
+@pytest.mark.parametrize("name", ODD_NAMES, ids=lambda n: repr(n[:12]))
+def test_odd_model_names_are_openais_4xx_on_the_v1_routes(client: asgi.ASGIClient, name: str) -> None:
+    assert_openai_client_error(client.get(f"/v1/models/{quote(name, safe='')}"), f"GET /v1/models/{name[:12]!r}")
+    response = client.post("/v1/embeddings", data=orjson.dumps({"model": name, "input": "hello"}))
+    assert_openai_client_error(response, f"embeddings of {name[:12]!r}")
+
+
+EMBEDDINGS_VALUES: list[Any] = [None, True, 0, -1, 1.5, 2**63 - 1, "", "x", [], [""], [1], [[1]], ["a", 1], {},
+                                {"a": 1}]
+
+
+@pytest.mark.parametrize("value", EMBEDDINGS_VALUES, ids=repr)
+@pytest.mark.parametrize("field", ["input", "model", "encoding_format", "dimensions", "user", "other"])
+def test_embeddings_fields_of_every_json_type_never_reach_a_5xx(client: asgi.ASGIClient, field: str,
+                                                                value: Any) -> None:
+    response = client.post("/v1/embeddings", data=orjson.dumps({"model": "digits", "input": "hi", field: value}))
+    assert response.status_code < 500, (field, value, response.status_code, response.text[:300])
+    assert_openai_client_error(response, f"{field}={value!r}")
 
 
 JSON_VALUES: list[Any] = [None, True, False, 0, -1, 1, 2**63 - 1, 2**64 - 1, 1.5, -0.0, 1e308, "", "1", "x" * 100,

@@ -56,6 +56,13 @@ def infer_body(**parameters: object) -> bytes:
     return orjson.dumps({"inputs": [IMAGE], "parameters": parameters})
 
 
+EMBEDDINGS = "/v1/embeddings"
+
+
+def embeddings_body(model: str = "minilm", **fields: object) -> bytes:
+    return orjson.dumps({"model": model, "input": "hello", **fields})
+
+
 @dataclass(frozen=True)
 class Probe:
     """One request and the status it must get."""
@@ -100,6 +107,22 @@ PROBES = [
     Probe("GET", "/v2/models/idle", 503),
     Probe("GET", "/v2/models/idle/ready", 503),
     Probe("GET", "/v2/models/idle/stats", 503),
+    # OpenAI's /v1: minilm declares embeddings, digits does not, idle is not loaded
+    Probe("GET", "/v1/models", 200),
+    Probe("GET", "/v1/models/minilm", 200),
+    Probe("GET", "/v1/models/nope", 404),
+    Probe("GET", "/v1/models/digits", 404, what="no OpenAI task"),
+    Probe("GET", "/v1/models/idle", 503),
+    Probe("POST", EMBEDDINGS, 200, embeddings_body(), "one text"),
+    Probe("POST", EMBEDDINGS, 200, embeddings_body(input=["a", "bb"], encoding_format="base64"), "a list, base64"),
+    Probe("POST", EMBEDDINGS, 400, b"{not json", "bad JSON"),
+    Probe("POST", EMBEDDINGS, 400, embeddings_body(input=""), "an empty text"),
+    Probe("POST", EMBEDDINGS, 400, embeddings_body(input=[1, 2]), "token ids"),
+    Probe("POST", EMBEDDINGS, 400, embeddings_body(dimensions=128), "dimensions of a model without Matryoshka"),
+    Probe("POST", EMBEDDINGS, 404, embeddings_body("nope")),
+    Probe("POST", EMBEDDINGS, 404, embeddings_body("digits"), "no OpenAI task"),
+    Probe("POST", EMBEDDINGS, 503, embeddings_body("idle")),
+    Probe("POST", EMBEDDINGS, 413, embeddings_body(input="x" * MAX_BODY_BYTES), "a body over the limit"),
     Probe("GET", "/v2/models/badconfig/config", 400),
     Probe("POST", "/v2/repository/index", 200),
     Probe("POST", "/v2/repository/index", 200, b'{"ready": true}', "ready only"),
@@ -175,6 +198,7 @@ REFUSED = [
 READINESS = {("GET", "/v2/health/ready", status) for status in (200, 503)} | {("GET", "/v2/health/live", 503)}
 ON_A_BUSY_OR_FAILING_MODEL = {("POST", route, status) for route in (INFER, VERSION_INFER) for status in (429, 500, 504)}
 CONTROL_OFF_OR_FOREIGN_HOST = {("POST", LOAD, 403), ("POST", UNLOAD, 403)}
+ON_A_BUSY_OR_FAILING_EMBEDDINGS_MODEL = {("POST", EMBEDDINGS, status) for status in (429, 500, 504)}
 
 
 # --- the app under test -------------------------------------------------------------------------
@@ -199,6 +223,15 @@ def repository(root: Path) -> Path:
     (root / "digits" / "1").symlink_to(MODELS / "digits" / "1", target_is_directory=True)
     (root / "digits" / "2").mkdir()  # no artifact: this version fails to load, version 1 serves
     _write_config(root, "idle")
+    require_built_models(("minilm",))
+    minilm = yaml.safe_load((MODELS / "minilm" / "config.yaml").read_text())
+    minilm |= {"warmup": {"batch_sizes": [1]}, "instance_group": [{"count": 1, "kind": "CPU"}],
+               # a queue of one to fill, and a deadline that a request held behind a busy instance misses
+               "dynamic_batching": {"default_queue_policy": {"max_queue_size": 1,
+                                                             "default_timeout_microseconds": 300_000}}}
+    (root / "minilm").mkdir()
+    (root / "minilm" / "config.yaml").write_text(yaml.safe_dump(minilm))
+    (root / "minilm" / "1").symlink_to(MODELS / "minilm" / "1", target_is_directory=True)
     (root / "idle" / "1").symlink_to(MODELS / "digits" / "1", target_is_directory=True)
     _write_config(root, "broken")
     (root / "broken" / "1").mkdir()  # no artifact
@@ -213,8 +246,9 @@ async def served(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tupl
     control on and both tokens set. The client sends the inference token unless told otherwise."""
     plane = DataPlane(ModelRepository(repository(tmp_path_factory.mktemp("statuses") / "models")))
     app = create_app(plane, max_body_bytes=MAX_BODY_BYTES, metrics=CollectorRegistry(), access=ACCESS)
-    async with started(plane, ["digits"]), client_of(app, dict(AS_CLIENT)) as client:
+    async with started(plane, ["digits", "minilm"]), client_of(app, dict(AS_CLIENT)) as client:
         assert plane.model_ready("digits", "1"), plane.repository.versions("digits")[0].reason
+        assert plane.model_ready("minilm", "1"), plane.repository.versions("minilm")[0].reason
         yield client, plane
 
 
@@ -281,8 +315,8 @@ def check(document: dict[str, Any], method: str, path: str, response: httpx.Resp
     if status == 401:
         assert response.headers["www-authenticate"].startswith('Bearer realm="batchline"'), response.headers
         assert "WWW-Authenticate" in declared["401"]["headers"]
-    if status >= 400:
-        schema_validator(document, "Error").validate(response.json())
+    if status >= 400:  # OpenAI's error body under /v1, KServe's elsewhere
+        schema_validator(document, "OpenAIError" if path.startswith("/v1/") else "Error").validate(response.json())
     elif route in (INFER, VERSION_INFER):
         header_length = int(response.headers.get(HEADER_LENGTH, len(response.content)))
         schema_validator(document, "InferResponse").validate(orjson.loads(response.content[:header_length]))
@@ -426,6 +460,53 @@ async def test_an_engine_that_fails_fails_its_requests_with_500(
     assert "fell off the bus" in response.json()["error"]
 
 
+async def test_a_busy_embeddings_model_expires_what_waits_too_long_and_refuses_what_it_cannot_queue(
+    served: tuple[httpx.AsyncClient, DataPlane], document: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    client, plane = served
+    model = plane.repository.get("minilm", "1")
+    engine = model.instances[0].pipeline.engine
+    release = threading.Event()
+    run = engine.run
+
+    def held(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        release.wait(60)
+        return run(feed)
+
+    monkeypatch.setattr(engine, "run", held)
+    try:
+        running = asyncio.create_task(client.post(EMBEDDINGS, content=embeddings_body()))
+        await until(lambda: model.batches_in_flight == 1, "a request to hold the only instance")
+        expiring = asyncio.create_task(client.post(EMBEDDINGS, content=embeddings_body()))
+        await until(lambda: model.queue_depth == 1, "a request to wait in the queue of one")
+        refused = await client.post(EMBEDDINGS, content=embeddings_body())
+        check(document, "POST", EMBEDDINGS, refused, 429)
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+        expired = await expiring  # past the model's 300 ms queue timeout
+        check(document, "POST", EMBEDDINGS, expired, 504)
+        assert expired.json()["error"]["type"] == "server_error"
+    finally:
+        release.set()
+    check(document, "POST", EMBEDDINGS, await running, 200)
+
+
+async def test_an_engine_that_fails_fails_its_embeddings_with_500(
+    served: tuple[httpx.AsyncClient, DataPlane], document: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    client, plane = served
+    model = plane.repository.get("minilm", "1")
+
+    def fail(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise RuntimeError("the accelerator fell off the bus")
+
+    monkeypatch.setattr(model.instances[0].pipeline.engine, "run", fail)
+    response = await client.post(EMBEDDINGS, content=embeddings_body(input=["a", "b"]))
+    check(document, "POST", EMBEDDINGS, response, 500)
+    assert "fell off the bus" in response.json()["error"]["message"]
+    assert response.json()["error"]["type"] == "server_error"
+
+
 async def test_every_status_the_document_declares_is_provoked_above(document: dict[str, Any]) -> None:
     declared = {
         (method.upper(), route, int(status))
@@ -435,6 +516,6 @@ async def test_every_status_the_document_declares_is_provoked_above(document: di
     }
     probes = PROBES + OPEN_WITHOUT_A_TOKEN + REFUSED
     provoked = {(p.method, route_of(document, p.method, p.path), p.status) for p in probes}
-    provoked |= READINESS | ON_A_BUSY_OR_FAILING_MODEL | CONTROL_OFF_OR_FOREIGN_HOST
+    provoked |= READINESS | ON_A_BUSY_OR_FAILING_MODEL | CONTROL_OFF_OR_FOREIGN_HOST | ON_A_BUSY_OR_FAILING_EMBEDDINGS_MODEL
     assert sorted(declared - provoked) == [], "declared, but no test sends it: add a probe"
     assert sorted(provoked - declared) == []

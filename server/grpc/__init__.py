@@ -1,0 +1,1 @@
+"""The gRPC front end: Triton's GRPCInferenceService over the data plane."""

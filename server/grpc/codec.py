@@ -1,0 +1,160 @@
+"""KServe v2 gRPC messages ↔ numpy arrays: what `ModelInferRequest` declares, its tensors, and
+the `ModelInferResponse` of named arrays.
+
+Two ways a client sends a tensor: typed contents (`fp32_contents`, `bytes_contents`, ...) or
+`raw_input_contents`, one blob per input in the order of `inputs`, in the layout of Triton's
+binary tensors (row-major, little-endian; BYTES as 4-byte little-endian length prefixes).
+Raw numbers become arrays without a copy (np.frombuffer). Answers always go back as
+`raw_output_contents`, as Triton's do: tritonclient reads them, and encoding them is one copy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from server.errors import InvalidInput, Unsupported
+from server.grpc.protos import grpc_service_pb2 as pb
+from server.protocol.binary import tensor_from_bytes, tensor_to_bytes
+from server.protocol.datatypes import BYTES, MAX_DIMS, numpy_dtype
+
+Output = tuple[str, str, np.ndarray]  # name, datatype, array
+
+# The typed contents field that carries each datatype (FP16 and BF16 have none: raw only).
+CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    BYTES: "bytes_contents",
+}
+_NARROW = {"INT8", "INT16", "UINT8", "UINT16"}  # carried in 32-bit fields: range-checked
+
+
+@dataclass(slots=True)
+class DeclaredRequest:
+    """What a request declares, read without touching tensor data: enough for every cheap check."""
+
+    declared: dict[str, tuple[str, list[int]]]  # name -> (datatype, shape)
+    parameters: dict[str, Any]
+    outputs: list[str] | None  # None: every output
+    decode_cost: int  # elements of typed contents plus bytes of raw BYTES: what decoding walks
+
+
+def declare(request: pb.ModelInferRequest) -> DeclaredRequest:
+    """Names, datatypes and shapes of the inputs, the parameters and the outputs asked for;
+    InvalidInput for a request whose parts do not fit together."""
+    if not request.inputs:
+        raise InvalidInput("'inputs' must hold at least one tensor")
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidInput(f"the request has {len(request.inputs)} inputs but {len(raw)} raw_input_contents; "
+                           "give one per input, in the order of the inputs")
+    declared: dict[str, tuple[str, list[int]]] = {}
+    cost = 0
+    for index, tensor in enumerate(request.inputs):
+        name = tensor.name
+        if not name:
+            raise InvalidInput("an input has no name")
+        if name in declared:
+            raise InvalidInput(f"input '{name}' is given more than once")
+        if len(tensor.shape) > MAX_DIMS:
+            raise InvalidInput(f"input '{name}': shape has {len(tensor.shape)} dimensions; at most {MAX_DIMS} are allowed")
+        shape = list(tensor.shape)
+        if any(d < 0 for d in shape):
+            raise InvalidInput(f"input '{name}': shape must hold non-negative integers, got {shape}")
+        if "shared_memory_region" in tensor.parameters:
+            raise Unsupported("shared-memory tensors are not supported by this server")
+        has_contents = tensor.HasField("contents")
+        if raw and has_contents:
+            raise InvalidInput(f"input '{name}' has both contents and raw_input_contents")
+        if raw:
+            cost += len(raw[index]) if tensor.datatype == BYTES else 0
+        else:
+            cost += math.prod(shape) if has_contents else 0
+        declared[name] = (tensor.datatype, shape)
+    outputs = None
+    if request.outputs:
+        outputs = []
+        for output in request.outputs:
+            if "classification" in output.parameters:
+                raise Unsupported("the classification extension is not supported by this server")
+            if "shared_memory_region" in output.parameters:
+                raise Unsupported("shared-memory tensors are not supported by this server")
+            outputs.append(output.name)
+    return DeclaredRequest(declared, plain_parameters(request.parameters), outputs, cost)
+
+
+def decode_inputs(request: pb.ModelInferRequest) -> dict[str, tuple[str, np.ndarray]]:
+    """The input arrays, shaped as declared (call `declare` first: it checked how the parts fit)."""
+    raw = request.raw_input_contents
+    inputs: dict[str, tuple[str, np.ndarray]] = {}
+    for index, tensor in enumerate(request.inputs):
+        shape = list(tensor.shape)
+        if raw:
+            array = tensor_from_bytes(raw[index], tensor.datatype, shape, tensor.name)
+        else:
+            array = _from_contents(tensor, shape)
+        inputs[tensor.name] = (tensor.datatype, array)
+    return inputs
+
+
+def _from_contents(tensor: pb.ModelInferRequest.InferInputTensor, shape: list[int]) -> np.ndarray:
+    name, datatype = tensor.name, tensor.datatype
+    field = CONTENTS_FIELD.get(datatype)
+    if field is None:
+        numpy_dtype(datatype)  # an unknown datatype says so
+        raise InvalidInput(f"input '{name}' ({datatype}) has no typed contents field; send it in raw_input_contents")
+    values = getattr(tensor.contents, field)
+    count = math.prod(shape)
+    if len(values) != count:
+        raise InvalidInput(f"input '{name}' has shape {shape} ({count} elements) but {len(values)} values "
+                           f"in {field}")
+    for other in CONTENTS_FIELD.values():
+        if other != field and len(getattr(tensor.contents, other)):
+            raise InvalidInput(f"input '{name}' ({datatype}) has values in {other}; its values go in {field}")
+    dtype = numpy_dtype(datatype)
+    if datatype == BYTES:
+        array = np.empty(count, dtype=np.object_)
+        array[:] = list(values)
+        return array.reshape(shape)
+    if datatype in _NARROW:
+        wide = np.fromiter(values, dtype=np.int64, count=count)
+        info = np.iinfo(dtype)
+        if count and (wide.min() < info.min or wide.max() > info.max):
+            raise InvalidInput(f"input '{name}': a value is out of range for {datatype}")
+        return wide.astype(dtype).reshape(shape)
+    return np.fromiter(values, dtype=dtype, count=count).reshape(shape)
+
+
+def plain_parameters(parameters: Any) -> dict[str, Any]:
+    """A map of InferParameter or ModelRepositoryParameter as plain values (priority and
+    timeout arrive as int64_param, a load's config as string_param)."""
+    plain: dict[str, Any] = {}
+    for key, parameter in parameters.items():
+        choice = parameter.WhichOneof("parameter_choice")
+        if choice is not None:
+            plain[key] = getattr(parameter, choice)
+    return plain
+
+
+def encode_response(
+    model_name: str, model_version: int, request_id: str, outputs: list[Output]
+) -> pb.ModelInferResponse:
+    """The answer, every tensor in raw_output_contents (BYTES length-prefixed)."""
+    response = pb.ModelInferResponse(model_name=model_name, model_version=str(model_version), id=request_id)
+    for name, datatype, array in outputs:
+        response.outputs.add(name=name, datatype=datatype, shape=array.shape)
+        response.raw_output_contents.append(tensor_to_bytes(array, datatype))
+    return response
+

@@ -1,0 +1,335 @@
+"""Triton's `inference.GRPCInferenceService` over the data plane: one method per RPC, thin.
+
+Every call passes the access gate first; every failure becomes its status in `errors.py`. An
+infer call runs the cheap refusals before any tensor is decoded, as over HTTP: the front end's
+limit of calls in flight, the model and its queue, then names, datatypes, shapes and the batch
+size. The call's deadline becomes the request's, so the batcher drops it unrun (and says so)
+rather than computing an answer nobody waits for; a cancelled call is dropped before compute.
+
+ModelStreamInfer reads requests as they come and answers each when it is done, in the order
+they finish (each answer carries its request's id), with at most `max_in_flight` of one stream
+running at once: past it, the stream is read no further until one finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import json_format
+
+from server.access_log import AccessLog
+from server.dataplane import DataPlane
+from server.errors import DeadlineExceeded, ModelNotFound
+from server.grpc import codec
+from server.grpc.access import CallGate, Policy
+from server.grpc.errors import TooBusy, retry_after, status_of
+from server.grpc.protos import grpc_service_pb2 as pb
+from server.grpc.protos import grpc_service_pb2_grpc as pb_grpc
+from server.grpc.protos import model_config_pb2
+from server.scheduler.request import RequestRecord
+
+T = TypeVar("T")
+
+SERVICE = "/inference.GRPCInferenceService/"
+# Typed contents are lists: past this many elements (or bytes of raw BYTES) decoding takes
+# about a millisecond, so it runs on a worker thread. Raw numbers are zero-copy at any size.
+INLINE_DECODE_COST = 16 << 10
+OFFLOAD_ENCODE_BYTES = 1 << 20  # outputs past a MiB are copied into the answer on a thread
+_STREAM_END = object()
+DEADLINE_MARGIN_US = 5_000
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(
+        self, plane: DataPlane, policy: Policy | None = None, access_log: AccessLog | None = None,
+        max_in_flight: int = 512,
+    ) -> None:
+        self._plane = plane
+        self._gate = CallGate(policy)
+        self._access_log = access_log or AccessLog()
+        self._max_in_flight = max_in_flight
+        self.in_flight = 0  # infer requests between the door and their answer, unary and streamed
+        self._streams: set[_Stream] = set()
+
+    # -- health, metadata, configuration, statistics -------------------------------------------
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext) -> Any:
+        return await self._call(context, "ServerLive", lambda: pb.ServerLiveResponse(live=self._plane.server_live()))
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext) -> Any:
+        return await self._call(context, "ServerReady",
+                                lambda: pb.ServerReadyResponse(ready=self._plane.server_ready()))
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext) -> Any:
+        def ready() -> pb.ModelReadyResponse:
+            try:
+                return pb.ModelReadyResponse(ready=self._plane.model_ready(request.name, request.version or None))
+            except ModelNotFound:  # as Triton: not ready, rather than an error
+                return pb.ModelReadyResponse(ready=False)
+
+        return await self._call(context, "ModelReady", ready)
+
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext) -> Any:
+        return await self._call(context, "ServerMetadata",
+                                lambda: pb.ServerMetadataResponse(**self._plane.server_metadata()))
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext) -> Any:
+        def metadata() -> pb.ModelMetadataResponse:
+            document = self._plane.model_metadata(request.name, request.version or None)
+            return json_format.ParseDict(document, pb.ModelMetadataResponse())
+
+        return await self._call(context, "ModelMetadata", metadata)
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext) -> Any:
+        def config() -> pb.ModelConfigResponse:
+            document = self._plane.model_config(request.name, request.version or None)
+            # the fields Triton's schema has; ours alone (e.g. max_batch_tokens) are HTTP's only
+            parsed = json_format.ParseDict(document, model_config_pb2.ModelConfig(), ignore_unknown_fields=True)
+            return pb.ModelConfigResponse(config=parsed)
+
+        return await self._call(context, "ModelConfig", config)
+
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext) -> Any:
+        def statistics() -> pb.ModelStatisticsResponse:
+            document = self._plane.statistics(request.name or None, request.version or None)
+            # Triton's fields; ours (failures by reason, dispatch reasons, ...) are in HTTP's /stats
+            return json_format.ParseDict(document, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
+
+        return await self._call(context, "ModelStatistics", statistics)
+
+    # -- repository ------------------------------------------------------------------------------
+
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: grpc.aio.ServicerContext) -> Any:
+        def index() -> pb.RepositoryIndexResponse:
+            entries = self._plane.repository_index(request.ready)
+            return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**e) for e in entries])
+
+        return await self._call(context, "RepositoryIndex", index)
+
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
+                                  context: grpc.aio.ServicerContext) -> Any:
+        async def load() -> pb.RepositoryModelLoadResponse:
+            await self._plane.load(request.model_name, codec.plain_parameters(request.parameters))
+            return pb.RepositoryModelLoadResponse()
+
+        return await self._call(context, "RepositoryModelLoad", load)
+
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
+                                    context: grpc.aio.ServicerContext) -> Any:
+        async def unload() -> pb.RepositoryModelUnloadResponse:
+            await self._plane.unload(request.model_name)
+            return pb.RepositoryModelUnloadResponse()
+
+        return await self._call(context, "RepositoryModelUnload", unload)
+
+    # -- what this server does not do ------------------------------------------------------------
+
+    async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _unimplemented(context, "shared-memory tensors are")
+
+    async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _unimplemented(context, "shared-memory tensors are")
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _unimplemented(context, "shared-memory tensors are")
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _unimplemented(context, "CUDA shared-memory tensors are")
+
+    async def CudaSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _unimplemented(context, "CUDA shared-memory tensors are")
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _unimplemented(context, "CUDA shared-memory tensors are")
+
+    async def TraceSetting(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _unimplemented(context, "trace settings are")
+
+    async def LogSettings(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _unimplemented(context, "log settings are")
+
+    # -- inference -------------------------------------------------------------------------------
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext) -> Any:
+        started = time.perf_counter_ns()
+        record = RequestRecord() if self._access_log.enabled else None
+        try:
+            refusal = self._gate.refusal("ModelInfer", context.invocation_metadata())
+            if refusal is not None:
+                raise refusal
+            response = await self._infer(request, context.time_remaining(), record)
+        except asyncio.CancelledError:  # the client went away (or its deadline passed): dropped
+            self._log(context, "ModelInfer", request.model_name, grpc.StatusCode.CANCELLED, started, record)
+            raise
+        except Exception as exc:  # noqa: BLE001 (every failure is answered with its status)
+            code, message = status_of(exc)
+            self._log(context, "ModelInfer", request.model_name, code, started, record)
+            await context.abort(code, message, trailing_metadata=retry_after(exc))
+        self._log(context, "ModelInfer", request.model_name, grpc.StatusCode.OK, started, record)
+        return response
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        refusal = self._gate.refusal("ModelStreamInfer", context.invocation_metadata())
+        if refusal is not None:
+            code, message = status_of(refusal)
+            await context.abort(code, message)
+        stream = _Stream()
+        stream.reader = asyncio.create_task(self._read_stream(request_iterator, context, stream))
+        self._streams.add(stream)
+        try:
+            while (answer := await stream.answers.get()) is not _STREAM_END:
+                yield answer
+        finally:
+            self._streams.discard(stream)
+            stream.abandon()  # done, or the client went away: nothing of it may still run
+        if self._plane.stopping:  # ended by a stop: tell the client to go elsewhere, not that all is well
+            context.set_code(grpc.StatusCode.UNAVAILABLE)
+            context.set_details("the server is shutting down; open a stream to another replica")
+
+    @property
+    def busy(self) -> bool:
+        """Infer requests in flight, or streams open."""
+        return self.in_flight > 0 or bool(self._streams)
+
+    def stop_streams(self) -> None:
+        """Stop reading every open stream: what each has in flight is answered, then it ends."""
+        for stream in list(self._streams):
+            if stream.reader is not None:
+                stream.reader.cancel()
+
+    async def _read_stream(
+        self, requests: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext, stream: _Stream
+    ) -> None:
+        room = asyncio.Semaphore(self._max_in_flight)
+
+        def finished(task: asyncio.Task[None]) -> None:
+            stream.running.discard(task)
+            room.release()
+
+        try:
+            async for request in requests:
+                await room.acquire()
+                task = asyncio.create_task(self._stream_one(request, context, stream.answers))
+                stream.running.add(task)
+                task.add_done_callback(finished)
+        except asyncio.CancelledError:
+            pass  # a stop (or the client left): read no more
+        except Exception:  # noqa: BLE001 (the stream broke under us: nobody to answer)
+            stream.abandon()
+        finally:
+            if stream.running:
+                await asyncio.gather(*stream.running, return_exceptions=True)
+            stream.answers.put_nowait(_STREAM_END)
+
+    async def _stream_one(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext, answers: asyncio.Queue[Any]
+    ) -> None:
+        started = time.perf_counter_ns()
+        record = RequestRecord() if self._access_log.enabled else None
+        try:
+            response = await self._infer(request, context.time_remaining(), record)
+        except asyncio.CancelledError:
+            self._log(context, "ModelStreamInfer", request.model_name, grpc.StatusCode.CANCELLED, started, record)
+            raise
+        except Exception as exc:  # noqa: BLE001 (the stream answers it with its message)
+            code, message = status_of(exc)
+            self._log(context, "ModelStreamInfer", request.model_name, code, started, record)
+            failed = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version,
+                                           id=request.id)
+            answers.put_nowait(pb.ModelStreamInferResponse(error_message=message, infer_response=failed))
+            return
+        self._log(context, "ModelStreamInfer", request.model_name, grpc.StatusCode.OK, started, record)
+        answers.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
+
+    async def _infer(
+        self, request: pb.ModelInferRequest, time_remaining: float | None, record: RequestRecord | None
+    ) -> pb.ModelInferResponse:
+        """One infer request through the data plane, cheapest refusals first."""
+        if self.in_flight >= self._max_in_flight:
+            raise TooBusy("the server is at its limit of requests in flight; retry after a second")
+        self.in_flight += 1
+        try:
+            if record is not None:
+                record.request_id = request.id or None
+            model = self._plane.admit(request.model_name, request.model_version or None)
+            if record is not None:
+                record.model_version = model.version
+            declared = codec.declare(request)
+            self._plane.check_inputs(model, declared.declared)
+            parameters = with_deadline(declared.parameters, time_remaining)
+            if declared.decode_cost > INLINE_DECODE_COST:
+                inputs = await asyncio.to_thread(codec.decode_inputs, request)
+            else:
+                inputs = codec.decode_inputs(request)
+            outputs = await self._plane.infer(model, inputs, parameters, declared.outputs, record)
+            if sum(array.nbytes for _, _, array in outputs) > OFFLOAD_ENCODE_BYTES:
+                return await asyncio.to_thread(codec.encode_response, request.model_name, model.version,
+                                               request.id, outputs)
+            return codec.encode_response(request.model_name, model.version, request.id, outputs)
+        finally:
+            self.in_flight -= 1
+
+    # -- shared ----------------------------------------------------------------------------------
+
+    async def _call(self, context: grpc.aio.ServicerContext, rpc: str, work: Callable[[], T | Awaitable[T]]) -> T:
+        """Run a non-infer RPC behind the gate; any failure is answered with its status."""
+        try:
+            refusal = self._gate.refusal(rpc, context.invocation_metadata())
+            if refusal is not None:
+                raise refusal
+            result = work()
+            if isinstance(result, Awaitable):
+                result = await result
+            return result  # type: ignore[return-value]
+        except Exception as exc:
+            code, message = status_of(exc)
+            await context.abort(code, message)
+            raise  # abort raised already; this line is for the type checker
+
+    def _log(self, context: grpc.aio.ServicerContext, rpc: str, model: str, code: grpc.StatusCode, started: int,
+             record: RequestRecord | None) -> None:
+        if record is not None:
+            self._access_log.write(context.peer() or "-", SERVICE + rpc, model, code.value[0], started, record,
+                                   method="GRPC")
+
+
+class _Stream:
+    """One ModelStreamInfer call: its reader, the requests it runs, the answers it sends."""
+
+    def __init__(self) -> None:
+        self.reader: asyncio.Task[None] | None = None
+        self.running: set[asyncio.Task[None]] = set()
+        self.answers: asyncio.Queue[Any] = asyncio.Queue()
+
+    def abandon(self) -> None:
+        """Cancel what runs: queued requests are dropped before compute."""
+        for task in list(self.running):
+            task.cancel()
+        if self.reader is not None:
+            self.reader.cancel()
+
+
+def with_deadline(parameters: dict[str, Any], time_remaining: float | None) -> dict[str, Any]:
+    """The request's parameters with the call's deadline as its `timeout` (microseconds), unless
+    the request asks for a shorter one: the batcher then drops it unrun when it cannot make it.
+    DEADLINE_MARGIN_US early, so that the batcher drops it (and counts it as a deadline) before
+    grpc cancels the call at the same instant; an answer then would be too late anyway."""
+    if time_remaining is None:
+        return parameters
+    remaining_us = int(time_remaining * 1e6) - DEADLINE_MARGIN_US
+    if remaining_us <= 0:
+        raise DeadlineExceeded("the call's deadline passed before it could run")
+    asked = parameters.get("timeout")
+    if type(asked) is int and 0 < asked <= remaining_us:
+        return parameters
+    return {**parameters, "timeout": remaining_us}
+
+
+async def _unimplemented(context: grpc.aio.ServicerContext, what: str) -> None:
+    await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{what} not supported by this server")

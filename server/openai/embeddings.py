@@ -1,0 +1,93 @@
+"""One embeddings call as data-plane requests.
+
+A list of texts goes as multi-item requests of up to the model's batch cap each: per-text
+requests would batch too, but a list of 2048 would take 2048 places in a queue bounded at a few
+hundred (429 for the rest) and pay admission 2048 times, while one request per cap-sized chunk
+fills a batch by itself and takes one place. The texts are ordered by length first (as
+sentence-transformers does), so a chunk holds texts of like length: a chunk is padded to its
+longest text, and sorting keeps that padding small.
+
+The chunks go concurrently, up to two per instance at a time: enough for every instance to run
+one while the next waits formed behind it (a chunk fills a batch, so more in the queue would
+batch no better), and few enough that one long list neither fills the model's queue nor keeps
+other callers' requests waiting behind all of it. Every chunk shares the model's queue, so
+batches take in v2 requests as well, and the other way round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from server.dataplane import DataPlane, Output
+from server.model import ModelVersion
+from server.scheduler.request import RequestRecord
+
+
+def chunk_size(model: ModelVersion) -> int:
+    """Items per request: the batch cap warm-up measured (where a bigger batch stops paying),
+    within max_batch_size; 1 for a model that does not batch."""
+    config = model.config
+    if not config.batched:
+        return 1
+    cap = model.stats.batch_cap or config.max_batch_size
+    return max(1, min(cap, config.max_batch_size))
+
+
+def in_flight(model: ModelVersion) -> int:
+    """Chunks of one call in the model's queue at once: two per instance."""
+    return 2 * max(1, len(model.instances))
+
+
+def chunks(sizes: list[int], size: int) -> list[list[int]]:
+    """Indexes of the texts, ordered by `sizes` (stable), cut into runs of at most `size`."""
+    order = sorted(range(len(sizes)), key=sizes.__getitem__)
+    return [order[start:start + size] for start in range(0, len(order), size)]
+
+
+async def embed(
+    plane: DataPlane, model: ModelVersion, texts: list[bytes], record: RequestRecord
+) -> np.ndarray:
+    """The vectors of `texts`, in their order; `record` gets the tokens read, the version, and
+    the longest queue and compute times of the chunks. The first failure fails the call, and
+    the chunks still waiting are cancelled (dropped before compute)."""
+    config = model.config
+    output = config.embedding_output()
+    assert config.tokenize is not None and output is not None
+    plan = chunks([len(t) for t in texts], chunk_size(model))
+    records = [RequestRecord() for _ in plan]
+    window = asyncio.Semaphore(in_flight(model))
+    text_input = config.tokenize.input
+
+    async def run(part: list[int], part_record: RequestRecord) -> list[Output]:
+        async with window:
+            tensor = _tensor(texts, part, config.batched)
+            return await plane.infer(model, {text_input: ("BYTES", tensor)}, {}, [output.name], part_record)
+
+    tasks = [asyncio.ensure_future(run(part, r)) for part, r in zip(plan, records, strict=True)]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()  # nothing for those done; the rest are dropped from the queue
+    failures = [task.exception() for task in tasks if task.done() and not task.cancelled()]
+    failure = next((error for error in failures if error is not None), None)
+    if failure is not None:
+        raise failure
+    vectors = np.empty((len(texts), output.dims[0]), dtype=np.float32)
+    for part, task in zip(plan, tasks, strict=True):
+        outputs: list[Output] = task.result()
+        vectors[part] = outputs[0][2].reshape(len(part), -1)
+    record.model_version = model.version
+    record.tokens = sum(r.tokens for r in records)
+    record.queue_ns = max(r.queue_ns for r in records)
+    record.compute_ns = max(r.compute_ns for r in records)
+    return vectors
+
+
+def _tensor(texts: list[bytes], part: list[int], batched: bool) -> np.ndarray:
+    """The BYTES input of one chunk: [n, 1] for a batching model, [1] for one that does not."""
+    array = np.empty((len(part), 1) if batched else (1,), dtype=object)
+    array.reshape(-1)[:] = [texts[i] for i in part]
+    return array

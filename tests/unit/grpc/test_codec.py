@@ -1,0 +1,175 @@
+"""ModelInferRequest ↔ numpy: typed contents and raw contents give the same arrays, what a
+request declares is read without its data, and a malformed request is InvalidInput."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.grpc import service_pb2
+
+from server.errors import InvalidInput, Unsupported
+from server.grpc import codec
+from server.grpc.protos import grpc_service_pb2 as pb
+
+
+def _request(*inputs: triton.InferInput, raw: bool, outputs: list[str] | None = None, **parameters: object) -> pb.ModelInferRequest:
+    """The request tritonclient sends (raw: its set_data_from_numpy; typed: the contents fields)."""
+    request = service_pb2.ModelInferRequest(model_name="m", id="r1")
+    for tensor in inputs:
+        request.inputs.extend([tensor._get_tensor()])
+        if raw:
+            request.raw_input_contents.append(tensor._get_content())
+    for name in outputs or []:
+        request.outputs.add(name=name)
+    for key, value in parameters.items():
+        if isinstance(value, bool):
+            request.parameters[key].bool_param = value
+        elif isinstance(value, int):
+            request.parameters[key].int64_param = value
+        else:
+            request.parameters[key].string_param = str(value)
+    return request
+
+
+def _typed(name: str, array: np.ndarray, datatype: str) -> triton.InferInput:
+    tensor = triton.InferInput(name, list(array.shape), datatype)
+    field = codec.CONTENTS_FIELD[datatype]
+    getattr(tensor._get_tensor().contents, field).extend(array.reshape(-1).tolist())
+    return tensor
+
+
+def _raw(name: str, array: np.ndarray, datatype: str) -> triton.InferInput:
+    tensor = triton.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+ARRAYS = {
+    "FP32": np.arange(6, dtype=np.float32).reshape(2, 3) / 7,
+    "FP64": np.arange(6, dtype=np.float64).reshape(3, 2) / 3,
+    "INT8": np.array([[-128, 0, 127]], dtype=np.int8),
+    "INT32": np.array([[-5, 2**31 - 1]], dtype=np.int32),
+    "INT64": np.array([2**40, -1], dtype=np.int64),
+    "UINT8": np.array([0, 255], dtype=np.uint8),
+    "UINT64": np.array([2**63], dtype=np.uint64),
+    "BOOL": np.array([[True, False]]),
+    "BYTES": np.array([[b"hello"], [b""], ["naïve".encode()]], dtype=np.object_),
+}
+
+
+@pytest.mark.parametrize("datatype", list(ARRAYS))
+def test_typed_and_raw_contents_give_the_same_array(datatype: str) -> None:
+    array = ARRAYS[datatype]
+    for request in (_request(_typed("x", array, datatype), raw=False), _request(_raw("x", array, datatype), raw=True)):
+        declared = codec.declare(request)
+        assert declared.declared == {"x": (datatype, list(array.shape))}
+        decoded_type, decoded = codec.decode_inputs(request)["x"]
+        assert decoded_type == datatype and decoded.shape == array.shape
+        assert decoded.tolist() == array.tolist()
+
+
+def test_raw_numbers_are_not_copied() -> None:
+    request = _request(_raw("x", ARRAYS["FP32"], "FP32"), raw=True)
+    _, decoded = codec.decode_inputs(request)["x"]
+    assert not decoded.flags.owndata, "a view of the message's bytes"
+
+
+def test_fp16_travels_raw_only() -> None:
+    half = np.array([1.5, -2.0], dtype=np.float16)
+    _, decoded = codec.decode_inputs(_request(_raw("x", half, "FP16"), raw=True))["x"]
+    assert decoded.tolist() == [1.5, -2.0]
+    typed = _request(triton.InferInput("x", [2], "FP16"), raw=False)
+    typed.inputs[0].contents.fp32_contents.extend([1.5, -2.0])
+    with pytest.raises(InvalidInput, match="raw_input_contents"):
+        codec.decode_inputs(typed)
+
+
+def test_parameters_and_requested_outputs() -> None:
+    request = _request(_raw("x", ARRAYS["FP32"], "FP32"), raw=True, outputs=["y"], priority=2, timeout=500,
+                       tag="a", flag=True)
+    declared = codec.declare(request)
+    assert declared.parameters == {"priority": 2, "timeout": 500, "tag": "a", "flag": True}
+    assert declared.outputs == ["y"]
+    assert codec.declare(_request(_raw("x", ARRAYS["FP32"], "FP32"), raw=True)).outputs is None
+
+
+def _broken(change: str) -> pb.ModelInferRequest:
+    request = _request(_raw("x", ARRAYS["FP32"], "FP32"), raw=True)
+    if change == "no inputs":
+        del request.inputs[:]
+        del request.raw_input_contents[:]
+    elif change == "raw count":
+        request.raw_input_contents.append(b"")
+    elif change == "twice":
+        request.inputs.add(name="x", datatype="FP32", shape=[1])
+        request.raw_input_contents.append(b"\0\0\0\0")
+    elif change == "negative dim":
+        request.inputs[0].shape[0] = -2
+    elif change == "both":
+        request.inputs[0].contents.fp32_contents.append(1.0)
+    elif change == "no name":
+        request.inputs[0].name = ""
+    return request
+
+
+@pytest.mark.parametrize("change", ["no inputs", "raw count", "twice", "negative dim", "both", "no name"])
+def test_a_request_whose_parts_do_not_fit_is_invalid_before_any_data_is_read(change: str) -> None:
+    with pytest.raises(InvalidInput):
+        codec.declare(_broken(change))
+
+
+@pytest.mark.parametrize(("datatype", "values", "shape", "reason"), [
+    ("FP32", [1.0, 2.0], [3], "3 elements"),
+    ("INT8", [300], [1], "out of range"),
+    ("UINT16", [70000], [1], "out of range"),
+    ("NOPE", [1], [1], "datatype"),
+])
+def test_typed_contents_that_do_not_match_are_invalid(datatype: str, values: list, shape: list[int], reason: str) -> None:
+    request = pb.ModelInferRequest(model_name="m")
+    tensor = request.inputs.add(name="x", datatype=datatype, shape=shape)
+    field = codec.CONTENTS_FIELD.get(datatype, "int_contents")
+    getattr(tensor.contents, field).extend(values)
+    codec.declare(request)
+    with pytest.raises(InvalidInput, match=reason):
+        codec.decode_inputs(request)
+
+
+def test_values_in_the_wrong_contents_field_are_invalid() -> None:
+    request = pb.ModelInferRequest(model_name="m")
+    tensor = request.inputs.add(name="x", datatype="FP32", shape=[1])
+    tensor.contents.fp32_contents.append(1.0)
+    tensor.contents.int_contents.append(1)
+    with pytest.raises(InvalidInput, match="int_contents"):
+        codec.decode_inputs(request)
+
+
+def test_raw_bytes_tensors_need_their_length_prefixes() -> None:
+    request = pb.ModelInferRequest(model_name="m")
+    request.inputs.add(name="x", datatype="BYTES", shape=[2])
+    request.raw_input_contents.append(struct.pack("<I", 3) + b"abc" + struct.pack("<I", 9) + b"short")
+    with pytest.raises(InvalidInput, match="element 1"):
+        codec.decode_inputs(request)
+
+
+def test_shared_memory_and_classification_are_refused_as_unsupported() -> None:
+    request = _request(_raw("x", ARRAYS["FP32"], "FP32"), raw=True)
+    request.inputs[0].parameters["shared_memory_region"].string_param = "r"
+    with pytest.raises(Unsupported):
+        codec.declare(request)
+    request = _request(_raw("x", ARRAYS["FP32"], "FP32"), raw=True)
+    request.outputs.add(name="y").parameters["classification"].int64_param = 3
+    with pytest.raises(Unsupported):
+        codec.declare(request)
+
+
+def test_the_response_is_what_tritonclient_reads() -> None:
+    outputs = [("y", "FP32", ARRAYS["FP32"]), ("t", "BYTES", ARRAYS["BYTES"]), ("h", "FP16", np.ones(2, np.float16))]
+    response = codec.encode_response("m", 3, "r1", outputs)
+    result = triton.InferResult(service_pb2.ModelInferResponse.FromString(response.SerializeToString()))
+    assert (response.model_name, response.model_version, response.id) == ("m", "3", "r1")
+    for name, _, array in outputs:
+        assert result.as_numpy(name).tolist() == array.tolist()
+        assert result.as_numpy(name).shape == array.shape

@@ -1,0 +1,57 @@
+"""Loading with a config sent in the request (Triton's `config` load parameter): it stands in
+for config.yaml for that load only, is validated as config.yaml is, and is never written."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from server.dataplane import DataPlane
+from server.errors import InvalidInput
+from server.repository import ModelRepository
+from tests.unit.onnx_models import DOUBLING_CONFIG, doubling, write_model
+
+
+@pytest.fixture
+async def plane(tmp_path: Path) -> AsyncIterator[DataPlane]:
+    repository = ModelRepository(tmp_path)
+    write_model(tmp_path, "double", DOUBLING_CONFIG, doubling)
+    await repository.load_all()
+    yield DataPlane(repository)
+    await repository.unload_all()
+
+
+async def test_the_override_serves_for_that_load_and_config_yaml_is_untouched(plane: DataPlane) -> None:
+    on_disk = (plane.repository.root / "double" / "config.yaml").read_bytes()
+    override = {**DOUBLING_CONFIG, "max_batch_size": 2, "dynamic_batching": {"max_queue_delay_microseconds": 500}}
+    await plane.load("double", {"config": json.dumps(override)})
+    served = plane.model_config("double", None)
+    assert (served["max_batch_size"], served["dynamic_batching"]["max_queue_delay_microseconds"]) == (2, 500)
+    assert (plane.repository.root / "double" / "config.yaml").read_bytes() == on_disk
+    await plane.load("double", {})
+    assert plane.model_config("double", None)["max_batch_size"] == 4, "a later load reads config.yaml again"
+
+
+@pytest.mark.parametrize(("config", "reason"), [
+    ("not json", "not valid JSON"),
+    ("[1, 2]", "expected an object"),
+    (json.dumps({**DOUBLING_CONFIG, "max_batch_size": "many"}), "field 'max_batch_size'"),
+    (json.dumps({**DOUBLING_CONFIG, "name": "other"}), "differs from the model's 'double'"),
+    (json.dumps({**DOUBLING_CONFIG, "build": {"source": "double", "engine": "onnxruntime", "precision": "fp16"}}),
+     "field 'build'"),
+])
+async def test_a_bad_override_is_refused_and_the_served_version_stays(plane: DataPlane, config: str, reason: str) -> None:
+    with pytest.raises(InvalidInput, match=reason):
+        await plane.load("double", {"config": config})
+    assert plane.model_ready("double", None)
+    assert plane.model_config("double", None)["max_batch_size"] == 4
+
+
+async def test_files_and_a_config_that_is_not_text_are_refused(plane: DataPlane) -> None:
+    with pytest.raises(InvalidInput, match="files is not supported"):
+        await plane.load("double", {"file:1/model.onnx": b"\0"})
+    with pytest.raises(InvalidInput, match="must be a string"):
+        await plane.load("double", {"config": 7})
