@@ -223,6 +223,35 @@ async def test_a_request_whose_deadline_would_pass_before_its_batch_finishes_nev
     assert (await in_time.future)["y"].item() == 4.0
 
 
+async def test_a_request_needs_time_for_a_slow_batch_not_just_an_average_one() -> None:
+    """Batches of 1 s, 3 s, then 0 s (a fake clock): their mean is 1.09 s, and with their spread
+    a batch may take 3.84 s. A request with 2 s left would likely be answered late:
+    DeadlineExceeded, unrun; one with 4 s left runs."""
+    fake = FakeInstance()
+    now = [0]
+    stats = ModelStatistics()
+    b = Batcher(BatchPolicy(8, (), 0, None), QueueSettings(), [fake], stats, clock=lambda: now[0])
+    for index, took_s in enumerate((1, 3)):
+        b.submit(request([float(index)]))
+        await settle()
+        now[0] += took_s * 1_000_000_000
+        fake.release(index)
+        await settle()
+    b.submit(request([9.0]))  # holds the instance while the two below wait
+    await settle()
+    tight = request([5.0], deadline_ns=now[0] + 2_000_000_000)
+    roomy = request([6.0], deadline_ns=now[0] + 4_000_000_000)
+    b.submit(tight)
+    b.submit(roomy)
+    fake.release(2)  # a batch of 0 s: the next one forms at once
+    await settle()
+    with pytest.raises(DeadlineExceeded, match="up to about 3844 ms here"):
+        await asyncio.wait_for(tight.future, 1.0)
+    assert [f["x"].item() for f in fake.batches[3]] == [6.0]
+    fake.release(3)
+    assert (await roomy.future)["y"].item() == 12.0
+
+
 async def test_a_full_queue_refuses_at_once() -> None:
     fake = FakeInstance()
     b, stats = batcher([fake], max_queue_size=2)
