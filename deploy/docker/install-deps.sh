@@ -4,9 +4,12 @@
 #   install-deps.sh VARIANT TORCH_INDEX_URL VENV
 #
 # VARIANT is cpu or gpu. Installs the pins of requirements/<VARIANT>.txt (its `-e .[...]` line
-# dropped: the image installs the package itself, not editable, with the runtime extras only) and
-# `.[<VARIANT>,torchao]` (torchao: the torch INT8 builds serve too) into a new virtualenv VENV,
-# then checks that the torch and ONNX Runtime builds match the variant (check-build.py), so a
+# dropped) and the third-party requirements of `batchline[<VARIANT>,torchao,quantize]` read from
+# pyproject.toml (requirements-of.py; torchao: the torch INT8 builds serve too; quantize: a config
+# with `build:` is built when the server loads it) into a new virtualenv VENV, without the package
+# itself: the image adds it in a later layer, so a change to the code reuses this one. Run from a
+# folder that holds pyproject.toml and requirements/. Then it
+# checks that the torch and ONNX Runtime builds match the variant (check-build.py), so a
 # CUDA torch never slips into the CPU image, and the GPU image's torch, onnxruntime-gpu and base
 # image share one CUDA major whose libraries load.
 # TORCH_INDEX_URL: "auto" is PyTorch's CPU wheel index for cpu (PyPI's Linux torch is a CUDA
@@ -30,13 +33,15 @@ if [ "$torch_index" = auto ]; then
 fi
 here=$(cd "$(dirname "$0")" && pwd)
 pins=$(mktemp)
-trap 'rm -f "$pins"' EXIT
+needs=$(mktemp)
+trap 'rm -f "$pins" "$needs"' EXIT
 { grep -v -e '^-e' -e '^#' -e '^[[:space:]]*$' "requirements/$variant.txt" || true; } > "$pins"
+python3 "$here/requirements-of.py" pyproject.toml "$variant" torchao quantize > "$needs"
 
 python3 -m venv "$venv"
 if [ -n "$torch_index" ]; then
-    "$venv/bin/pip" install --extra-index-url "$torch_index" -r "$pins" ".[$variant,torchao]"
+    "$venv/bin/pip" install --extra-index-url "$torch_index" -r "$pins" -r "$needs"
 else
-    "$venv/bin/pip" install -r "$pins" ".[$variant,torchao]"
+    "$venv/bin/pip" install -r "$pins" -r "$needs"
 fi
 "$venv/bin/python" "$here/check-build.py" "$variant"

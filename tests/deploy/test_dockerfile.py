@@ -1,7 +1,8 @@
-"""Dockerfile, .dockerignore and deploy/docker/: what can be checked without a Docker engine.
+"""Dockerfile, .dockerignore, deploy/docker/ and scripts/image.sh: what can be checked without a
+container engine, and the real build where one is.
 
-The image itself is not built here (no engine on CI's machine). What is checked instead:
-hadolint (with its ShellCheck) on the Dockerfile and ShellCheck on the scripts; the stages,
+Without an engine (a plain `make test`): hadolint (with its ShellCheck) on the Dockerfiles and
+ShellCheck on the scripts; the stages,
 arguments, user, signal, health check and command, read from the Dockerfile; that the build
 context (.dockerignore) holds everything the COPY lines need and none of the built models; each
 script the build runs (install-deps.sh with pip and python stubbed, check-build.py,
@@ -9,7 +10,12 @@ assemble-repository.sh) on this machine; that the GPU base image's CUDA major is
 torch wheels the gpu stage installs; check-build.py's CUDA provider checks, on a library built
 here and ONNX Runtime's CPU build; and the runtime stage's command line, run with the
 runtime stage's environment on a repository assembled as the image's is: it must serve, answer
-the image's health check, and drain in-flight requests on SIGTERM (STOPSIGNAL).
+the image's health check, and drain in-flight requests on SIGTERM (STOPSIGNAL); the build inputs
+(CA bundle, wheel folder) as scripts/image.sh gathers them, and as the build's pip steps see them.
+
+With an engine and BATCHLINE_IMAGE_TESTS=1 (or BATCHLINE_IMAGE=TAG, as `make image-test` sets
+it): the image is built by scripts/image.sh (cached layers) and its configuration is read back
+against the Dockerfile's. Running it is tests/image's work.
 """
 
 from __future__ import annotations
@@ -39,8 +45,11 @@ from tests.integration.conftest import MODELS, linked_repository
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 DOCKER_DIR = ROOT / "deploy" / "docker"
-SCRIPTS = [DOCKER_DIR / "install-deps.sh", DOCKER_DIR / "assemble-repository.sh", ROOT / "scripts" / "prometheus.sh",
-           ROOT / "scripts" / "test-tools.sh"]
+BASE_DOCKERFILE = DOCKER_DIR / "base.Dockerfile"
+IMAGE_SCRIPT = ROOT / "scripts" / "image.sh"
+SCRIPTS = [DOCKER_DIR / "install-deps.sh", DOCKER_DIR / "assemble-repository.sh", DOCKER_DIR / "with-build-inputs.sh",
+           ROOT / "scripts" / "prometheus.sh", ROOT / "scripts" / "test-tools.sh", IMAGE_SCRIPT]
+INPUTS_MOUNT = "--mount=type=bind,from=build-inputs,target=/run/build-inputs"
 
 
 # ---- a Dockerfile reader -------------------------------------------------------------------
@@ -88,11 +97,11 @@ class Stage:
         return found
 
 
-def read_dockerfile() -> tuple[dict[str, str | None], list[Stage]]:
+def read_dockerfile(path: Path = DOCKERFILE) -> tuple[dict[str, str | None], list[Stage]]:
     """Global ARGs and the stages, continuation lines joined, comments dropped."""
     logical: list[str] = []
     current = ""
-    for line in DOCKERFILE.read_text().splitlines():
+    for line in path.read_text().splitlines():
         stripped = line.strip()
         if stripped.startswith("#") or (not stripped and not current):
             continue
@@ -131,8 +140,9 @@ def dockerfile() -> tuple[dict[str, str | None], dict[str, Stage]]:
 
 
 # ---- linters -------------------------------------------------------------------------------
-def test_hadolint_passes() -> None:
-    run(tool("hadolint"), str(DOCKERFILE))
+@pytest.mark.parametrize("dockerfile_path", [DOCKERFILE, BASE_DOCKERFILE], ids=["Dockerfile", "base.Dockerfile"])
+def test_hadolint_passes(dockerfile_path: Path) -> None:
+    run(tool("hadolint"), str(dockerfile_path))
 
 
 def test_hadolint_can_fail(tmp_path: Path) -> None:
@@ -165,8 +175,12 @@ def test_the_variants_and_their_bases(dockerfile) -> None:  # type: ignore[no-un
         assert "VARIANT" in stages[name].args(), f"{name} must declare ARG VARIANT to see it"
     assert stages["deps"].args()["TORCH_INDEX_URL"] == "auto"
     (install,) = stages["deps"].all("RUN")
-    assert install.arguments == 'sh deploy/docker/install-deps.sh "$VARIANT" "$TORCH_INDEX_URL" /opt/venv'
+    assert install.arguments == (f"{INPUTS_MOUNT} sh deploy/docker/with-build-inputs.sh /run/build-inputs "
+                                 'sh deploy/docker/install-deps.sh "$VARIANT" "$TORCH_INDEX_URL" /opt/venv')
     assert stages["deps"].base == "base" and stages["models"].base == "deps" and stages["runtime"].base == "base"
+    assert stages["wheel"].base == "deps"
+    assert not [c for c in stages["deps"].all("COPY") if re.search(r"\b(server|loadtest|models|README\.md)\b", c.arguments)], \
+        "the dependencies' layer holds none of the code, so editing it reuses that layer"
 
 
 def test_the_models_are_built_offline_in_their_own_stage(dockerfile) -> None:  # type: ignore[no-untyped-def]
@@ -181,6 +195,10 @@ def test_the_models_are_built_offline_in_their_own_stage(dockerfile) -> None:  #
     assert "--from=deps /opt/venv /opt/venv" in copies
     assert "--from=models /opt/batchline/models /opt/batchline/models" in copies
     assert not any("--from=models /opt/venv" in c for c in copies), "the build extra stays out of the image"
+    (install,) = stages["runtime"].all("RUN")[1:]
+    assert install.arguments == ("--mount=type=bind,from=wheel,source=/wheels,target=/wheels "
+                                 "pip install --no-deps --no-index /wheels/batchline-*.whl")
+    assert "pip wheel --no-deps --wheel-dir /wheels ." in stages["wheel"].one("RUN").arguments
 
 
 def test_the_runtime_stage(dockerfile) -> None:  # type: ignore[no-untyped-def]
@@ -194,7 +212,7 @@ def test_the_runtime_stage(dockerfile) -> None:  # type: ignore[no-untyped-def]
     assert runtime.one("CMD").exec_form() == ["batchline", "serve", "--host", "0.0.0.0"]
     env = runtime.env()
     assert env["BATCHLINE_MODEL_REPOSITORY"] == "/opt/batchline/models"
-    assert runtime.one("EXPOSE").arguments == env["BATCHLINE_HTTP_PORT"] == "8000"
+    assert runtime.one("EXPOSE").arguments.split() == [env["BATCHLINE_HTTP_PORT"], env["BATCHLINE_GRPC_PORT"]] == ["8000", "8001"]
     healthcheck = runtime.one("HEALTHCHECK").arguments
     command = Instruction("HEALTHCHECK", healthcheck[healthcheck.index("CMD "):]).exec_form()
     assert command == ["python", "/opt/batchline/healthcheck.py"], healthcheck
@@ -292,6 +310,93 @@ def test_the_build_context_leaves_out_built_models_and_the_rest() -> None:
         assert in_context(path), f"{path} is not sent to the builder"
 
 
+# ---- build inputs: a CA bundle and a wheel folder for pip, never in a layer ------------------
+def test_every_pip_step_sees_the_build_inputs_and_no_layer_keeps_them(dockerfile) -> None:  # type: ignore[no-untyped-def]
+    """The stage `build-inputs` is empty (FROM scratch, nothing else) unless the build is given
+    that context; each RUN that installs with pip mounts it for that step only, through
+    with-build-inputs.sh; no COPY takes from it."""
+    _, stages = dockerfile
+    assert stages["build-inputs"].base == "scratch" and not stages["build-inputs"].instructions
+    online = [i.arguments for stage in stages.values() for i in stage.all("RUN")
+              if re.search(r"pip (install|wheel)|install-deps\.sh", i.arguments) and "--no-index" not in i.arguments]
+    assert len(online) == 3, online  # the runtime venv (deps), the package (wheel), the build extra (models)
+    for arguments in online:
+        assert arguments.startswith(f"{INPUTS_MOUNT} "), arguments
+        assert re.search(r"(^|&& )sh deploy/docker/with-build-inputs\.sh /run/build-inputs (pip|sh deploy/docker/install-deps)",
+                         arguments.removeprefix(f"{INPUTS_MOUNT} ")), arguments
+    copies = [c.arguments for stage in stages.values() for c in stage.all("COPY")]
+    assert not [c for c in copies if "--from=build-inputs" in c]
+    assert "deploy/docker/with-build-inputs.sh" in " ".join(c.arguments for c in stages["deps"].all("COPY"))
+
+
+def test_with_build_inputs_hands_pip_the_ca_bundle_and_the_wheels(tmp_path: Path) -> None:
+    """pip itself (`pip config list`) sees what the folder holds, and nothing when it is empty
+    (a plain `docker build`)."""
+    script = str(DOCKER_DIR / "with-build-inputs.sh")
+    pip_config = [sys.executable, "-m", "pip", "config", "list"]
+    clean = {"PIP_CERT": "", "PIP_FIND_LINKS": ""}
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    done = run("sh", script, str(inputs), *pip_config, env=clean)
+    assert ":env:.cert" not in done.stdout.replace(":env:.cert=''", "") and "build inputs:" not in done.stderr
+    (inputs / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\n")
+    (inputs / "wheels").mkdir()
+    (inputs / "wheels" / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").touch()
+    done = run("sh", script, str(inputs), *pip_config, env=clean)
+    assert f":env:.cert='{inputs}/ca.crt'" in done.stdout, done.stdout
+    assert f":env:.find-links='{inputs}/wheels'" in done.stdout, done.stdout
+    assert "1 wheels" in done.stderr
+    assert run("sh", script, str(inputs), check=False).returncode == 2
+
+
+def fake_wheels(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    for name in ("torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl",
+                 "torch-2.13.0+cu130-cp311-cp311-manylinux_2_28_x86_64.whl",
+                 "tokenizers-0.22.1-cp39-abi3-manylinux_2_17_x86_64.whl"):
+        (folder / name).write_text(name)
+    return folder
+
+
+@pytest.mark.parametrize(("variant", "kept", "left_out"), [("cpu", "+cpu", "+cu130"), ("gpu", "+cu130", "+cpu")])
+def test_the_image_script_gathers_the_inputs_for_its_variant(tmp_path: Path, variant: str, kept: str,
+                                                             left_out: str) -> None:
+    """`scripts/image.sh inputs`: the CA bundle and the wheels, the other variant's torch left
+    out (a +cpu wheel sorts above PyPI's CUDA torch of the same version; a CUDA one would put
+    CUDA into the CPU image), and the variant's torch wheel announced."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    wheels = fake_wheels(tmp_path / "wheels")
+    out = tmp_path / "out"
+    done = run("bash", str(IMAGE_SCRIPT), "inputs", str(out), "--variant", variant, "--no-host-pip",
+               "--ca-bundle", str(ca), "--wheels", str(wheels))
+    assert (out / "ca.crt").read_text() == ca.read_text()
+    names = sorted(p.name for p in (out / "wheels").iterdir())
+    assert [n for n in names if n.startswith("torch-")] == [f"torch-2.13.0{kept}-cp311-cp311-manylinux_2_28_x86_64.whl"]
+    assert any(n.startswith("tokenizers-") for n in names) and not any(left_out in n for n in names)
+    assert "TORCH_INDEX_URL=" in done.stderr
+
+    bare = tmp_path / "bare"
+    done = run("bash", str(IMAGE_SCRIPT), "inputs", str(bare), "--variant", variant, "--no-host-pip")
+    assert list(bare.iterdir()) == [] and "TORCH_INDEX_URL" not in done.stderr
+    assert run("bash", str(IMAGE_SCRIPT), "inputs", str(bare), "--wheels", str(tmp_path / "none"),
+               check=False).returncode != 0
+    assert run("bash", str(IMAGE_SCRIPT), "inputs", str(bare), "--variant", "tpu", check=False).returncode != 0
+
+
+def test_the_image_script_reads_the_hosts_pip_configuration(tmp_path: Path) -> None:
+    """Without options, the CA bundle (cert) and wheel folders (find-links) of the host's pip
+    configuration, as `pip config list` shows it: here through pip's own variables."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE----- host\n")
+    wheels = fake_wheels(tmp_path / "wheels")
+    out = tmp_path / "out"
+    run("bash", str(IMAGE_SCRIPT), "inputs", str(out), env={"PIP_CERT": str(ca), "PIP_FIND_LINKS": str(wheels)})
+    assert (out / "ca.crt").read_text() == ca.read_text()
+    assert (out / "wheels" / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").is_file()
+    assert not (out / "wheels" / "torch-2.13.0+cu130-cp311-cp311-manylinux_2_28_x86_64.whl").exists()
+
+
 # ---- the scripts the build runs ------------------------------------------------------------
 def stubbed(tmp_path: Path, real_python: bool) -> tuple[dict[str, str], Path]:
     """PATH with a `python3` whose `-m venv DIR` makes DIR/bin/pip (logs its arguments and the
@@ -301,12 +406,13 @@ def stubbed(tmp_path: Path, real_python: bool) -> tuple[dict[str, str], Path]:
     log = tmp_path / "pip.log"
     python = sys.executable if real_python else "true"
     (bin_dir / "python3").write_text(f"""#!/bin/sh
-[ "$1" = -m ] && [ "$2" = venv ] || exit 99
+[ "$1" = -m ] && [ "$2" = venv ] || exec {sys.executable} "$@"
 mkdir -p "$3/bin"
 cat > "$3/bin/pip" <<'EOF'
 #!/bin/sh
 printf '%s\\n' "$@" > "{log}"
-while [ "$#" -gt 0 ]; do [ "$1" = -r ] && cp "$2" "{log}.pins"; shift; done
+n=0
+while [ "$#" -gt 0 ]; do [ "$1" = -r ] && n=$((n + 1)) && cp "$2" "{log}.r$n"; shift; done
 EOF
 printf '#!/bin/sh\\nexec {python} "$@"\\n' > "$3/bin/python"
 chmod +x "$3/bin/pip" "$3/bin/python"
@@ -315,12 +421,35 @@ chmod +x "$3/bin/pip" "$3/bin/python"
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}, log
 
 
-def install_deps(tmp_path: Path, variant: str, index: str, real_python: bool = False) -> tuple[subprocess.CompletedProcess[str], list[str], str]:
+def install_deps(tmp_path: Path, variant: str, index: str, real_python: bool = False) -> tuple[subprocess.CompletedProcess[str], list[str], str, str]:
+    """(the run, pip's arguments, its first -r file: the pins, its second: the package's needs)"""
     env, log = stubbed(tmp_path, real_python)
     done = run("sh", str(DOCKER_DIR / "install-deps.sh"), variant, index, str(tmp_path / "venv"), env=env, check=False)
     pip_args = log.read_text().splitlines() if log.exists() else []
-    pins = Path(f"{log}.pins").read_text() if Path(f"{log}.pins").exists() else ""
-    return done, pip_args, pins
+    pins, needs = (Path(f"{log}.r{n}").read_text() if Path(f"{log}.r{n}").exists() else "" for n in (1, 2))
+    return done, pip_args, pins, needs
+
+
+def package_requirements(*extras: str) -> list[str]:
+    """pyproject.toml's dependencies and those of `extras`, read here with tomllib."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    found = list(project["dependencies"])
+    for extra in extras:
+        found += [r for r in project["optional-dependencies"][extra] if r not in found]
+    return found
+
+
+def test_requirements_of_follows_the_packages_own_extras(tmp_path: Path) -> None:
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\nname = "pkg"\ndependencies = ["a>=1"]\n'
+                         '[project.optional-dependencies]\nx = ["b", "pkg[y]"]\ny = ["c==2", "a>=1"]\n')
+    script = str(DOCKER_DIR / "requirements-of.py")
+    assert run(sys.executable, script, str(pyproject), "x").stdout.split() == ["a>=1", "b", "c==2"]
+    assert run(sys.executable, script, str(pyproject), "--extras-only", "y").stdout.split() == ["c==2", "a>=1"]
+    done = run(sys.executable, script, str(pyproject), "z", check=False)
+    assert done.returncode != 0 and "no extra 'z'" in done.stderr
 
 
 def requirement_pins(variant: str) -> str:
@@ -335,18 +464,26 @@ def requirement_pins(variant: str) -> str:
     ("gpu", "https://mirror.invalid/whl/cu126", "https://mirror.invalid/whl/cu126"),
 ])
 def test_install_deps_picks_the_index_and_pins(tmp_path: Path, variant: str, index: str, expected_index: str | None) -> None:
-    done, pip_args, pins = install_deps(tmp_path, variant, index)
+    done, pip_args, pins, needs = install_deps(tmp_path, variant, index)
     assert done.returncode == 0, done.stderr
     expected = ["install"] + (["--extra-index-url", expected_index] if expected_index else [])
     assert pip_args[: len(expected)] == expected
-    assert pip_args[len(expected)] == "-r" and pip_args[len(expected) + 2:] == [f".[{variant},torchao]"]
+    assert pip_args[len(expected)] == "-r" and pip_args[len(expected) + 2] == "-r" and len(pip_args) == len(expected) + 4
     assert pins == requirement_pins(variant)
+    wanted = needs.splitlines()
+    assert wanted == package_requirements(variant, "torchao", "quantize")
+    assert not [r for r in wanted if r.startswith("batchline")], "the package itself comes in a later layer"
+    names = {re.split(r"[\[<>=!~ ]", r)[0] for r in wanted}
+    assert {"torch", "torchao", "onnx", "scikit-learn", "fastapi"} <= names
+    other_ort = "onnxruntime" if variant == "gpu" else "onnxruntime-gpu"
+    assert f"onnxruntime{'-gpu' if variant == 'gpu' else ''}" in names and other_ort not in names, \
+        "the CPU and GPU requirement sets stay apart"
     if variant == "cpu":
         assert re.search(r"^torch==", pins, re.MULTILINE), "the CPU image pins torch"
 
 
 def test_install_deps_refuses_an_unknown_variant(tmp_path: Path) -> None:
-    done, pip_args, _ = install_deps(tmp_path, "tpu", "auto")
+    done, pip_args, _, _ = install_deps(tmp_path, "tpu", "auto")
     assert done.returncode == 2 and not pip_args
 
 
@@ -360,7 +497,7 @@ def this_machines_variant() -> tuple[str, str]:
 def test_install_deps_fails_when_the_build_is_the_wrong_one(tmp_path: Path) -> None:
     """With this machine's torch (CPU here), the other variant's check fails the build."""
     _, other = this_machines_variant()
-    done, _, _ = install_deps(tmp_path, other, "auto", real_python=True)
+    done, _, _, _ = install_deps(tmp_path, other, "auto", real_python=True)
     assert done.returncode != 0 and f"not the {other} build" in done.stderr
 
 
@@ -391,7 +528,7 @@ def test_the_gpu_base_is_the_cuda_major_of_its_wheels(dockerfile, tmp_path: Path
     base = re.fullmatch(r"nvidia/cuda:(\d+)\.\d+\.\d+-.*", global_args["CUDA_IMAGE"] or "")
     assert base, global_args["CUDA_IMAGE"]
     assert stages["deps"].args()["TORCH_INDEX_URL"] == "auto"
-    done, pip_args, _ = install_deps(tmp_path, "gpu", "auto")
+    done, pip_args, _, _ = install_deps(tmp_path, "gpu", "auto")
     assert done.returncode == 0, done.stderr
     index = pip_args[pip_args.index("--extra-index-url") + 1]
     assert cuda_major_of_index(index) == int(base.group(1)) == 13, \
@@ -543,15 +680,15 @@ sys.meta_path[:] = [_Hiding(finder) for finder in sys.meta_path]
 
 def not_in_the_image() -> list[str]:
     """Top-level modules installed here but not in the runtime image, whose venv holds
-    batchline[cpu,torchao] and what it needs (the deps stage): the build, test, load-test and
-    other extras' packages, and this venv's tools."""
+    batchline[cpu,torchao,quantize] and what it needs (the deps stage): the build, test,
+    load-test and other extras' packages, and this venv's tools."""
     from importlib import metadata
 
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
     keep: set[str] = set()
-    stack: list[tuple[str, frozenset[str]]] = [("batchline", frozenset({"cpu", "torchao"}))]
+    stack: list[tuple[str, frozenset[str]]] = [("batchline", frozenset({"cpu", "torchao", "quantize"}))]
     seen: set[tuple[str, frozenset[str]]] = set()
     while stack:
         name, extras = stack.pop()
@@ -586,14 +723,15 @@ def test_the_image_venv_lacks_the_extras(tmp_path: Path) -> None:
     """The stand-in for the image's venv hides the packages the image does not install (and so
     the server test below fails if `batchline serve` needs one of them)."""
     blocked = not_in_the_image()
-    for module in ("sklearn", "sentence_transformers", "pytest", "locust", "matplotlib", "onnx"):
+    for module in ("sentence_transformers", "transformers", "pytest", "locust", "tritonclient"):
         assert module in blocked, module
-    for module in ("torch", "onnxruntime", "fastapi", "uvicorn", "numpy", "tokenizers", "prometheus_client", "yaml"):
+    for module in ("torch", "onnxruntime", "fastapi", "uvicorn", "numpy", "tokenizers", "prometheus_client", "yaml",
+                   "onnx", "sklearn", "torchao"):  # the last three: builds at load (the quantize extra)
         assert module not in blocked, module
     env = image_python_env(tmp_path)
-    hidden = run(sys.executable, "-c", "import sklearn", env=env, check=False)
-    assert hidden.returncode != 0 and "No module named 'sklearn'" in hidden.stderr
-    probe = "import importlib.util as u; assert u.find_spec('onnx') is None and u.find_spec('torch')"
+    hidden = run(sys.executable, "-c", "import sentence_transformers", env=env, check=False)
+    assert hidden.returncode != 0 and "No module named 'sentence_transformers'" in hidden.stderr
+    probe = "import importlib.util as u; assert u.find_spec('pytest') is None and u.find_spec('onnx')"
     run(sys.executable, "-c", probe, env=env)
     run(sys.executable, "-c", "import torch, onnxruntime, server.cli", env=env)
 
@@ -712,3 +850,41 @@ def test_the_image_command_serves_checks_health_and_drains_on_sigterm(dockerfile
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+# ---- the real build (opt-in: BATCHLINE_IMAGE_TESTS=1, or BATCHLINE_IMAGE=TAG) ----------------
+def _duration_ns(text: str) -> int:
+    match = re.fullmatch(r"(\d+)s", text)
+    assert match, text
+    return int(match.group(1)) * 1_000_000_000
+
+
+@pytest.mark.image
+def test_the_built_image_is_the_dockerfiles(dockerfile) -> None:  # type: ignore[no-untyped-def]
+    """Built by scripts/image.sh with the engine found here, the image's configuration is what
+    the runtime stage says: command, user, environment, port, stop signal, health check."""
+    from tests.image.engine import healthcheck_of, image_under_test, inspect_image
+
+    _, stages = dockerfile
+    runtime = stages["runtime"]
+    inspected = inspect_image(image_under_test())
+    config = inspected["Config"]
+    assert config["Cmd"] == runtime.one("CMD").exec_form()
+    assert config["User"] == runtime.one("USER").arguments
+    assert config["WorkingDir"] == runtime.one("WORKDIR").arguments
+    assert config["StopSignal"] == runtime.one("STOPSIGNAL").arguments
+    assert all(f"{port}/tcp" in config["ExposedPorts"] for port in runtime.one("EXPOSE").arguments.split())
+    env = dict(pair.split("=", 1) for pair in config["Env"])
+    for key, value in {**stages["base"].env(), **runtime.env()}.items():
+        if "$" not in value:
+            assert env.get(key) == value, key
+    assert env["PATH"].startswith("/opt/venv/bin:")
+    healthcheck = runtime.one("HEALTHCHECK").arguments
+    command = Instruction("HEALTHCHECK", healthcheck[healthcheck.index("CMD "):]).exec_form()
+    built = healthcheck_of(inspected)
+    assert built["Test"] == ["CMD", *command]
+    options = dict(re.findall(r"--([a-z-]+)=(\S+)", healthcheck))
+    assert built["Interval"] == _duration_ns(options["interval"])
+    assert built["Timeout"] == _duration_ns(options["timeout"])
+    assert built["StartPeriod"] == _duration_ns(options["start-period"])
+    assert built["Retries"] == int(options["retries"])

@@ -142,8 +142,9 @@ def test_the_deployment_serves_with_probes_on_the_v2_health_endpoints() -> None:
     server = container(deployment)
     args = cli(server["command"][1:] + server["args"]) if server["command"] == ["batchline"] else pytest.fail("command")
     assert args.command == "serve" and args.host == "0.0.0.0"
-    (port,) = server["ports"]
-    assert port["name"] == "http" and port["containerPort"] == args.http_port
+    http, grpc = server["ports"]
+    assert http["name"] == "http" and http["containerPort"] == args.http_port
+    assert grpc["name"] == "grpc" and grpc["containerPort"] == args.grpc_port == 8001
     assert server["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
     assert server["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
     assert server["startupProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
@@ -196,8 +197,8 @@ def test_the_service_monitor_and_pdb_select_the_pods() -> None:
     pod_labels = find("Deployment", "batchline")["spec"]["template"]["metadata"]["labels"]
     service = find("Service", "batchline")
     assert service["spec"]["selector"].items() <= pod_labels.items()
-    (port,) = service["spec"]["ports"]
-    assert port["targetPort"] == "http"
+    port, grpc = service["spec"]["ports"]
+    assert port["targetPort"] == "http" and grpc["targetPort"] == "grpc" and grpc["port"] == 8001
     monitor = find("ServiceMonitor", "batchline")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert service["metadata"]["namespace"] in monitor["spec"]["namespaceSelector"]["matchNames"]
