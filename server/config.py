@@ -89,6 +89,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _in_version_folder(value: str) -> str:
+    """A file name a config gives for its version folder: relative, and inside it. A config can
+    also arrive over the control plane (a load's override), which must not point the server at
+    any other file on the machine (an artifact is code: a torch program unpickles)."""
+    path = Path(value)
+    if not value or path.is_absolute() or ".." in path.parts or "\\" in value or "\x00" in value:
+        raise ValueError(f"{value!r} must name a file inside the version folder (a relative path, no '..')")
+    return value
+
+
 class TensorConfig(_Strict):
     """One input or output. `dims` excludes the batch dimension; -1 marks a variable dim."""
 
@@ -221,6 +231,11 @@ class Tokenize(_Strict):
 
     input: str = Field(description="The BYTES input holding the text, one string per item.")
     tokenizer: str = Field(default="tokenizer.json", description="File in the version folder.")
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_inside(cls, value: str) -> str:
+        return _in_version_folder(value)
     max_length: int = Field(default=512, gt=0)
     input_ids: str = "input_ids"
     attention_mask: str | None = "attention_mask"
@@ -391,6 +406,11 @@ class ModelConfig(_Strict):
     model_filename: str | None = Field(
         default=None, description="Artifact in each version folder (default per engine)."
     )
+
+    @field_validator("model_filename")
+    @classmethod
+    def _artifact_inside(cls, value: str | None) -> str | None:
+        return None if value is None else _in_version_folder(value)
     max_batch_size: int = Field(default=0, ge=0)
     batch_buckets: list[Annotated[int, Field(gt=0)]] | None = Field(
         default=None,

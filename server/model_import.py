@@ -193,12 +193,51 @@ def import_model(
     raw = draft_config(name, engine, signature, max_batch_size, dims)
     config = ModelConfig.model_validate(raw)
     check_signature(config, signature)
+    data_files = external_data_files(artifact) if engine == "onnxruntime" else []
     with _staged(repository, name) as staging:
         version = staging / "1"
         shutil.copyfile(artifact, version / ARTIFACT_BY_ENGINE[engine])
+        for relative in data_files:  # beside the graph, where it names them
+            (version / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(artifact.parent / relative, version / relative)
         record_digests(version)
         (staging / "config.yaml").write_text(_config_text(raw, artifact), encoding="utf-8")
     return target
+
+
+def external_data_files(artifact: Path) -> list[Path]:
+    """The files an ONNX graph keeps its weights in (models over 2 GB, many exports), relative
+    to the graph's folder, as the graph names them; a name that leaves that folder is refused."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    model = onnx.load(str(artifact), load_external_data=False)
+    files: set[Path] = set()
+    for tensor in _tensors(model.graph):
+        if uses_external_data(tensor):
+            location = Path(ExternalDataInfo(tensor).location)
+            if location.is_absolute() or ".." in location.parts:
+                raise ImportRefused(f"{artifact.name} keeps weights in {location}, outside its folder: "
+                                    "save the model with its data files beside it")
+            if not (artifact.parent / location).is_file():
+                raise ImportRefused(f"{artifact.name} keeps weights in {location}, which is not beside it")
+            files.add(location)
+    return sorted(files)
+
+
+def _tensors(graph: Any) -> Iterator[Any]:
+    """Every tensor of an ONNX graph that may hold data: initializers and tensor attributes, in
+    subgraphs (If, Loop, Scan) too."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            if attribute.HasField("g"):
+                yield from _tensors(attribute.g)
+            for subgraph in attribute.graphs:
+                yield from _tensors(subgraph)
 
 
 @contextmanager

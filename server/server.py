@@ -66,7 +66,10 @@ class Server:
             await self._stop.wait()
         finally:
             self.plane.begin_stop()
-            await asyncio.gather(*(frontend.drain() for frontend in started))
+            drained = await asyncio.gather(*(frontend.drain() for frontend in started), return_exceptions=True)
+            for frontend, outcome in zip(started, drained):
+                if isinstance(outcome, BaseException):  # the others drained; the models still unload
+                    logger.error("the %s front end did not drain cleanly", frontend.name, exc_info=outcome)
             await self.plane.stop()
             for signum in STOP_SIGNALS:
                 loop.remove_signal_handler(signum)

@@ -55,6 +55,7 @@ class GrpcFrontEnd:
         self._grace_s = grace_s
         self._server: grpc.aio.Server | None = None
         self._forced = False
+        self._forced_stop: asyncio.Task[None] | None = None
         self.port: int | None = None
 
     async def start(self) -> None:
@@ -87,8 +88,8 @@ class GrpcFrontEnd:
 
     def force(self) -> None:
         self._forced = True
-        if self._server is not None:
-            asyncio.get_running_loop().create_task(self._server.stop(None))
+        if self._server is not None:  # kept: a task nobody holds may be collected before it runs
+            self._forced_stop = asyncio.get_running_loop().create_task(self._server.stop(None))
 
 
 def grpc_frontends(

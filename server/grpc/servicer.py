@@ -179,6 +179,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if refusal is not None:
             code, message = status_of(refusal)
             await context.abort(code, message)
+        if self._plane.stopping:  # a stream opened now would hold the drain to its grace period
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the server is shutting down; open a stream to another replica")
         stream = _Stream()
         stream.reader = asyncio.create_task(self._read_stream(request_iterator, context, stream))
         self._streams.add(stream)
@@ -221,7 +224,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         except asyncio.CancelledError:
             pass  # a stop (or the client left): read no more
         except Exception:  # noqa: BLE001 (the stream broke under us: nobody to answer)
-            stream.abandon()
+            stream.cancel_running()  # not the reader itself: it still has to end the stream
         finally:
             if stream.running:
                 await asyncio.gather(*stream.running, return_exceptions=True)
@@ -308,11 +311,14 @@ class _Stream:
         self.answers: asyncio.Queue[Any] = asyncio.Queue()
 
     def abandon(self) -> None:
-        """Cancel what runs: queued requests are dropped before compute."""
-        for task in list(self.running):
-            task.cancel()
+        """Cancel what runs and stop reading: queued requests are dropped before compute."""
+        self.cancel_running()
         if self.reader is not None:
             self.reader.cancel()
+
+    def cancel_running(self) -> None:
+        for task in list(self.running):
+            task.cancel()
 
 
 def with_deadline(parameters: dict[str, Any], time_remaining: float | None) -> dict[str, Any]:

@@ -19,9 +19,9 @@ from fastapi_offline import FastAPIOffline
 from prometheus_client import CollectorRegistry
 
 from server import __version__
+from server.access_log import AccessLog
 from server.dataplane import DataPlane
 from server.errors import InvalidInput
-from server.http.access_log import AccessLog
 from server.http.auth import AccessGate, AccessPolicy
 from server.http.errors import error_response, install_error_handlers
 from server.http.infer import FastInferApp, InferEndpoint

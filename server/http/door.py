@@ -83,8 +83,13 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with `door` in front of the app."""
 
     class DoorProtocol(HttpToolsProtocol):
+        _last_started: RequestResponseCycle | None = None  # the latest request started, either way
+
         def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-            refusal = door.refusal(cycle.scope)
+            self._last_started = cycle
+            # A client that does not read its answers gets no more written for it here: the app's
+            # path waits for the socket to drain, and pauses reading meanwhile.
+            refusal = None if self.flow.write_paused else door.refusal(cycle.scope)
             if refusal is None:
                 super()._start_asgi_task(cycle, app)
                 return
@@ -106,9 +111,9 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             self.loop.call_soon(self._refused, cycle)
 
         def _refused(self, cycle: RequestResponseCycle) -> None:
-            if self.cycle is cycle or self.pipeline:
+            if self._last_started is cycle:
                 self.on_response_complete()  # the next pipelined request, or the keep-alive timer
-            else:  # a later request runs already; it arms the keep-alive timer when it is answered
+            else:  # a later request runs already: it starts what is pipelined when it is answered
                 self.server_state.total_requests += 1
 
     return DoorProtocol

@@ -80,7 +80,8 @@ Replace = Callable[[BatchRunner], Awaitable[BatchRunner]]
 
 
 # How long a batch may take, for a request whose deadline is near: RFC 6298's round-trip
-# estimators (gains 1/8 and 1/4, four deviations above the mean).
+# estimators (gains 1/8 and 1/4, four deviations above the mean). The deviation starts at 0, not
+# at half the first sample as RFC 6298's does: the first bound is the first batch's own time.
 BATCH_MEAN_GAIN = 0.125
 BATCH_SPREAD_GAIN = 0.25
 BATCH_TIME_DEVIATIONS = 4

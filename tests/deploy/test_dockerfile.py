@@ -788,7 +788,8 @@ def test_the_image_command_serves_checks_health_and_drains_on_sigterm(dockerfile
     # Loopback only here: later flags win, so the image's --host 0.0.0.0 is overridden; port 0 and
     # the port file: the server binds a free port itself, nobody can take it in between.
     with open(tmp_path / "server.log", "w+") as log:
-        process = subprocess.Popen([*command, "--host", "127.0.0.1", "--http-port", "0", "--port-file", str(port_file)],
+        process = subprocess.Popen([*command, "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
+                                    "--port-file", str(port_file)],
                                    cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 180

@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
+from server.config import ModelConfig
 from server.dataplane import DataPlane
 from server.errors import InvalidInput
 from server.repository import ModelRepository
@@ -55,3 +57,18 @@ async def test_files_and_a_config_that_is_not_text_are_refused(plane: DataPlane)
         await plane.load("double", {"file:1/model.onnx": b"\0"})
     with pytest.raises(InvalidInput, match="must be a string"):
         await plane.load("double", {"config": 7})
+
+
+@pytest.mark.parametrize("field", ["model_filename", "tokenizer"])
+@pytest.mark.parametrize("value", ["/etc/passwd", "../../other/1/model.pt2", "sub/../../x", "a\\b"])
+def test_a_config_names_files_inside_its_version_folder_only(field: str, value: str) -> None:
+    """A config may arrive over the control plane (a load's override): it must not point the
+    server at another file of the machine, an artifact being code."""
+    raw = {"name": "x", "engine": "onnxruntime", "inputs": [{"name": "text", "datatype": "BYTES", "dims": [1]}],
+           "outputs": [{"name": "y", "datatype": "FP32", "dims": [1]}]}
+    if field == "tokenizer":
+        raw["preprocess"] = {"tokenize": {"input": "text", "tokenizer": value}}
+    else:
+        raw[field] = value
+    with pytest.raises(ValidationError, match="must name a file inside the version folder"):
+        ModelConfig.model_validate(raw)

@@ -151,3 +151,28 @@ def test_the_command_writes_the_folder_and_says_how_to_serve_it(tmp_path: Path) 
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
     )
     assert again.returncode == 2 and "exists already" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_an_onnx_file_with_external_data_brings_its_data(tmp_path: Path) -> None:
+    """Models over 2 GB (and many exports) keep their weights in files beside the graph: those
+    are copied and recorded too, or the published folder would not load."""
+    import onnx
+    from onnx import numpy_helper
+
+    weight = numpy_helper.from_array(np.full((2, 2), 3.0, np.float32), "w")
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 2])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 2])
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g", [x], [y], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    source = tmp_path / "exported"
+    source.mkdir()
+    onnx.save(model, source / "model.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
+              location="weights.bin", size_threshold=0)
+    folder = import_model(source / "model.onnx", tmp_path / "models", "external")
+    assert (folder / "1" / "weights.bin").read_bytes() == (source / "weights.bin").read_bytes()
+    recorded = sorted(line.split()[1] for line in (folder / "1" / RECORD).read_text().splitlines())
+    assert recorded == ["model.onnx", "weights.bin"]
+    (source / "weights.bin").unlink()
+    with pytest.raises(ImportRefused, match="weights.bin"):  # ONNX Runtime says it first
+        import_model(source / "model.onnx", tmp_path / "models", "orphan")

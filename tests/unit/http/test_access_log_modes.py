@@ -11,8 +11,8 @@ from typing import Any
 import orjson
 import pytest
 
+from server.access_log import AccessLog, AccessLogFormat
 from server.dataplane import DataPlane
-from server.http.access_log import AccessLog, AccessLogFormat
 from server.http.infer import FastInferApp, InferEndpoint
 from tests.unit.http.conftest import HOLD, Exchange, Gate, infer_body
 from tests.unit.waiting import eventually

@@ -173,6 +173,32 @@ async def test_a_refused_request_taken_from_the_pipeline_lets_the_next_one_run(
         await frontend.drain()
 
 
+async def test_a_refusal_never_lets_a_later_pipelined_request_overtake_one_still_running(
+    plane: DataPlane, gate: Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused A, then B (held in the engine), then C behind it, in one write: the answers come
+    A, B, C. Releasing the pipeline on A's refusal would start C while B still runs, and the
+    client would read C's answer as B's."""
+    plane.start([])
+    monkeypatch.setattr(Door, "of", classmethod(lambda cls, app: RefusesMarked()))
+    frontend, port = await started(create_app(plane))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(post(infer_body(1.0), "x-refuse: 1") + post(infer_body(HOLD)) + get("/v2/health/ready"))
+        assert (await asyncio.wait_for(read_response(reader), 10))[0] == 429
+        await eventually(gate.held.is_set, "B holds the instance")
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(read_response(reader), 0.5)  # nothing may come before B's answer
+        gate.released.set()
+        status, _, body = await asyncio.wait_for(read_response(reader), 10)
+        assert status == 200 and orjson.loads(body)["outputs"][0]["data"] == [HOLD], "B's answer second"
+        status, _, body = await asyncio.wait_for(read_response(reader), 10)
+        assert status == 200 and body == b"{}", "C's answer last"
+    finally:
+        writer.close()
+        await frontend.drain()
+
+
 async def test_what_the_door_leaves_to_the_app(plane: DataPlane) -> None:
     plane.start([])
     gate = create_app(plane, max_in_flight=1, access=AccessPolicy(inference_token=TOKEN))

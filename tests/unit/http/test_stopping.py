@@ -85,3 +85,20 @@ async def test_a_front_end_that_cannot_start_stops_the_others(plane: DataPlane) 
         await asyncio.wait_for(Server(plane, [started, broken], []).run(), 30)
     assert started.calls == ["start", "drain"] and broken.calls == ["start"]
     assert plane.stopping and plane.repository.versions("spin") == []
+
+
+class BrokenDrain(RecordingFrontEnd):
+    async def drain(self) -> None:
+        self.calls.append("drain")
+        raise RuntimeError("the transport broke while draining")
+
+
+async def test_a_front_end_that_fails_to_drain_does_not_keep_the_models_loaded(plane: DataPlane) -> None:
+    broken, fine = BrokenDrain("grpc"), RecordingFrontEnd("http")
+    server = Server(plane, [broken, fine], [])
+    running = asyncio.create_task(server.run())
+    await eventually(lambda: fine.calls == ["start"], "both front ends started")
+    server.request_stop()
+    await asyncio.wait_for(running, 30)
+    assert broken.calls == fine.calls == ["start", "drain"]
+    assert plane.repository.versions("spin") == [], "the models unloaded all the same"
