@@ -79,14 +79,6 @@ class QueueSettings:
 Replace = Callable[[BatchRunner], Awaitable[BatchRunner]]
 
 
-# How long a batch may take, for a request whose deadline is near: RFC 6298's round-trip
-# estimators (gains 1/8 and 1/4, four deviations above the mean). The deviation starts at 0, not
-# at half the first sample as RFC 6298's does: the first bound is the first batch's own time.
-BATCH_MEAN_GAIN = 0.125
-BATCH_SPREAD_GAIN = 0.25
-BATCH_TIME_DEVIATIONS = 4
-
-
 class Batcher:
     def __init__(
         self,
@@ -121,7 +113,7 @@ class Batcher:
         self._held: dict[int, Callable[[], None] | None] = {}  # preserve_ordering buffer
         self._draining = False  # unloading: nothing waits for the delay window any more
         self._batch_ns = 0.0  # running mean of a batch's time, dispatch to result (0: none yet)
-        self._batch_spread_ns = 0.0  # running mean of its deviation from that mean
+        self._batch_done_ns = 0  # when the last batch finished (the clock's time)
         stats.instances_in_service = len(instances)
         stats.instance_batch_caps = {i.label: policy.max_batch_size for i in instances}
 
@@ -171,18 +163,19 @@ class Batcher:
 
     def _too_late(self, request: InferenceRequest, now: int) -> bool:
         """Its deadline would pass before a batch dispatched now is done."""
-        return request.deadline_ns is not None and request.deadline_ns - now < self._slow_batch_ns
-
-    @property
-    def _slow_batch_ns(self) -> float:
-        """How long a batch may take: the mean plus four mean deviations, as TCP bounds a round
-        trip (RFC 6298). Batches of one model vary (text lengths, batch sizes); the mean alone
-        let a request start with too little time and answer 200 after its deadline."""
-        return self._batch_ns + BATCH_TIME_DEVIATIONS * self._batch_spread_ns
+        if request.deadline_ns is None:
+            return False
+        typical = self._batch_ns
+        if now - self._batch_done_ns > typical:
+            # No batch has finished for longer than one takes: the estimate may be an old outlier's,
+            # and refusing on it could refuse every request from now on (none would run to measure
+            # again). An idle model runs what it has; a busy one measures with every batch.
+            return False
+        return request.deadline_ns - now < typical
 
     def _give_up_late(self, request: InferenceRequest) -> None:
         self._give_up(request, f"the request's deadline would pass before its batch could finish (a batch takes "
-                               f"up to about {self._slow_batch_ns / 1e6:.0f} ms here); it was not run")
+                               f"about {self._batch_ns / 1e6:.0f} ms here); it was not run")
 
     def _on_future_done(self, request: InferenceRequest) -> None:
         """A queued future that completes from outside was cancelled by its client."""
@@ -306,13 +299,10 @@ class Batcher:
             if isinstance(exc, asyncio.CancelledError):
                 raise
         else:
-            took = self._clock() - dispatched_ns
+            self._batch_done_ns = self._clock()
+            took = self._batch_done_ns - dispatched_ns
             self._stats.record_busy(instance.label, took)
-            if not self._batch_ns:
-                self._batch_ns = took
-            else:  # RFC 6298's estimators: the deviation is updated from the old mean first
-                self._batch_spread_ns += BATCH_SPREAD_GAIN * (abs(took - self._batch_ns) - self._batch_spread_ns)
-                self._batch_ns += BATCH_MEAN_GAIN * (took - self._batch_ns)
+            self._batch_ns = took if not self._batch_ns else 0.8 * self._batch_ns + 0.2 * took
             self._note_memory(instance, result)
             served = [r for i, r in enumerate(batch) if i not in result.failed]
             if served:
