@@ -1,10 +1,15 @@
 """Typed errors of the core.
 
-The core raises these and nothing else for expected failures; the HTTP layer maps each
-type to a status code in exactly one place (`server/http/errors.py`).
+The core raises these and nothing else for expected failures; each front end maps each type
+to its protocol's status in one table, read with `most_specific`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class BatchlineError(Exception):
@@ -33,6 +38,11 @@ class QueueFull(BatchlineError):
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+    @property
+    def retry_after(self) -> str:
+        """The Retry-After value: whole seconds, at least 1."""
+        return str(max(1, round(self.retry_after_s)))
 
 
 class DeadlineExceeded(BatchlineError):
@@ -66,3 +76,11 @@ class ExecutionTimeout(EngineError):
 
 class OutOfMemory(EngineError):
     """The engine ran out of memory even for a batch of a single item."""
+
+
+def most_specific(table: Mapping[type[BatchlineError], T], error: BatchlineError, default: T) -> T:
+    """The entry of a front end's error table for the most specific class of `error`."""
+    for cls in type(error).__mro__:
+        if cls in table:
+            return table[cls]  # type: ignore[index]
+    return default

@@ -119,14 +119,19 @@ def draft_config(
     config["inputs"] = [_tensor(t, shapes[t.name], batched) for t in signature.inputs]
     config["outputs"] = [_tensor(t, shapes[t.name], batched) for t in signature.outputs]
     if batched:
-        config["dynamic_batching"] = {
-            "max_queue_delay_microseconds": 0,
-            "default_queue_policy": {
-                "max_queue_size": DEFAULT_MAX_QUEUE_SIZE,
-                "default_timeout_microseconds": DEFAULT_TIMEOUT_US,
-            },
-        }
+        config["dynamic_batching"] = bounded_batching()
     return config
+
+
+def bounded_batching() -> dict[str, Any]:
+    """Dynamic batching with a bounded queue and a timeout, as the shipped models have."""
+    return {
+        "max_queue_delay_microseconds": 0,
+        "default_queue_policy": {
+            "max_queue_size": DEFAULT_MAX_QUEUE_SIZE,
+            "default_timeout_microseconds": DEFAULT_TIMEOUT_US,
+        },
+    }
 
 
 def _shape(tensor: TensorSignature, dims: dict[str, list[int]]) -> list[int | None]:
@@ -316,13 +321,7 @@ def draft_text_config(name: str, source: HfSource, max_batch_size: int | None = 
         "inputs": [{"name": "text", "datatype": "BYTES", "dims": [1]}],
         "outputs": [output],
         "preprocess": {"tokenize": tokenize},
-        "dynamic_batching": {
-            "max_queue_delay_microseconds": 0,
-            "default_queue_policy": {
-                "max_queue_size": DEFAULT_MAX_QUEUE_SIZE,
-                "default_timeout_microseconds": DEFAULT_TIMEOUT_US,
-            },
-        },
+        "dynamic_batching": bounded_batching(),
     }
 
 

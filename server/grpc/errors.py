@@ -25,6 +25,7 @@ from server.errors import (
     QueueFull,
     Unavailable,
     Unsupported,
+    most_specific,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,10 +80,7 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, Refusal):
         return CODE_BY_REFUSAL[type(error)], error.message
     if isinstance(error, BatchlineError):
-        for cls in type(error).__mro__:
-            if cls in CODE_BY_ERROR:
-                return CODE_BY_ERROR[cls], error.message
-        return grpc.StatusCode.INTERNAL, error.message
+        return most_specific(CODE_BY_ERROR, error, grpc.StatusCode.INTERNAL), error.message
     logger.error("unexpected error", exc_info=error)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}"
 
@@ -90,7 +88,7 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
 def retry_after(error: BaseException) -> tuple[tuple[str, str], ...]:
     """Trailing metadata that tells a refused client when to retry (HTTP's Retry-After)."""
     if isinstance(error, QueueFull):
-        return (("retry-after", str(max(1, round(error.retry_after_s)))),)
+        return (("retry-after", error.retry_after),)
     if isinstance(error, TooBusy):
         return (("retry-after", "1"),)
     return ()

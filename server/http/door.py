@@ -62,7 +62,7 @@ class Door:
             try:
                 self._endpoint.plane.admit(match["model"], match["version"])
             except QueueFull as exc:
-                body, retry_after = self._queue_full_body(exc), str(max(1, round(exc.retry_after_s)))
+                body, retry_after = self._queue_full_body(exc), exc.retry_after
             except BatchlineError:
                 return None  # 404, 503: the app answers, its access log line with the request's id
             else:

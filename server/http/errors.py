@@ -23,6 +23,7 @@ from server.errors import (
     QueueFull,
     Unavailable,
     Unsupported,
+    most_specific,
 )
 from server.protocol.v2 import encode_error
 
@@ -74,10 +75,7 @@ STATUS_BY_REFUSAL: dict[type[Refusal], int] = {
 
 
 def status_of(error: BatchlineError) -> int:
-    for cls in type(error).__mro__:
-        if cls in STATUS_BY_ERROR:
-            return STATUS_BY_ERROR[cls]
-    return 500
+    return most_specific(STATUS_BY_ERROR, error, 500)
 
 
 def error_parts(error: BaseException) -> tuple[int, bytes, dict[str, str]]:
@@ -89,7 +87,7 @@ def error_parts(error: BaseException) -> tuple[int, bytes, dict[str, str]]:
         return 500, encode_error(f"internal error: {type(error).__name__}"), {}
     headers = {}
     if isinstance(error, QueueFull):
-        headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
+        headers["Retry-After"] = error.retry_after
     return status_of(error), encode_error(error.message), headers
 
 

@@ -26,6 +26,7 @@ from server.errors import (
     QueueFull,
     Unavailable,
     Unsupported,
+    most_specific,
 )
 
 logger = logging.getLogger(__name__)
@@ -59,10 +60,7 @@ class InvalidRequest(InvalidInput):
 
 
 def kind_of(error: BatchlineError) -> tuple[int, str, str | None]:
-    for cls in type(error).__mro__:
-        if cls in KIND_BY_ERROR:
-            return KIND_BY_ERROR[cls]
-    return 500, SERVER, None
+    return most_specific(KIND_BY_ERROR, error, (500, SERVER, None))
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
@@ -75,7 +73,7 @@ def error_parts(error: BaseException) -> tuple[int, bytes, dict[str, str]]:
         logger.error("unexpected error", exc_info=error)
         return 500, error_body(f"internal error: {type(error).__name__}", SERVER), {}
     status, type_, code = kind_of(error)
-    headers = {"Retry-After": str(max(1, round(error.retry_after_s)))} if isinstance(error, QueueFull) else {}
+    headers = {"Retry-After": error.retry_after} if isinstance(error, QueueFull) else {}
     return status, error_body(error.message, type_, getattr(error, "param", None), code), headers
 
 
