@@ -164,13 +164,15 @@ class DataPlane:
         parameters: dict[str, Any],
         outputs: list[str] | None = None,
         record: RequestRecord | None = None,
+        received_ns: int | None = None,
     ) -> list[Output]:
         """Run one call on `model` (from `admit`): its inputs as named arrays and its parameters
         (priority, timeout and what the model's admission reads) in; the `outputs` asked for
         (None: all), checked before any compute, out in that order. Requests from every front
-        end share the model's queue and batches."""
+        end share the model's queue and batches. `received_ns` (perf_counter_ns) is when the
+        front end took the request in: its `timeout` counts from there, not from admission."""
         selection = output_tensors(model.config, outputs)
-        results = await model.infer(inputs, parameters, record)
+        results = await model.infer(inputs, parameters, record, received_ns)
         return [(name, datatype, results[name]) for name, datatype in selection]
 
 

@@ -326,11 +326,14 @@ class ModelVersion:
         inputs: dict[str, tuple[str, np.ndarray]],
         parameters: dict[str, Any] | None = None,
         record: RequestRecord | None = None,
+        received_ns: int | None = None,
     ) -> dict[str, np.ndarray]:
-        """Admit, queue and await one request's outputs (API names); `record` collects its times."""
+        """Admit, queue and await one request's outputs (API names); `record` collects its times.
+        Its clock (durations, the `timeout` deadline) starts at `received_ns`, when its front end
+        took it in (None: now)."""
         if self._batcher is None or self._admission is None or not self.ready:
             raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready")
-        started = time.perf_counter_ns()
+        started = received_ns or time.perf_counter_ns()
         self.stats.pending += 1
         try:
             return await self._admit_and_wait(self._batcher, self._admission, inputs, parameters or {}, record, started)
@@ -349,7 +352,7 @@ class ModelVersion:
         self._admitting += 1
         self._admitted.clear()
         try:
-            admitted = await admission.admit(inputs, parameters)
+            admitted = await admission.admit(inputs, parameters, received_ns)
         except InvalidInput:
             self.stats.count_failure("invalid")
             raise

@@ -161,7 +161,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             refusal = self._gate.refusal("ModelInfer", context.invocation_metadata())
             if refusal is not None:
                 raise refusal
-            response = await self._infer(request, context.time_remaining(), record)
+            response = await self._infer(request, context.time_remaining(), record, started)
         except asyncio.CancelledError:  # the client went away (or its deadline passed): dropped
             self._log(context, "ModelInfer", request.model_name, grpc.StatusCode.CANCELLED, started, record)
             raise
@@ -236,7 +236,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         started = time.perf_counter_ns()
         record = RequestRecord() if self._access_log.enabled else None
         try:
-            response = await self._infer(request, context.time_remaining(), record)
+            response = await self._infer(request, context.time_remaining(), record, started)
         except asyncio.CancelledError:
             self._log(context, "ModelStreamInfer", request.model_name, grpc.StatusCode.CANCELLED, started, record)
             raise
@@ -251,9 +251,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         answers.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
 
     async def _infer(
-        self, request: pb.ModelInferRequest, time_remaining: float | None, record: RequestRecord | None
+        self,
+        request: pb.ModelInferRequest,
+        time_remaining: float | None,
+        record: RequestRecord | None,
+        received_ns: int,
     ) -> pb.ModelInferResponse:
-        """One infer request through the data plane, cheapest refusals first."""
+        """One infer request through the data plane, cheapest refusals first; its deadline
+        counts from `received_ns`, when the call arrived."""
         if self.in_flight >= self._max_in_flight:
             raise TooBusy("the server is at its limit of requests in flight; retry after a second")
         self.in_flight += 1
@@ -270,7 +275,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 inputs = await asyncio.to_thread(codec.decode_inputs, request)
             else:
                 inputs = codec.decode_inputs(request)
-            outputs = await self._plane.infer(model, inputs, parameters, declared.outputs, record)
+            outputs = await self._plane.infer(model, inputs, parameters, declared.outputs, record, received_ns)
             if sum(array.nbytes for _, _, array in outputs) > OFFLOAD_ENCODE_BYTES:
                 return await asyncio.to_thread(codec.encode_response, request.model_name, model.version,
                                                request.id, outputs)

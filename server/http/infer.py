@@ -84,7 +84,7 @@ class InferEndpoint:
         self.in_flight_bytes += reserved
         try:
             record = RequestRecord() if self._access_log.enabled else None
-            status = await self._respond(headers, receive, send, model, version, record)
+            status = await self._respond(headers, receive, send, model, version, record, started)
         finally:
             self.in_flight -= 1
             self.in_flight_bytes -= reserved
@@ -134,6 +134,7 @@ class InferEndpoint:
         model: str,
         version: str | None,
         record: RequestRecord | None,
+        received_ns: int,
     ) -> int:
         """Answer one infer call; the status sent, or CLIENT_CLOSED when the client left first
         (one access log line per request, dropped ones included)."""
@@ -144,7 +145,7 @@ class InferEndpoint:
             return CLIENT_CLOSED  # the client is gone; nobody to answer
         except Exception as exc:
             return await _send(send, *error_parts(exc))
-        outcome = await self._infer_unless_disconnected(receive, model, version, body, header_length, record)
+        outcome = await self._infer_unless_disconnected(receive, model, version, body, header_length, record, received_ns)
         if outcome is None:
             return CLIENT_CLOSED  # the client left; its request was dropped, nobody to answer
         if isinstance(outcome, BaseException):
@@ -162,6 +163,7 @@ class InferEndpoint:
         body: bytes,
         header_length: int | None,
         record: RequestRecord | None,
+        received_ns: int,
     ) -> tuple[bytes, int | None] | BaseException | None:
         """Run the request; if the client disconnects meanwhile, cancel it (None).
 
@@ -186,7 +188,7 @@ class InferEndpoint:
 
         timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch)
         try:
-            return await v2_infer.infer_v2(self.plane, model, version, body, header_length, record)
+            return await v2_infer.infer_v2(self.plane, model, version, body, header_length, record, received_ns)
         except asyncio.CancelledError:
             handler.uncancel()
             if watcher is None or not watcher.done():

@@ -34,8 +34,10 @@ async def infer_v2(
     body: bytes,
     header_length: int | None,
     record: RequestRecord | None = None,
+    received_ns: int | None = None,
 ) -> tuple[bytes, int | None]:
-    """The response body of one call, and its binary header length (None: all JSON)."""
+    """The response body of one call, and its binary header length (None: all JSON); its
+    `timeout` counts from `received_ns`, when its head arrived (None: now)."""
     try:
         model = plane.admit(name, version)
     except BatchlineError as exc:
@@ -58,7 +60,8 @@ async def infer_v2(
         decoded = build_tensors(parsed)
     wanted = decoded.outputs
     outputs = await plane.infer(
-        model, decoded.inputs, decoded.parameters, None if wanted is None else [o.name for o in wanted], record
+        model, decoded.inputs, decoded.parameters, None if wanted is None else [o.name for o in wanted], record,
+        received_ns,
     )
     tensors = with_binary_flags(outputs, decoded)
     json_bytes = binary_bytes = 0

@@ -183,10 +183,13 @@ class Admission:
         self._default_timeout_us = policy.default_timeout_microseconds if policy else 0
         self._timeout_override = policy.allow_timeout_override if policy else True
 
-    async def admit(self, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any]) -> Admitted:
+    async def admit(
+        self, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any], received_ns: int | None = None
+    ) -> Admitted:
         """Cheap checks first (options, shapes, batch size, bytes per item), then the per-item
-        work (UTF-8, tokenizing) inline when small, on a worker thread when not."""
-        priority, deadline_ns = self._options(parameters)
+        work (UTF-8, tokenizing) inline when small, on a worker thread when not. A `timeout`
+        counts from `received_ns` (when the front end took the request in; None: now)."""
+        priority, deadline_ns = self._options(parameters, received_ns)
         batch_size = _checked(self._config, inputs)
         if bytes_items(self._config, inputs) > INLINE_ITEMS:
             return await asyncio.to_thread(self._prepared, inputs, batch_size, priority, deadline_ns, True)
@@ -258,7 +261,7 @@ class Admission:
                 key.append(("sequence", (longest,)))
         return Admitted(feed, batch_size, tuple(key), longest, priority, deadline_ns)
 
-    def _options(self, parameters: dict[str, Any]) -> tuple[int, int | None]:
+    def _options(self, parameters: dict[str, Any], received_ns: int | None) -> tuple[int, int | None]:
         """Priority level and deadline from the request's `priority` and `timeout` (microseconds)."""
         priority = parameters.get("priority", 0)
         if type(priority) is not int or not 0 <= priority <= self._levels:
@@ -270,5 +273,7 @@ class Admission:
                 raise InvalidInput("'timeout' must be a non-negative integer of microseconds")
             if self._timeout_override and requested:
                 timeout_us = requested
-        deadline_ns = time.perf_counter_ns() + timeout_us * 1000 if timeout_us else None
+        if not timeout_us:
+            return priority or self._default_level, None
+        deadline_ns = (received_ns or time.perf_counter_ns()) + timeout_us * 1000
         return priority or self._default_level, deadline_ns

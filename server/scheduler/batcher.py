@@ -9,9 +9,10 @@ so the next batch is ready the moment one frees: batch k+1 forms while batch k r
 Admission is honest: a full queue refuses at once, a request whose deadline passes while
 queued is answered with DeadlineExceeded and never runs, and so is one whose deadline would
 pass before its batch could finish (the batch time is a running mean of this version's
-batches): under overload, compute goes to requests that can still be answered in time, and no
-answer comes after its deadline. A cancelled request is dropped before compute. Each future is
-resolved exactly once.
+batches): under overload, compute goes to requests that can still be answered in time. No
+result comes after its deadline: a request whose batch finished late (slower than the mean) is
+answered with DeadlineExceeded too. A cancelled request is dropped before compute. Each future
+is resolved exactly once.
 
 The batcher also owns which instances are in service. An instance whose batch ran past the
 watchdog (ExecutionTimeout) is stuck in its engine: it is retired, never handed another batch,
@@ -316,6 +317,9 @@ class Batcher:
                 if index in result.failed:
                     self._fail_request(request, result.failed[index], done)
                     continue
+                if request.deadline_ns is not None and done > request.deadline_ns:
+                    self._answer_late(request, done)
+                    continue
                 self._stats.record_success(done - request.received_ns)
                 if request.record is not None:
                     request.record.compute_ns = compute_ns
@@ -331,6 +335,16 @@ class Batcher:
     def _fail_request(self, request: InferenceRequest, error: BaseException, done_ns: int) -> None:
         self._stats.fail.add(done_ns - request.received_ns)
         self._stats.count_failure("engine_error")
+        self._release(request, lambda: request.fail(error))
+
+    def _answer_late(self, request: InferenceRequest, done_ns: int) -> None:
+        """Its batch finished after its deadline: the client was promised an answer by then,
+        so it gets the deadline error rather than a result it no longer waits for."""
+        self._stats.fail.add(done_ns - request.received_ns)
+        self._stats.count_failure("deadline")
+        late_ms = (done_ns - request.deadline_ns) / 1e6 if request.deadline_ns is not None else 0.0
+        error = DeadlineExceeded(f"the request's batch finished {late_ms:.0f} ms after its deadline; "
+                                 "its result was dropped")
         self._release(request, lambda: request.fail(error))
 
     def _note_memory(self, instance: BatchRunner, result: BatchResult) -> None:

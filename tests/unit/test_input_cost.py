@@ -138,7 +138,9 @@ class Model:
         self.stats = Stats()
         self.calls = 0
 
-    async def infer(self, inputs: Any, parameters: Any, record: Any = None) -> dict[str, np.ndarray]:
+    async def infer(
+        self, inputs: Any, parameters: Any, record: Any = None, received_ns: Any = None
+    ) -> dict[str, np.ndarray]:
         self.calls += 1
         return {"embedding": np.zeros((1, 2), np.float32)}
 

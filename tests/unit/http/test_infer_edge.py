@@ -306,7 +306,9 @@ class ResultAsClientLeaves:
     def get(self, name: str, version: str | None = None) -> ResultAsClientLeaves:
         return self
 
-    async def infer(self, inputs: dict[str, Any], parameters: Any, record: Any = None) -> dict[str, np.ndarray]:
+    async def infer(
+        self, inputs: dict[str, Any], parameters: Any, record: Any = None, received_ns: Any = None
+    ) -> dict[str, np.ndarray]:
         await eventually(lambda: self.exchange.receive_calls == 2, "the endpoint watches the connection")
         self.exchange.disconnect()
         await asyncio.sleep(0)  # the disconnect is seen while the result is on its way back
@@ -337,7 +339,9 @@ class NeverAnswers:
     def get(self, name: str, version: str | None = None) -> NeverAnswers:
         return self
 
-    async def infer(self, inputs: dict[str, Any], parameters: Any, record: Any = None) -> dict[str, np.ndarray]:
+    async def infer(
+        self, inputs: dict[str, Any], parameters: Any, record: Any = None, received_ns: Any = None
+    ) -> dict[str, np.ndarray]:
         self.entered.set()
         await asyncio.Event().wait()
         raise AssertionError("unreachable")

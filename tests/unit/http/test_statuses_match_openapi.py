@@ -488,7 +488,9 @@ async def test_a_busy_embeddings_model_expires_what_waits_too_long_and_refuses_w
         assert expired.json()["error"]["type"] == "server_error"
     finally:
         release.set()
-    check(document, "POST", EMBEDDINGS, await running, 200)
+    late = await running  # held past the queue timeout too: its result came after its deadline
+    check(document, "POST", EMBEDDINGS, late, 504)
+    assert "after its deadline" in late.json()["error"]["message"]
 
 
 async def test_an_engine_that_fails_fails_its_embeddings_with_500(

@@ -246,6 +246,34 @@ async def test_an_old_slow_batch_does_not_refuse_every_request_that_follows() ->
     assert stats.failures["deadline"] == 0
 
 
+async def test_a_batch_that_finishes_after_a_deadline_answers_that_request_with_the_deadline_error() -> None:
+    """A batch slower than expected: the request whose deadline passed meanwhile gets
+    DeadlineExceeded, never a late result; its neighbours in the batch get theirs."""
+    fake = FakeInstance()
+    now = [0]
+    stats = ModelStatistics()
+    b = Batcher(BatchPolicy(8, (), 0, None), QueueSettings(), [fake], stats, clock=lambda: now[0])
+    short = request([1.0], deadline_ns=15_000_000_000)  # real timers 15 s and more ahead never fire
+    long = request([2.0], deadline_ns=30_000_000_000)
+    whenever = request([3.0])
+    b.submit(short)
+    await settle()
+    b.submit(long)
+    b.submit(whenever)
+    now[0] = 1_000_000_000
+    fake.release(0)
+    assert (await short.future)["y"].item() == 2.0  # done at 1 s, in time
+    await settle()
+    assert fake.sizes()[1] == [1, 1]
+    now[0] = 31_000_000_000  # this batch took 30 s
+    fake.release(1)
+    with pytest.raises(DeadlineExceeded, match="finished 1000 ms after its deadline"):
+        await asyncio.wait_for(long.future, 1.0)
+    assert (await whenever.future)["y"].item() == 6.0
+    assert stats.failures["deadline"] == 1
+    assert stats.success.count == 2
+
+
 async def test_a_full_queue_refuses_at_once() -> None:
     fake = FakeInstance()
     b, stats = batcher([fake], max_queue_size=2)

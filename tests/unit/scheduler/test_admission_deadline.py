@@ -1,0 +1,48 @@
+"""A request's `timeout` counts from when its front end took it in, not from admission: the
+time spent reading and parsing its body is part of what the client waits."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from server.config import ModelConfig
+from server.scheduler.admission import Admission
+
+CONFIG = ModelConfig.model_validate(
+    {
+        "name": "double",
+        "engine": "onnxruntime",
+        "max_batch_size": 4,
+        "inputs": [{"name": "x", "datatype": "FP32", "dims": [1]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "dims": [1]}],
+        "dynamic_batching": {"default_queue_policy": {"default_timeout_microseconds": 2_000_000}},
+    }
+)
+INPUTS = {"x": ("FP32", np.ones((1, 1), dtype=np.float32))}
+
+
+async def test_the_deadline_counts_from_receipt() -> None:
+    received = time.perf_counter_ns() - 300_000_000  # its body took 300 ms to arrive and parse
+    admitted = await Admission(CONFIG, None).admit(INPUTS, {"timeout": 1_000_000}, received)
+    assert admitted.deadline_ns == received + 1_000_000_000
+
+
+async def test_the_models_default_timeout_counts_from_receipt_too() -> None:
+    received = time.perf_counter_ns() - 300_000_000
+    admitted = await Admission(CONFIG, None).admit(INPUTS, {}, received)
+    assert admitted.deadline_ns == received + 2_000_000_000
+
+
+async def test_without_a_receipt_time_the_deadline_counts_from_admission() -> None:
+    before = time.perf_counter_ns()
+    admitted = await Admission(CONFIG, None).admit(INPUTS, {"timeout": 1_000_000})
+    assert admitted.deadline_ns is not None
+    assert before + 1_000_000_000 <= admitted.deadline_ns <= time.perf_counter_ns() + 1_000_000_000
+
+
+async def test_no_timeout_no_deadline() -> None:
+    config = CONFIG.model_copy(update={"dynamic_batching": None})
+    admitted = await Admission(config, None).admit(INPUTS, {}, time.perf_counter_ns())
+    assert admitted.deadline_ns is None
