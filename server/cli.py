@@ -77,6 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
     from server.http.app import create_app
     from server.http.auth import AccessPolicy, SettingsError
     from server.http.frontend import HttpFrontEnd
+    from server.inflight import InFlight
     from server.metrics import build_registry
     from server.repository import ModelRepository
     from server.server import Server, StartFailed
@@ -90,10 +91,8 @@ def _serve(args: argparse.Namespace) -> int:
     heap = HeapPolicy().install()
     plane = DataPlane(repository, heap)
     metrics = build_registry(repository, settings.device_price_per_hour, heap=heap)
-    app = create_app(
-        plane, settings.max_body_bytes, metrics, AccessLog(settings.access_log), access,
-        max_in_flight=settings.max_in_flight, max_in_flight_bytes=settings.max_in_flight_bytes,
-    )
+    flight = InFlight(settings.max_in_flight, settings.max_in_flight_bytes)  # every front end's
+    app = create_app(plane, settings.max_body_bytes, metrics, AccessLog(settings.access_log), access, flight)
     try:
         listener = _listen(settings.host, settings.http_port)
     except OSError as exc:
@@ -109,7 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
     if settings.port_file is not None:
         _write_port_file(settings.port_file, port)
     server = Server(plane, [HttpFrontEnd(app, listener, settings.log_level),
-                            *grpc_frontends(settings, plane, access, _write_port_file)], settings.models)
+                            *grpc_frontends(settings, plane, access, flight, _write_port_file)], settings.models)
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(server.run())
@@ -187,11 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-in-flight", type=int, metavar="N",
-        help="infer requests served at once; past it 429 + Retry-After before the body is read (default: 512)",
+        help="infer requests served at once, over HTTP and gRPC together; past it 429 + Retry-After before the "
+        "body is read (default: 512)",
     )
     serve.add_argument(
         "--max-in-flight-bytes", type=int, metavar="BYTES",
-        help="bytes of infer bodies held at once; past it 429 + Retry-After before the body is read "
+        help="bytes of infer bodies held at once, over HTTP and gRPC together; past it 429 + Retry-After before "
+        "the body is read "
         "(default: 1 GiB, so request memory stays near 3 GiB)",
     )
     serve.add_argument(

@@ -56,7 +56,8 @@ class ServerSettings(BaseSettings):
     max_body_bytes: int = Field(default=64 << 20, gt=0, description="Largest request body accepted.")
     max_in_flight: int = Field(
         default=512, gt=0,
-        description="Infer requests served at once; past it a request is answered 429 before its body is read.",
+        description="Infer requests served at once, over every front end together; past it a request is answered"
+        " 429 before its body is read.",
     )
     max_in_flight_bytes: int = Field(
         default=1 << 30, gt=0,

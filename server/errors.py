@@ -45,6 +45,11 @@ class QueueFull(BatchlineError):
         return str(max(1, round(self.retry_after_s)))
 
 
+class ServerBusy(QueueFull):
+    """The server is at its limit of requests in flight, or of the body bytes they hold: refused
+    before the body is read, as a full queue is (429, RESOURCE_EXHAUSTED)."""
+
+
 class DeadlineExceeded(BatchlineError):
     """The request's deadline passed before it could run."""
 

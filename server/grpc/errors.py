@@ -23,6 +23,7 @@ from server.errors import (
     OutOfMemory,
     PayloadTooLarge,
     QueueFull,
+    ServerBusy,
     Unavailable,
     Unsupported,
     most_specific,
@@ -37,6 +38,7 @@ CODE_BY_ERROR: dict[type[BatchlineError], grpc.StatusCode] = {
     ModelNotFound: grpc.StatusCode.NOT_FOUND,
     PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,  # what gRPC itself answers for a message too large
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ServerBusy: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Cancelled: grpc.StatusCode.CANCELLED,
     EngineError: grpc.StatusCode.INTERNAL,
     OutOfMemory: grpc.StatusCode.INTERNAL,
@@ -63,14 +65,9 @@ class ControlDisabled(Refusal):
     """Repository load/unload while model control is off."""
 
 
-class TooBusy(Refusal):
-    """Past the front end's limit of infer calls in flight."""
-
-
 CODE_BY_REFUSAL: dict[type[Refusal], grpc.StatusCode] = {
     NotAuthenticated: grpc.StatusCode.UNAUTHENTICATED,
     ControlDisabled: grpc.StatusCode.PERMISSION_DENIED,
-    TooBusy: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -89,6 +86,4 @@ def retry_after(error: BaseException) -> tuple[tuple[str, str], ...]:
     """Trailing metadata that tells a refused client when to retry (HTTP's Retry-After)."""
     if isinstance(error, QueueFull):
         return (("retry-after", error.retry_after),)
-    if isinstance(error, TooBusy):
-        return (("retry-after", "1"),)
     return ()

@@ -20,6 +20,7 @@ from server.dataplane import DataPlane
 from server.grpc.access import Policy
 from server.grpc.protos import grpc_service_pb2_grpc as pb_grpc
 from server.grpc.servicer import InferenceServicer
+from server.inflight import InFlight
 from server.server import StartFailed
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class GrpcFrontEnd:
         policy: Policy | None = None,
         access_log: AccessLog | None = None,
         max_message_bytes: int = 64 << 20,
-        max_in_flight: int = 512,
+        flight: InFlight | None = None,
         on_bound: Callable[[int], None] | None = None,
         grace_s: float = GRACE_S,
     ) -> None:
@@ -50,7 +51,7 @@ class GrpcFrontEnd:
             ("grpc.max_send_message_length", -1),  # answers are bounded by the model; clients set their own
             ("grpc.so_reuseport", 0),  # a port in use is an error, never shared with another server
         ]
-        self.servicer = InferenceServicer(plane, policy, access_log, max_in_flight)
+        self.servicer = InferenceServicer(plane, policy, access_log, flight)
         self._on_bound = on_bound
         self._grace_s = grace_s
         self._server: grpc.aio.Server | None = None
@@ -93,15 +94,19 @@ class GrpcFrontEnd:
 
 
 def grpc_frontends(
-    settings: ServerSettings, plane: DataPlane, policy: Policy | None, write_port_file: Callable[[Path, int], None]
+    settings: ServerSettings,
+    plane: DataPlane,
+    policy: Policy | None,
+    flight: InFlight,
+    write_port_file: Callable[[Path, int], None],
 ) -> list[GrpcFrontEnd]:
     """The gRPC front end `batchline serve` runs beside HTTP, or none with --allow-grpc false.
-    A request's size limit and the limit of calls in flight are HTTP's settings."""
+    A request's size limit is HTTP's; requests in flight count in the server's one `flight`."""
     if not settings.allow_grpc:
         return []
     port_file = settings.grpc_port_file
     on_bound = None if port_file is None else (lambda port: write_port_file(port_file, port))
     return [GrpcFrontEnd(
         plane, settings.host, settings.grpc_port, policy, AccessLog(settings.access_log),
-        max_message_bytes=settings.max_body_bytes, max_in_flight=settings.max_in_flight, on_bound=on_bound,
+        max_message_bytes=settings.max_body_bytes, flight=flight, on_bound=on_bound,
     )]

@@ -1,14 +1,14 @@
 """Triton's `inference.GRPCInferenceService` over the data plane: one method per RPC, thin.
 
 Every call passes the access gate first; every failure becomes its status in `errors.py`. An
-infer call runs the cheap refusals before any tensor is decoded, as over HTTP: the front end's
-limit of calls in flight, the model and its queue, then names, datatypes, shapes and the batch
+infer call runs the cheap refusals before any tensor is decoded, as over HTTP: the server's
+bounds on requests in flight and the bytes they hold (shared with HTTP), the model and its queue, then names, datatypes, shapes and the batch
 size. The call's deadline becomes the request's, so the batcher drops it unrun (and says so)
 rather than computing an answer nobody waits for; a cancelled call is dropped before compute.
 
 ModelStreamInfer reads requests as they come and answers each when it is done, in the order
-they finish (each answer carries its request's id), with at most `max_in_flight` of one stream
-running at once: past it, the stream is read no further until one finishes.
+they finish (each answer carries its request's id), with at most the in-flight bound of one
+stream running at once: past it, the stream is read no further until one finishes.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from server.dataplane import DataPlane
 from server.errors import DeadlineExceeded, ModelNotFound
 from server.grpc import codec
 from server.grpc.access import CallGate, Policy
-from server.grpc.errors import TooBusy, retry_after, status_of
+from server.grpc.errors import retry_after, status_of
 from server.grpc.protos import grpc_service_pb2 as pb
 from server.grpc.protos import grpc_service_pb2_grpc as pb_grpc
 from server.grpc.protos import model_config_pb2
+from server.inflight import InFlight
 from server.scheduler.request import RequestRecord
 
 T = TypeVar("T")
@@ -46,13 +47,13 @@ DEADLINE_MARGIN_US = 5_000
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(
         self, plane: DataPlane, policy: Policy | None = None, access_log: AccessLog | None = None,
-        max_in_flight: int = 512,
+        flight: InFlight | None = None,
     ) -> None:
         self._plane = plane
         self._gate = CallGate(policy)
         self._access_log = access_log or AccessLog()
-        self._max_in_flight = max_in_flight
-        self.in_flight = 0  # infer requests between the door and their answer, unary and streamed
+        self._flight = flight or InFlight()  # the server's, shared with its other front ends
+        self.in_flight = 0  # this front end's infer requests between arrival and answer, unary and streamed
         self._streams: set[_Stream] = set()
 
     # -- health, metadata, configuration, statistics -------------------------------------------
@@ -209,7 +210,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _read_stream(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext, stream: _Stream
     ) -> None:
-        room = asyncio.Semaphore(self._max_in_flight)
+        room = asyncio.Semaphore(self._flight.max_requests)
 
         def finished(task: asyncio.Task[None]) -> None:
             stream.running.discard(task)
@@ -259,8 +260,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse:
         """One infer request through the data plane, cheapest refusals first; its deadline
         counts from `received_ns`, when the call arrived."""
-        if self.in_flight >= self._max_in_flight:
-            raise TooBusy("the server is at its limit of requests in flight; retry after a second")
+        held = request.ByteSize()  # already read and parsed by grpc: held until the answer
+        self._flight.take(held)
         self.in_flight += 1
         try:
             if record is not None:
@@ -282,6 +283,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return codec.encode_response(request.model_name, model.version, request.id, outputs)
         finally:
             self.in_flight -= 1
+            self._flight.give_back(held)
 
     # -- shared ----------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from server.http.auth import AccessGate, AccessPolicy
 from server.http.errors import error_response, install_error_handlers
 from server.http.infer import FastInferApp, InferEndpoint
 from server.http.openapi import openapi_document
+from server.inflight import InFlight
 from server.metrics import CONTENT_TYPE, exposition
 from server.openai import PREFIX as OPENAI_PREFIX
 from server.openai.routes import openai_router
@@ -49,12 +50,13 @@ def create_app(
     metrics: CollectorRegistry | None = None,
     access_log: AccessLog | None = None,
     access: AccessPolicy | None = None,
-    max_in_flight: int = 512,
-    max_in_flight_bytes: int = 1 << 30,
+    flight: InFlight | None = None,
 ) -> AccessGate:
     """The ASGI app over `plane`, whose lifecycle (loading, stopping) is its owner's: the
     Server in `batchline serve`. `access` defaults to the closed policy: model control off, no
-    tokens."""
+    tokens. `flight` bounds requests in flight (and their bytes) server-wide: the server's
+    other front ends take from the same one."""
+    flight = flight or InFlight()
     app = FastAPIOffline(  # /docs and /redoc, their scripts and styles served from /docs/static
         static_url="/docs/static",
         title="Batchline",
@@ -121,7 +123,7 @@ def create_app(
         return _json({})
 
     app.include_router(v2)
-    app.include_router(openai_router(plane, max_body_bytes, access_log))  # OpenAI's /v1, for embedding models
+    app.include_router(openai_router(plane, max_body_bytes, access_log, flight))  # OpenAI's /v1, for embedding models
 
     if metrics is not None:
 
@@ -130,7 +132,7 @@ def create_app(
             return Response(exposition(metrics), media_type=CONTENT_TYPE)
 
     app.openapi = lambda: _cached_openapi(app)  # type: ignore[method-assign]
-    routes = FastInferApp(app, InferEndpoint(plane, max_body_bytes, access_log, max_in_flight, max_in_flight_bytes),
+    routes = FastInferApp(app, InferEndpoint(plane, max_body_bytes, access_log, flight),
                           own_bodies=(f"{OPENAI_PREFIX}/",))
     return AccessGate(routes, access or AccessPolicy())
 

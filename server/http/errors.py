@@ -21,6 +21,7 @@ from server.errors import (
     OutOfMemory,
     PayloadTooLarge,
     QueueFull,
+    ServerBusy,
     Unavailable,
     Unsupported,
     most_specific,
@@ -36,6 +37,7 @@ STATUS_BY_ERROR: dict[type[BatchlineError], int] = {
     ModelNotFound: 404,
     PayloadTooLarge: 413,
     QueueFull: 429,
+    ServerBusy: 429,
     Cancelled: 499,  # the client closed the request (nginx's convention)
     EngineError: 500,
     OutOfMemory: 500,  # a single item too large for the device, after its batch was split

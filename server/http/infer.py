@@ -4,8 +4,8 @@ FastAPI's routing, middleware and request objects cost more per call than a smal
 inference; here a request is a path match, a body read, one data-plane call and two sends.
 A client that disconnects while its request waits has the request cancelled before compute.
 
-Overload is refused at the door: past `max_in_flight` requests, or `max_in_flight_bytes` of
-bodies, a request is answered 429 with a constant body before its body is read (uvicorn then
+Overload is refused at the door: past the server's bounds on requests in flight, or on the
+bytes their bodies hold (`InFlight`, shared with the other front ends), a request is answered 429 with a constant body before its body is read (uvicorn then
 reads and discards the body, keeping the connection; a client that waits for 100 Continue is
 answered with `connection: close`, as it may never send the body).
 """
@@ -21,9 +21,11 @@ from typing import Any
 
 from server.access_log import AccessLog
 from server.dataplane import DataPlane
-from server.errors import Cancelled, InvalidInput, PayloadTooLarge, Unavailable
+from server.errors import Cancelled, InvalidInput, PayloadTooLarge
 from server.http import v2_infer
+from server.http.disconnect import unless_client_leaves
 from server.http.errors import error_parts
+from server.inflight import InFlight, body_reservation
 from server.protocol.v2 import encode_error
 from server.scheduler.request import RequestRecord
 
@@ -38,7 +40,6 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 _HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode()
 _JSON = [(b"content-type", b"application/json")]
 _BINARY = [(b"content-type", b"application/octet-stream")]
-WATCH_AFTER_S = 0.002
 CLIENT_CLOSED = 499  # nginx's status for a client that left first: logged, never sent
 BUSY = 429
 # The refusal under overload is a constant: no encoding, no allocation per refused request.
@@ -62,16 +63,12 @@ class InferEndpoint:
         plane: DataPlane,
         max_body_bytes: int,
         access_log: AccessLog | None = None,
-        max_in_flight: int = 512,
-        max_in_flight_bytes: int = 1 << 30,
+        flight: InFlight | None = None,
     ) -> None:
         self.plane = plane
         self._limit = max_body_bytes
         self._access_log = access_log or AccessLog()
-        self._max_in_flight = max_in_flight
-        self._max_in_flight_bytes = max_in_flight_bytes
-        self.in_flight = 0  # requests between admission at the door and their answer
-        self.in_flight_bytes = 0  # body bytes they hold (declared, or the limit when undeclared)
+        self.flight = flight or InFlight()  # shared with the server's other front ends
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, model: str, version: str | None) -> None:
         started = time.perf_counter_ns()
@@ -80,14 +77,13 @@ class InferEndpoint:
         if reserved is None:
             await self._refuse_busy(scope, send, headers, model, started)
             return
-        self.in_flight += 1
-        self.in_flight_bytes += reserved
+        flight = self.flight
+        flight.take(reserved)
         try:
             record = RequestRecord() if self._access_log.enabled else None
             status = await self._respond(headers, receive, send, model, version, record, started)
         finally:
-            self.in_flight -= 1
-            self.in_flight_bytes -= reserved
+            flight.give_back(reserved)
         if record is not None:
             client = scope.get("client")
             self._access_log.write(
@@ -98,15 +94,8 @@ class InferEndpoint:
         """The body bytes a request holds while in flight (declared, or the limit when undeclared
         or compressed), or None when the in-flight bounds refuse it now. A request alone is
         always let in."""
-        declared = _length(headers.get(_CONTENT_LENGTH))
-        reserved = self._limit if declared is None else min(declared, self._limit + 1)
-        if _CONTENT_ENCODING in headers:  # it may inflate up to the limit
-            reserved = self._limit
-        if self.in_flight >= self._max_in_flight or (
-            self.in_flight_bytes and self.in_flight_bytes + reserved > self._max_in_flight_bytes
-        ):
-            return None
-        return reserved
+        reserved = body_reservation(_length(headers.get(_CONTENT_LENGTH)), _CONTENT_ENCODING in headers, self._limit)
+        return reserved if self.flight.has_room(reserved) else None
 
     def log_refusal(self, scope: Scope, model: str, status: int, started: int) -> None:
         """The access log line of a request refused before its body was read."""
@@ -145,7 +134,9 @@ class InferEndpoint:
             return CLIENT_CLOSED  # the client is gone; nobody to answer
         except Exception as exc:
             return await _send(send, *error_parts(exc))
-        outcome = await self._infer_unless_disconnected(receive, model, version, body, header_length, record, received_ns)
+        outcome = await unless_client_leaves(
+            receive, lambda: v2_infer.infer_v2(self.plane, model, version, body, header_length, record, received_ns)
+        )
         if outcome is None:
             return CLIENT_CLOSED  # the client left; its request was dropped, nobody to answer
         if isinstance(outcome, BaseException):
@@ -154,58 +145,6 @@ class InferEndpoint:
         if binary_header_length is None:
             return await _send(send, 200, content, {}, _JSON)
         return await _send(send, 200, content, {HEADER_LENGTH: str(binary_header_length)}, _BINARY)
-
-    async def _infer_unless_disconnected(
-        self,
-        receive: Receive,
-        model: str,
-        version: str | None,
-        body: bytes,
-        header_length: int | None,
-        record: RequestRecord | None,
-        received_ns: int,
-    ) -> tuple[bytes, int | None] | BaseException | None:
-        """Run the request; if the client disconnects meanwhile, cancel it (None).
-
-        Watching for the disconnect costs a task, so it starts only once the request has taken
-        WATCH_AFTER_S: a fast answer, the usual case at low load, never pays for it.
-        """
-        handler = asyncio.current_task()
-        assert handler is not None
-        watcher: asyncio.Future[Message] | None = None
-        answered = False
-
-        def on_disconnect(_: asyncio.Future[Message]) -> None:
-            # A disconnect seen in the same loop turn as the result runs this callback after
-            # the handler moved on: cancelling then would hit it mid-answer, not mid-wait.
-            if not answered:
-                handler.cancel()
-
-        def watch() -> None:
-            nonlocal watcher
-            watcher = asyncio.ensure_future(receive())  # completes when the client disconnects
-            watcher.add_done_callback(on_disconnect)
-
-        timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch)
-        try:
-            return await v2_infer.infer_v2(self.plane, model, version, body, header_length, record, received_ns)
-        except asyncio.CancelledError:
-            handler.uncancel()
-            if watcher is None or not watcher.done():
-                # Not the client leaving: uvicorn ran out of its grace period while stopping and
-                # cancels what is still running. The client is still there: tell it, in the
-                # protocol's shape (uvicorn would answer 500 and log a traceback).
-                return Unavailable("the server stopped before this request was answered (its grace period "
-                                   "for requests in flight ran out); retry on another replica")
-            return None
-        except Exception as exc:
-            return exc
-        finally:
-            answered = True
-            timer.cancel()
-            if watcher is not None and not watcher.done():
-                watcher.remove_done_callback(on_disconnect)
-                watcher.cancel()
 
     async def _body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
         declared = _length(headers.get(_CONTENT_LENGTH))

@@ -24,6 +24,7 @@ from server.errors import (
     ModelNotFound,
     PayloadTooLarge,
     QueueFull,
+    ServerBusy,
     Unavailable,
     Unsupported,
     most_specific,
@@ -42,6 +43,7 @@ KIND_BY_ERROR: dict[type[BatchlineError], tuple[int, str, str | None]] = {
     ModelNotFound: (404, INVALID, "model_not_found"),
     PayloadTooLarge: (413, INVALID, "request_too_large"),
     QueueFull: (429, "requests", "rate_limit_exceeded"),
+    ServerBusy: (429, "requests", "rate_limit_exceeded"),
     Cancelled: (499, INVALID, None),  # the client left: logged, never sent
     EngineError: (500, SERVER, None),  # OutOfMemory too: one item too large for the device
     Unavailable: (503, SERVER, None),

@@ -2,9 +2,11 @@
 through `errors`; /v1/embeddings writes an access log line as the v2 infer route does.
 
 The body is read here, bounded by the server's body limit (the HTTP front end leaves /v1
-bodies to this route, not to the control plane's small limit). Parsing a large body and
-encoding many vectors run on a worker thread, as v2's do, so one big call never stalls the
-event loop every other request shares.
+bodies to this route, not to the control plane's small limit), once the server's bounds on
+requests in flight and their bytes (shared with v2 and gRPC) let it in: past them, a 429 before
+the body is read. Parsing a large body and encoding many vectors run on a worker thread, as
+v2's do, so one big call never stalls the event loop every other request shares. A client that
+disconnects while its texts wait has them dropped before compute, as on v2.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from starlette.requests import ClientDisconnect
 
 from server.access_log import AccessLog
 from server.dataplane import DataPlane
-from server.errors import Cancelled, InvalidInput, ModelNotFound, PayloadTooLarge
+from server.errors import Cancelled, InvalidInput, ModelNotFound, PayloadTooLarge, ServerBusy
+from server.http.disconnect import unless_client_leaves
+from server.inflight import InFlight, body_reservation
 from server.model import ModelVersion
 from server.openai import PREFIX, codec
 from server.openai.embeddings import embed
@@ -46,10 +50,14 @@ def _json(document: Any) -> Response:
     return Response(orjson.dumps(document), media_type="application/json")
 
 
-def openai_router(plane: DataPlane, max_body_bytes: int, access_log: AccessLog | None = None) -> APIRouter:
-    """The OpenAI-compatible routes over `plane`; `max_body_bytes` bounds an embeddings body."""
+def openai_router(
+    plane: DataPlane, max_body_bytes: int, access_log: AccessLog | None = None, flight: InFlight | None = None
+) -> APIRouter:
+    """The OpenAI-compatible routes over `plane`; `max_body_bytes` bounds an embeddings body,
+    `flight` (the server's) the requests in flight."""
     router = APIRouter(tags=["OpenAI"])
     log = access_log or AccessLog()
+    bound = flight or InFlight()
 
     @router.post(EMBEDDINGS, summary="Create embeddings (OpenAI)", response_model=EmbeddingResponse,
                  openapi_extra={"requestBody": _REQUEST_BODY})
@@ -57,12 +65,23 @@ def openai_router(plane: DataPlane, max_body_bytes: int, access_log: AccessLog |
         started = time.perf_counter_ns()
         record = RequestRecord()
         model = "-"  # for the access log line: the model the body names, once it is read
+        held = body_reservation(_declared_length(request), False, max_body_bytes)
         try:
-            parsed = await _parsed(request, max_body_bytes)
-            model = parsed.model
-            response = await _embeddings(plane, parsed, record)
-        except Exception as exc:  # noqa: BLE001 (every failure is answered in OpenAI's shape)
+            bound.take(held)
+        except ServerBusy as exc:
             response = error_response(exc)
+        else:
+            try:
+                parsed = await _parsed(request, max_body_bytes)
+                model = parsed.model
+                outcome = await unless_client_leaves(request.receive, lambda: _embeddings(plane, parsed, record))
+                if outcome is None:
+                    outcome = Cancelled("the client disconnected before its embeddings were computed")
+                response = outcome if isinstance(outcome, Response) else error_response(outcome)
+            except Exception as exc:  # noqa: BLE001 (every failure is answered in OpenAI's shape)
+                response = error_response(exc)
+            finally:
+                bound.give_back(held)
         if log.enabled:
             client = request.client
             log.write(f"{client.host}:{client.port}" if client else "-", request.scope["path"], model,
@@ -141,10 +160,15 @@ def _model(model: ModelVersion) -> dict[str, Any]:
     return codec.model_object(model.config.name, created)
 
 
+def _declared_length(request: Request) -> int | None:
+    declared = request.headers.get("content-length", "")
+    return int(declared) if declared.isascii() and declared.isdigit() else None
+
+
 async def _body(request: Request, limit: int) -> bytes:
     """The body, refused (413) once it passes `limit`: at once when its declared length does."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+    declared = _declared_length(request)
+    if declared is not None and declared > limit:
         raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
     chunks: list[bytes] = []
     size = 0

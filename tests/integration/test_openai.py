@@ -5,6 +5,7 @@ the inference token, usage from the tokenizer, and batches shared with v2 reques
 from __future__ import annotations
 
 import base64
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -236,3 +237,43 @@ def test_openai_and_v2_requests_share_a_batch_and_the_models_statistics(guarded:
     logged = [line for line in lines if line["path"] == "/v1/embeddings" and line["status"] == 200]
     assert logged and logged[-1]["model"] == MRL and logged[-1]["version"] == 1
     assert logged[-1]["queue_ms"] > 0 and logged[-1]["compute_ms"] > 0
+
+
+def queue_depth(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("batchline_queue_depth{") and f'model="{MRL}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_client_that_leaves_has_its_texts_dropped_before_compute(guarded: tuple[str, Path]) -> None:
+    """The only instance is held by a long v2 batch; an embeddings call queues behind it and its
+    client disconnects: the texts never run, and the model counts the call as cancelled."""
+    url, _ = guarded
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    before = stats(url)
+    long_texts = ["a long sentence about batching, queues and the cost of padding " * 6] * 64
+    hold = threading.Thread(target=lambda: v2_embeddings(url, MRL, long_texts, auth))
+    hold.start()
+    deadline = time.monotonic() + 60
+    while in_flight(url) < 1:
+        assert time.monotonic() < deadline and hold.is_alive(), "the long batch never ran"
+        time.sleep(0.005)
+    body = orjson.dumps({"model": MRL, "input": "nobody will read these numbers"})
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as raw:
+        raw.sendall(f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        while queue_depth(url) < 1:
+            assert time.monotonic() < deadline and hold.is_alive(), "the call never queued"
+            time.sleep(0.005)
+
+    def cancelled() -> int:
+        return stats(url)["failures"].get("cancelled", 0) - before["failures"].get("cancelled", 0)
+
+    while not cancelled() and hold.is_alive():
+        time.sleep(0.01)
+    hold.join(120)
+    assert cancelled() == 1, "the server did not drop the texts of the client that left"
+    after = stats(url)
+    assert after["inference_count"] - before["inference_count"] == 64  # the held batch alone ran

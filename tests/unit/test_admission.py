@@ -235,6 +235,7 @@ EXPECTED_STATUS = {
     errors.ModelNotFound: 404,
     errors.PayloadTooLarge: 413,
     errors.QueueFull: 429,
+    errors.ServerBusy: 429,
     errors.Cancelled: 499,
     errors.EngineError: 500,
     errors.Unavailable: 503,

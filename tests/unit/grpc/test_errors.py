@@ -10,7 +10,7 @@ import pytest
 import server.errors as core
 from server.grpc import errors
 from server.grpc.access import Access, CallGate, access_of
-from server.grpc.errors import ControlDisabled, NotAuthenticated, TooBusy, retry_after, status_of
+from server.grpc.errors import ControlDisabled, NotAuthenticated, retry_after, status_of
 
 
 @pytest.mark.parametrize(("error", "code"), [
@@ -28,7 +28,7 @@ from server.grpc.errors import ControlDisabled, NotAuthenticated, TooBusy, retry
     (core.OutOfMemory("x"), grpc.StatusCode.INTERNAL),
     (NotAuthenticated("x"), grpc.StatusCode.UNAUTHENTICATED),
     (ControlDisabled("x"), grpc.StatusCode.PERMISSION_DENIED),
-    (TooBusy("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (core.ServerBusy("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
 ])
 def test_the_status_of_each_error(error: Exception, code: grpc.StatusCode) -> None:
     assert status_of(error) == (code, "x")
@@ -49,7 +49,7 @@ def test_internal_only_for_engine_faults_and_the_unexpected() -> None:
 
 def test_refusals_under_load_say_when_to_retry() -> None:
     assert retry_after(core.QueueFull("x", retry_after_s=2.6)) == (("retry-after", "3"),)
-    assert retry_after(TooBusy("x")) == (("retry-after", "1"),)
+    assert retry_after(core.ServerBusy("x")) == (("retry-after", "1"),)
     assert retry_after(core.InvalidInput("x")) == ()
 
 

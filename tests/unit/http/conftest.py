@@ -132,6 +132,8 @@ class Exchange:
             "type": "http",
             "method": "POST",
             "path": path,
+            "query_string": b"",
+            "root_path": "",
             "headers": [(k.lower().encode(), v.encode("latin-1")) for k, v in (headers or {}).items()],
             "client": ("127.0.0.1", 50000),
         }

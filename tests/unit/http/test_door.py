@@ -20,6 +20,7 @@ from server.http.auth import AccessPolicy
 from server.http.door import Door
 from server.http.frontend import HttpFrontEnd
 from server.http.infer import INFER_PATH, InferEndpoint
+from server.inflight import InFlight
 from server.repository import ModelRepository
 from tests.unit.http.conftest import HOLD, Gate, infer_body
 from tests.unit.http.tiny_models import write_spin_model
@@ -40,7 +41,7 @@ async def one_slot(plane: DataPlane, gate: Gate) -> AsyncIterator[tuple[int, asy
     """A server that serves one infer call at a time, that call held in the engine: every
     other infer call is over the in-flight bound."""
     plane.start([])
-    frontend, port = await started(create_app(plane, max_in_flight=1))
+    frontend, port = await started(create_app(plane, flight=InFlight(1)))
     held = asyncio.create_task(exchange(port, post(infer_body(HOLD))))
     await eventually(gate.held.is_set, "a request holds the instance")
     yield port, held
@@ -201,11 +202,11 @@ async def test_a_refusal_never_lets_a_later_pipelined_request_overtake_one_still
 
 async def test_what_the_door_leaves_to_the_app(plane: DataPlane) -> None:
     plane.start([])
-    gate = create_app(plane, max_in_flight=1, access=AccessPolicy(inference_token=TOKEN))
+    gate = create_app(plane, flight=InFlight(1), access=AccessPolicy(inference_token=TOKEN))
     door = Door.of(gate)
     assert door is not None
     endpoint = gate.app.endpoint  # type: ignore[attr-defined]
-    endpoint.in_flight = 1  # over the bound: an infer call would be refused
+    endpoint.flight.requests = 1  # over the bound: an infer call would be refused
 
     def scope(method: str, path: str, *headers: tuple[bytes, bytes]) -> dict[str, Any]:
         return {"type": "http", "method": method, "path": path, "headers": list(headers), "client": None}
@@ -215,7 +216,7 @@ async def test_what_the_door_leaves_to_the_app(plane: DataPlane) -> None:
     assert door.refusal(scope("POST", "/v2/models/spin/infer")) is None, "no token: the gate answers 401 first"
     assert door.refusal(scope("GET", "/v2/models/spin", bearer)) is None
     assert door.refusal(scope("POST", "/v2/repository/index", bearer)) is None
-    endpoint.in_flight = 0
+    endpoint.flight.requests = 0
     assert door.refusal(scope("POST", "/v2/models/spin/infer", bearer)) is None, "within bounds: served"
     assert door.refusal(scope("POST", "/v2/models/unknown/infer", bearer)) is None, "404 with its access log line"
     assert INFER_PATH.fullmatch("/v2/models/spin/versions/1/infer")

@@ -17,6 +17,10 @@ from server.dataplane import DataPlane
 from server.http import v2_infer
 from server.http.app import create_app
 from server.http.infer import CONTROL_BODY_BYTES, FastInferApp, InferEndpoint
+from server.errors import InvalidInput, ServerBusy
+from server.grpc.protos import grpc_service_pb2 as pb
+from server.grpc.servicer import InferenceServicer
+from server.inflight import InFlight
 from server.protocol.v2 import decode_request
 from server.repository import ModelRepository
 from tests.unit.http.conftest import HOLD, Exchange, Gate, infer_body
@@ -51,45 +55,70 @@ def assert_busy(exchange: Exchange) -> None:
 
 
 async def test_past_max_in_flight_a_request_is_refused_before_its_body_is_read(plane: DataPlane, gate: Gate) -> None:
-    endpoint = InferEndpoint(plane, LIMIT, max_in_flight=1)
+    endpoint = InferEndpoint(plane, LIMIT, flight=InFlight(1))
     app = FastInferApp(unreachable, endpoint)
     task, first = await held(app, gate)
-    assert endpoint.in_flight == 1
+    assert endpoint.flight.requests == 1
     refused = await call(app, Exchange.of(infer_body(1.0)))
     assert_busy(refused)
     assert "connection" not in refused.headers  # uvicorn drains the unread body and keeps the connection
     gate.released.set()
     await task
     assert first.status == 200 and first.json()["outputs"][0]["data"] == [HOLD]
-    assert endpoint.in_flight == 0 and endpoint.in_flight_bytes == 0
+    assert endpoint.flight.requests == 0 and endpoint.flight.bytes == 0
     assert (await call(app, Exchange.of(infer_body(2.0)))).status == 200
 
 
 async def test_past_max_in_flight_bytes_the_declared_length_is_refused(plane: DataPlane, gate: Gate) -> None:
     body = infer_body(HOLD)
-    endpoint = InferEndpoint(plane, LIMIT, max_in_flight=100, max_in_flight_bytes=len(body) + 10)
+    endpoint = InferEndpoint(plane, LIMIT, flight=InFlight(100, len(body) + 10))
     app = FastInferApp(unreachable, endpoint)
     task, _ = await held(app, gate)
-    assert endpoint.in_flight_bytes == len(body)
+    assert endpoint.flight.bytes == len(body)
     assert_busy(await call(app, Exchange.of(infer_body(1.0, 2.0))))
     # no declared length: the request may hold up to the body limit
     chunked = Exchange([{"type": "http.request", "body": infer_body(1.0), "more_body": False}])
     assert_busy(await call(app, chunked))
     gate.released.set()
     await task
-    assert endpoint.in_flight_bytes == 0
+    assert endpoint.flight.bytes == 0
 
 
 async def test_a_lone_request_larger_than_the_byte_budget_is_served(plane: DataPlane) -> None:
-    app = FastInferApp(unreachable, InferEndpoint(plane, LIMIT, max_in_flight_bytes=8))
+    app = FastInferApp(unreachable, InferEndpoint(plane, LIMIT, flight=InFlight(max_bytes=8)))
     assert (await call(app, Exchange.of(infer_body(1.0)))).status == 200
+
+
+async def test_every_front_end_takes_from_the_one_in_flight_bound(plane: DataPlane, gate: Gate) -> None:
+    """A v2 request holds the server's only place in flight: an OpenAI embeddings call is
+    refused 429 in OpenAI's shape before its body is read, and a gRPC infer call with
+    RESOURCE_EXHAUSTED (ServerBusy) before its tensors are decoded. Once it is answered, both
+    bounds are free again."""
+    flight = InFlight(1)
+    app = create_app(plane, flight=flight)
+    task, _ = await held(app, gate)  # type: ignore[arg-type]
+    embeddings = await call(app, Exchange.of(b'{"model": "spin", "input": "x"}', path="/v1/embeddings"))
+    assert embeddings.status == 429, embeddings.sent
+    assert embeddings.headers["retry-after"] == "1"
+    assert embeddings.json()["error"]["code"] == "rate_limit_exceeded"
+    assert embeddings.receive_calls == 0, "the body of a refused request was read"
+    servicer = InferenceServicer(plane, flight=flight)
+    request = pb.ModelInferRequest(model_name="spin")
+    with pytest.raises(ServerBusy):
+        await servicer._infer(request, None, None, time.perf_counter_ns())
+    gate.released.set()
+    await task
+    assert flight.requests == 0 and flight.bytes == 0
+    with pytest.raises(InvalidInput):  # let in now: refused for what it is (no inputs), not for room
+        await servicer._infer(request, None, None, time.perf_counter_ns())
+    assert flight.requests == 0 and flight.bytes == 0
 
 
 async def test_a_client_waiting_for_100_continue_is_refused_with_connection_close(
     plane: DataPlane, gate: Gate
 ) -> None:
     """It may never send the body it announced; its connection cannot be reused."""
-    app = FastInferApp(unreachable, InferEndpoint(plane, LIMIT, max_in_flight=1))
+    app = FastInferApp(unreachable, InferEndpoint(plane, LIMIT, flight=InFlight(1)))
     task, _ = await held(app, gate)
     refused = await call(app, Exchange.of(infer_body(1.0), {"expect": "100-continue"}))
     assert_busy(refused)

@@ -15,6 +15,7 @@ from server.errors import (
     OutOfMemory,
     PayloadTooLarge,
     QueueFull,
+    ServerBusy,
     Unavailable,
     Unsupported,
 )
@@ -30,6 +31,7 @@ from server.openai.schemas import ErrorBody
         (ModelNotFound("none"), 404, "invalid_request_error", "model_not_found"),
         (PayloadTooLarge("big"), 413, "invalid_request_error", "request_too_large"),
         (QueueFull("full"), 429, "requests", "rate_limit_exceeded"),
+        (ServerBusy("busy"), 429, "requests", "rate_limit_exceeded"),
         (EngineError("boom"), 500, "server_error", None),
         (OutOfMemory("oom"), 500, "server_error", None),
         (Unavailable("later"), 503, "server_error", None),
