@@ -11,7 +11,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loadtest import batchsize, builds, capacity, compare, overload, payloads, precision, report, runs
+from loadtest import (
+    batchsize,
+    builds,
+    capacity,
+    compare,
+    frontends,
+    overload,
+    payloads,
+    precision,
+    report,
+    runs,
+)
 
 DESCRIPTION = """Benchmarks for Batchline. Modes:
 
@@ -30,6 +41,8 @@ DESCRIPTION = """Benchmarks for Batchline. Modes:
             judged and timed against FP32 there: the precision table
   overload  --factor x the measured capacity, open loop: refusals (429) and their latency,
             accepted latency and throughput (no collapse), deadline errors, the server's memory
+  frontends one model through each front end (v2 JSON, v2 binary, gRPC, OpenAI) in one run:
+            req/s, items/s, p50/p99 latency and errors side by side (wrk, h2load)
 
 Each run writes MODE.json (the record: machine, command line, parameters, every level),
 MODE.md (a table) and MODE.png (a plot, with matplotlib) into --out.
@@ -116,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     batching.add_argument("--url-on", required=True, help="base URL of the server with batching")
     batching.add_argument("--url-off", required=True, help="base URL of the server without batching")
     batching.add_argument("--duration", type=float, default=10.0, help="seconds per concurrency level")
-    for module in (capacity, compare, batchsize, precision, builds, overload):
+    for module in (capacity, compare, batchsize, precision, builds, overload, frontends):
         module.add_parser(modes, parents)
     return parser
 
@@ -283,7 +296,8 @@ def run_open(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
 
 MODES = {"engine": run_engine, "closed": run_closed, "open": run_open, "batching": run_batching,
          "capacity": capacity.run, "compare": compare.run, "batchsize": batchsize.run, "precision": precision.run,
-         "builds": builds.run, "overload": overload.run}
+         "builds": builds.run, "overload": overload.run,
+         "frontends": frontends.run}
 
 
 def main(argv: list[str] | None = None) -> int:

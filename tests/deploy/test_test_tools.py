@@ -1,5 +1,5 @@
-"""scripts/test-tools.sh, which `make test` runs first: it installs wrk and prometheus when they
-are missing, or stops with one line saying why it cannot, before any test runs. Driven here on a
+"""scripts/test-tools.sh, which `make test` runs first: it installs wrk, h2load and prometheus when
+they are missing, or stops with one line saying why it cannot, before any test runs. Driven here on a
 PATH of stand-ins, so each branch runs without touching the machine's packages."""
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def _run(path: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_nothing_is_done_when_the_tools_are_there(tmp_path: Path) -> None:
-    path = _stand_ins(tmp_path / "bin", 1000, {"wrk": "", "promtool": "", "apt-get": "echo called > apt.log"})
+    path = _stand_ins(tmp_path / "bin", 1000, {"wrk": "", "promtool": "", "h2load": "",
+                                               "apt-get": "echo called > apt.log"})
     done = _run(path)
     assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
 
@@ -48,14 +49,15 @@ def test_without_apt_get_it_says_so_in_one_line(tmp_path: Path) -> None:
 def test_as_root_it_installs_what_is_missing_and_checks_it_arrived(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     log = tmp_path / "apt.log"
-    # a stand-in apt-get that records its arguments and "installs" stand-ins of the three tools
+    # a stand-in apt-get that records its arguments and "installs" stand-ins of the four tools
     install = (f'echo "$@" >> {log}\n'
-               f'case "$*" in *install*) for t in wrk promtool prometheus; do '
+               f'case "$*" in *install*) for t in wrk promtool prometheus h2load; do '
                f'printf "#!/bin/sh\\n" > {bin_dir}/$t; /bin/chmod +x {bin_dir}/$t; done;; esac')
     done = _run(_stand_ins(bin_dir, 0, {"apt-get": install}))
     assert done.returncode == 0, done.stderr
     calls = log.read_text().splitlines()
-    assert calls[0] == "update -qq" and calls[1].startswith("install") and calls[1].endswith("wrk prometheus")
+    assert calls[0] == "update -qq" and calls[1].startswith("install")
+    assert calls[1].endswith("wrk prometheus nghttp2-client")
 
 
 def test_as_root_a_failed_install_fails(tmp_path: Path) -> None:
