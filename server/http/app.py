@@ -24,12 +24,11 @@ from server.dataplane import DataPlane
 from server.errors import InvalidInput
 from server.http.auth import AccessGate, AccessPolicy
 from server.http.errors import error_response, install_error_handlers
+from server.http.extensions import EXTENSIONS
 from server.http.infer import FastInferApp, InferEndpoint
 from server.http.openapi import openapi_document
 from server.inflight import InFlight
 from server.metrics import CONTENT_TYPE, exposition
-from server.openai import PREFIX as OPENAI_PREFIX
-from server.openai.routes import openai_router
 from server.protocol.v2 import json_object
 
 _EMPTY_JSON = b"{}"
@@ -123,7 +122,8 @@ def create_app(
         return _json({})
 
     app.include_router(v2)
-    app.include_router(openai_router(plane, max_body_bytes, access_log, flight))  # OpenAI's /v1, for embedding models
+    for extension in EXTENSIONS:  # OpenAI's /v1, for embedding models
+        app.include_router(extension.router(plane, max_body_bytes, access_log or AccessLog(), flight))
 
     if metrics is not None:
 
@@ -133,8 +133,8 @@ def create_app(
 
     app.openapi = lambda: _cached_openapi(app)  # type: ignore[method-assign]
     routes = FastInferApp(app, InferEndpoint(plane, max_body_bytes, access_log, flight),
-                          own_bodies=(f"{OPENAI_PREFIX}/",))
-    return AccessGate(routes, access or AccessPolicy())
+                          own_bodies=tuple(f"{extension.prefix}/" for extension in EXTENSIONS))
+    return AccessGate(routes, access or AccessPolicy(), EXTENSIONS)
 
 
 def _cached_openapi(app: FastAPI) -> dict[str, Any]:

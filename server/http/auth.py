@@ -29,8 +29,7 @@ from pydantic import SecretStr
 
 from server.config import ServerSettings
 from server.http.errors import ControlDisabled, NotAuthenticated, Refusal, UnsupportedMediaType, error_parts
-from server.openai import PREFIX as OPENAI_PREFIX
-from server.openai.errors import refusal_body
+from server.http.extension import HttpExtension
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -50,7 +49,6 @@ _LOOPBACK_NAMES = ("localhost",)
 _REALM = 'Bearer realm="batchline"'
 _JSON_TYPE = b"application/json"
 _FLAG = "--model-control (BATCHLINE_MODEL_CONTROL=1)"
-_OPENAI_PATHS = f"{OPENAI_PREFIX}/"
 
 
 class Access(enum.Enum):
@@ -148,9 +146,11 @@ class AccessGate:
     """The ASGI app `create_app` returns: checks each request against the policy, then hands
     it to `app` (the infer endpoint and the FastAPI app behind it) or answers the refusal."""
 
-    def __init__(self, app: ASGIApp, policy: AccessPolicy) -> None:
+    def __init__(self, app: ASGIApp, policy: AccessPolicy, extensions: tuple[HttpExtension, ...] = ()) -> None:
+        """`extensions`: the protocols beside v2, whose refusals go out in their own error shape."""
         self.app = app
         self.policy = policy
+        self._extensions = extensions
         self._admin = _encoded(policy.admin_token)
         self._inference = _encoded(policy.inference_token)
 
@@ -159,8 +159,9 @@ class AccessGate:
             refusal = self._refusal(scope)
             if refusal is not None:
                 status, body, headers = error_parts(refusal)
-                if scope["path"].startswith(_OPENAI_PATHS):  # its clients read OpenAI's error body
-                    body = refusal_body(status, refusal.message)
+                for extension in self._extensions:  # its clients read its own error body
+                    if extension.owns(scope["path"]):
+                        body = extension.refusal_body(status, refusal.message)
                 await _answer(send, status, body, headers)
                 return
         await self.app(scope, receive, send)

@@ -16,9 +16,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from server.http.auth import Access, access_of
+from server.http.extensions import EXTENSIONS
 from server.http.infer import CONTROL_BODY_BYTES, HEADER_LENGTH
-from server.openai import PREFIX as OPENAI_PREFIX
-from server.openai import openapi as openai_doc
 from server.protocol.datatypes import DATATYPES
 
 INFER = "/v2/models/{model}/infer"
@@ -78,7 +77,7 @@ ERROR_STATUSES: dict[str, dict[int, str]] = {
     "GET /metrics": {},
     f"POST {INFER}": _TOKEN | _INFER_ERRORS | {404: _NO_MODEL, 503: _NOT_READY},
     f"POST {VERSION_INFER}": _TOKEN | _INFER_ERRORS | {404: _NO_VERSION, 503: _VERSION_NOT_READY},
-    **{route: _TOKEN | statuses for route, statuses in openai_doc.ERROR_STATUSES.items()},
+    **{route: _TOKEN | dict(statuses) for extension in EXTENSIONS for route, statuses in extension.error_statuses.items()},
 }
 """'METHOD /path' -> the error statuses that operation sends, and when. Every operation also
 answers 200. An operation missing here fails the document: a new route declares its own."""
@@ -234,7 +233,7 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
             route = f"{method.upper()} {path}"
             if route not in ERROR_STATUSES:
                 raise LookupError(f"{route} declares no statuses: add it to ERROR_STATUSES in {__name__}")
-            error = openai_doc.ERROR_SCHEMA if path.startswith(f"{OPENAI_PREFIX}/") else "Error"
+            error = next((e.error_schema for e in EXTENSIONS if e.owns(path)), "Error")
             operation["responses"] = {"200": operation["responses"]["200"]} | {
                 str(status): _error_response(status, why, error)
                 for status, why in sorted(ERROR_STATUSES[route].items())
@@ -246,7 +245,8 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
     for unused in ("HTTPValidationError", "ValidationError"):  # the 422 FastAPI would list; never sent
         schemas.pop(unused, None)
     schemas.update(SCHEMAS)
-    schemas.update(openai_doc.component_schemas())
+    for extension in EXTENSIONS:
+        schemas.update(extension.component_schemas())
     return document
 
 

@@ -19,10 +19,11 @@ ERROR_STATUSES: dict[str, dict[int, str]] = {
         "than 2048 texts, token ids), or asks for 'dimensions' the model does not serve; 'param' names the field",
         404: "No model of this name serves OpenAI embeddings",
         413: "The body is larger than the server accepts",
-        429: "The model's queue is full; retry after Retry-After seconds",
+        429: "The model's queue is full, or the server is at its limit of requests in flight; retry after "
+        "Retry-After seconds",
         500: "The engine failed while running a batch that held this request",
         503: "The model is not loaded or not ready, or the server is shutting down",
-        504: "The request waited in the queue past the model's timeout, or its batch ran past "
+        504: "The model's queue timeout passed before the request's batch could finish, or its batch ran past "
         "execution_timeout_seconds",
     },
     f"GET {MODELS}": {},
