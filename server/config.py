@@ -375,6 +375,16 @@ class TorchOptions(_Strict):
         return self
 
 
+class RecordTraffic(_Strict):
+    """Opt-in: keep a bounded, uniform sample of the inputs clients send, for builds to calibrate
+    and be judged on (written to the model's eval/recorded.npz). It holds user data."""
+
+    max_items: int = Field(default=512, gt=0, le=100_000, description="Items kept (a uniform sample of those seen).")
+    max_bytes: int = Field(default=64 << 20, gt=0, description="Bytes of inputs kept in memory, at most.")
+    max_per_second: float = Field(default=10.0, gt=0, description="Requests considered per second, at most.")
+    write_every_seconds: float = Field(default=60.0, gt=0, description="How often the sample is written.")
+
+
 class BuildGate(_Strict):
     """Quality a build must keep against its FP32 source before its version may serve."""
 
@@ -382,6 +392,17 @@ class BuildGate(_Strict):
     min_accuracy_ratio: float = Field(default=0.99, gt=0, le=1, description="Classifiers: accuracy >= this x FP32's.")
     min_mean_cosine: float = Field(default=0.99, ge=-1, le=1, description="Embeddings: mean cosine vs FP32.")
     min_neighbour_agreement: float = Field(default=0.94, ge=0, le=1, description="Embeddings: same nearest neighbour.")
+    kind: Literal["auto", "classification", "embedding", "tensor"] = Field(
+        default="auto",
+        description="What is judged: auto follows the data (labels: classification; a model serving OpenAI "
+        "embeddings: embedding; else tensor).",
+    )
+    min_top1_agreement: float = Field(
+        default=0.98, ge=0, le=1, description="Classifiers without labels: same top class as FP32 on this share."
+    )
+    max_mean_relative_error: float = Field(
+        default=0.02, gt=0, description="Tensor outputs: mean over items of |build - FP32| / |FP32|."
+    )
 
 
 class BuildSpec(_Strict):
@@ -437,6 +458,10 @@ class ModelConfig(_Strict):
         " any decoding or tokenizing. 64 KiB holds thousands of tokens, far past a text model's max_length.",
     )
     preprocess: Preprocess | None = None
+    record_traffic: RecordTraffic | None = Field(
+        default=None,
+        description="Off unless set: record a sample of client inputs to eval/recorded.npz for builds (user data).",
+    )
     onnxruntime: OnnxRuntimeOptions = Field(default_factory=OnnxRuntimeOptions)
     torch: TorchOptions = Field(default_factory=TorchOptions)
     build: BuildSpec | None = None

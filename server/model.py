@@ -31,6 +31,7 @@ from server.errors import BatchlineError, EngineError, InvalidInput, Unavailable
 from server.gpu import driver_versions, identity
 from server.preprocess import TextTokenizer
 from server.protocol.datatypes import numpy_dtype
+from server.recording import TrafficRecorder
 from server.scheduler.admission import Admission
 from server.scheduler.batcher import Batcher, BatchRunner, QueueSettings
 from server.scheduler.policy import BatchPolicy
@@ -68,6 +69,8 @@ class ModelVersion:
         self._closed = False
         self._admitting = 0  # requests inside admission: an unload lets them reach the queue
         self._admitted = asyncio.Event()
+        self.recorder: TrafficRecorder | None = None  # record_traffic: a sample of client inputs for builds
+        self._recording: asyncio.Task[None] | None = None
         self._admitted.set()
 
     @property
@@ -95,6 +98,11 @@ class ModelVersion:
             replace=self._replace, on_exhausted=self._exhausted,
         )
         self.placement = _placement(self.instances, gpus, driver)
+        if self.config.record_traffic is not None:
+            self.recorder = TrafficRecorder(self.config.record_traffic, self.config, self.path.parent)
+            self._recording = asyncio.create_task(self.recorder.run())
+            logger.info("model %s records a sample of its requests' inputs to %s (record_traffic)",
+                        self.label, self.recorder.path)
         self.state = ModelState.READY
         for instance in self.instances:
             d = instance.pipeline.engine.describe()
@@ -360,6 +368,8 @@ class ModelVersion:
             self._admitting -= 1
             if not self._admitting:
                 self._admitted.set()
+        if self.recorder is not None:
+            self.recorder.offer(inputs, admitted.batch_size)
         # An unload that began meanwhile waited for this request: it is queued and drained.
         if self._closed or self.state not in (ModelState.READY, ModelState.UNLOADING):
             raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready: {self.reason}")
@@ -395,6 +405,9 @@ class ModelVersion:
         if self._batcher is not None:
             await self._batcher.drain()
         self._closed = True  # on the loop, so a replacement warming up now is closed, not kept
+        if self._recording is not None and self.recorder is not None:
+            self._recording.cancel()
+            await self.recorder.write()  # what it recorded since the last write
         instances, self.instances = self.instances, []
         await asyncio.to_thread(_close_all, instances)
         self.state = ModelState.UNAVAILABLE

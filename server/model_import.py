@@ -247,13 +247,15 @@ def _tensors(graph: Any) -> Iterator[Any]:
 
 @contextmanager
 def _staged(repository: Path, name: str) -> Iterator[Path]:
-    """A hidden folder (with 1/) in the repository that becomes `repository/name` by one rename
-    when the block succeeds, and is removed when it does not."""
+    """A hidden folder (with 1/, and eval/ for the data its builds are judged on) in the
+    repository that becomes `repository/name` by one rename when the block succeeds, and is
+    removed when it does not."""
     repository.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}.import-", dir=repository))
     try:
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from a server running as another user
         (staging / "1").mkdir()
+        (staging / "eval").mkdir()
         yield staging
         os.replace(staging, repository / name)
     except BaseException:
@@ -411,5 +413,8 @@ def run_import(args: argparse.Namespace) -> int:
         print(f"batchline import: {exc.message}", file=sys.stderr)
         return 2
     print(f"imported {args.path} as {folder}; review {folder / 'config.yaml'}, then: "
-          f"batchline serve --model-repository {repository} --model {args.name}")
+          f"batchline serve --model-repository {repository} --model {args.name}\n"
+          f"to build quantized variants of it, put items like your traffic in {folder / 'eval' / 'inputs.npz'} "
+          f"(one array per input, named as in the config; labels.npy optional), then: "
+          f"batchline build {args.name} --model-repository {repository} --engine onnxruntime --precision int8")
     return 0

@@ -89,7 +89,8 @@ def build(
     existing = _existing_variant(variant_dir, model)
     builder = select(engine, precision, source_config.engine)
     given = dict(options if options is not None else (existing.build.options if existing and existing.build else {}))
-    data = load_eval_data(repository / model, source_version_dir, calibration=str(given.get("calibration", "train")))
+    data = load_eval_data(repository / model, source_version_dir, source_config,
+                          calibration=str(given.get("calibration", "train")))
     resolved = resolve_options(builder, source_config, data, given)
     gate = gate or (existing.build.gate if existing and existing.build else BuildGate())
     device = _device(engine, device or (existing.build.device if existing and existing.build else "cpu"))
@@ -97,7 +98,8 @@ def build(
     source_digest = file_digest(source_artifact)
     key = cache_key(
         source_digest=source_digest,
-        source_config=source_config.model_dump(mode="json", exclude={"name", "openai"}),  # serving only: no rebuild
+        # serving only (no rebuild): the name, OpenAI's route, traffic recording
+        source_config=source_config.model_dump(mode="json", exclude={"name", "openai", "record_traffic"}),
         engine=engine,
         precision=precision,
         device=_device_identity(device),
@@ -143,7 +145,14 @@ def _build(
             engine=engine, precision=precision, device=device, stage=stage, work=Path(work), options=resolved, data=data,
             progress=lambda m: progress(f"{variant}: {m}"), track=track,
         )
-        output = builder.run(context)
+        try:
+            output = builder.run(context)
+        except BuildError:
+            raise
+        except Exception as exc:  # the libraries' own errors on a model they cannot take: said, not a traceback
+            logger.debug("the %s %s build of %s failed", engine, precision, source_info["model"], exc_info=True)
+            raise BuildError(f"the {engine} {precision} build failed: {type(exc).__name__}: "
+                             f"{str(exc).strip()[:2000]}") from exc
         if source_config.tokenize is not None:
             tokenizer = source_config.tokenize.tokenizer
             shutil.copyfile(source_version_dir / tokenizer, stage / tokenizer)
@@ -162,7 +171,7 @@ def _build(
         progress(f"{variant}: evaluating against FP32 on {data.kind} held-out data")
         reference = _reference(source_config, source_version_dir, data, source_info["sha256"], track, device)
         outputs = evaluate(variant_config, stage, data, track, "evaluating the build: ", device)
-        quality = judge(data, reference, outputs, gate)
+        quality = judge(data, reference, outputs, gate, embedding_model=source_config.openai is not None)
         quality["gate"] = gate.model_dump(mode="json")
         servable = bool(quality["passed"] or not gate.enforce)
         notes = list(output.notes)

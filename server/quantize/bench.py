@@ -95,7 +95,7 @@ def _child(request_path: Path) -> dict[str, Any]:
 
     request = json.loads(request_path.read_text())
     config = with_threads(ModelConfig.model_validate(request["config"]), request["threads"])
-    data = load_eval_data(Path(request["model_dir"]), Path(request["data_version_dir"]))
+    data = load_eval_data(Path(request["model_dir"]), Path(request["data_version_dir"]), config)
     rss_before = _rss_mb()
     runner = Runner(config, Path(request["version_dir"]), request["device"])
     rows = []

@@ -1,9 +1,17 @@
-"""Evaluation and calibration data that ship with a model (`models/<model>/eval/dataset.json`).
+"""Evaluation and calibration data of a model, in its own folder (`models/<model>/eval/`).
 
 The gate is only as good as its data, so the data is declared next to the model rather than
-hidden in code: classifiers evaluate on the held-out split saved by their build and calibrate on
-a deterministic sample of the *training* split (never the held-out one); embedding models
-evaluate on sentences and known-order triplets written for the project.
+hidden in code. Two forms:
+- `eval/inputs.npz` (any model, a user's own included): one array per input of the model, named
+  as its config names them, items along the first axis (text as a numpy string array), and
+  optionally `eval/labels.npy` (an integer class per item). The items are split once,
+  deterministically (seed 0): up to `MAX_CALIBRATION` of them, never more than half, calibrate;
+  the rest evaluate; the two never overlap. Without it, `eval/recorded.npz`, the same format,
+  written by the server from live traffic where the model's config asks for it
+  (`record_traffic`, server/recording.py).
+- `eval/dataset.json`, for the two shipped models: digits evaluates on the held-out split its
+  build saved and calibrates on a deterministic sample of the *training* split; minilm on
+  sentences and known-order triplets written for the project.
 """
 
 from __future__ import annotations
@@ -15,24 +23,42 @@ from pathlib import Path
 
 import numpy as np
 
+from server.config import ModelConfig
 from server.quantize.errors import BuildError, EvalDataUnavailable
+from server.recording import RECORDED_FILE
 
 DATASET_FILE = Path("eval") / "dataset.json"
+INPUTS_FILE = Path("eval") / "inputs.npz"
+LABELS_FILE = Path("eval") / "labels.npy"
 CALIBRATIONS = ("train", "zeros", "noise")  # the last two are deliberately broken (gate tests)
+MAX_CALIBRATION = 256
+SPLIT_SEED = 0
 
 
 @dataclass(frozen=True)
-class ClassificationData:
-    """Held-out images with labels, and calibration images from the training split."""
+class TensorData:
+    """Named input arrays (API names, items first) to evaluate on, a disjoint set to calibrate
+    on, and the labels of the evaluation items when there are any."""
 
-    input: str
-    output: str
-    images: np.ndarray
-    labels: np.ndarray
-    calibration: np.ndarray
+    inputs: dict[str, np.ndarray]
+    calibration: dict[str, np.ndarray]
+    labels: np.ndarray | None
+    output: str  # the output the gate judges (API name)
     fingerprint: str
+    origin: str  # where the items came from, for the report
 
-    kind = "classification"
+    @property
+    def kind(self) -> str:
+        """What the gate judges by default: classes when there are labels, else the tensors."""
+        return "classification" if self.labels is not None else "tensor"
+
+    @property
+    def count(self) -> int:
+        return len(next(iter(self.inputs.values())))
+
+    @property
+    def calibration_count(self) -> int:
+        return len(next(iter(self.calibration.values())))
 
 
 @dataclass(frozen=True)
@@ -46,32 +72,91 @@ class EmbeddingData:
     kind = "embedding"
 
     @property
+    def count(self) -> int:
+        return len(self.sentences)
+
+    @property
     def triplet_texts(self) -> list[str]:
         return [text for triplet in self.triplets for text in triplet]
 
 
-EvalData = ClassificationData | EmbeddingData
+EvalData = TensorData | EmbeddingData
 
 
-def load_eval_data(model_dir: Path, version_dir: Path, calibration: str = "train") -> EvalData:
-    """Read the model's dataset.json; `calibration` other than "train" breaks it on purpose."""
-    spec_path = model_dir / DATASET_FILE
-    if not spec_path.is_file():
-        raise EvalDataUnavailable(
-            f"{spec_path} is missing: a build is evaluated against FP32 on the model's own held-out data"
-        )
+def load_eval_data(model_dir: Path, version_dir: Path, config: ModelConfig, calibration: str = "train") -> EvalData:
+    """The model's evaluation data: eval/dataset.json when there is one, else eval/inputs.npz.
+    `calibration` other than "train" breaks the calibration set on purpose (gate tests)."""
     if calibration not in CALIBRATIONS:
         raise BuildError(f"calibration {calibration!r} is not one of {', '.join(CALIBRATIONS)}")
-    spec = json.loads(spec_path.read_text(encoding="utf-8"))
-    kind = spec.get("kind")
-    if kind == "classification":
-        return _classification(spec, spec_path, version_dir, calibration)
-    if kind == "embedding":
-        return _embedding(spec, spec_path.parent)
-    raise BuildError(f"{spec_path}: kind {kind!r} is not 'classification' or 'embedding'")
+    spec_path = model_dir / DATASET_FILE
+    if spec_path.is_file():
+        spec = json.loads(spec_path.read_text(encoding="utf-8"))
+        kind = spec.get("kind")
+        if kind == "classification":
+            return _classification(spec, spec_path, version_dir, calibration)
+        if kind == "embedding":
+            return _embedding(spec, spec_path.parent)
+        raise BuildError(f"{spec_path}: kind {kind!r} is not 'classification' or 'embedding'")
+    for stored in (INPUTS_FILE, RECORDED_FILE):
+        if (model_dir / stored).is_file():
+            return _tensors(model_dir, stored, config, calibration)
+    raise EvalDataUnavailable(
+        f"{model_dir / INPUTS_FILE} is missing: a build is judged against FP32 on the model's own data "
+        f"(one array per input, named as in its config; optionally {LABELS_FILE} with a class per item), "
+        f"or on {RECORDED_FILE} recorded from traffic (record_traffic in its config)"
+    )
 
 
-def _classification(spec: dict, spec_path: Path, version_dir: Path, calibration: str) -> ClassificationData:
+def _tensors(model_dir: Path, stored: Path, config: ModelConfig, calibration: str) -> TensorData:
+    """eval/inputs.npz (+ labels.npy) or eval/recorded.npz, checked against the config, split
+    into calibration and evaluation items once, deterministically."""
+    path = model_dir / stored
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+        labels_path = model_dir / LABELS_FILE
+        labels = np.load(labels_path, allow_pickle=False) if stored == INPUTS_FILE and labels_path.is_file() else None
+    except (OSError, ValueError) as exc:
+        raise BuildError(f"cannot read {path}: {exc}") from exc
+    names = [t.name for t in config.inputs]
+    if sorted(arrays) != sorted(names):
+        raise BuildError(f"{path} holds {sorted(arrays)}; the model's inputs are {names} (one array each, "
+                         "named as the config names them)")
+    counts = {len(array) if array.ndim else 0 for array in arrays.values()}
+    if len(counts) != 1 or (count := counts.pop()) < 2:
+        raise BuildError(f"{path}: every array needs the same number of items (its first axis), at least 2")
+    for tensor in config.inputs:
+        array = arrays[tensor.name]
+        textual = array.dtype.kind in "US"
+        if (tensor.datatype == "BYTES") != textual:
+            raise BuildError(f"{path}: {tensor.name!r} is {tensor.datatype} in the config but holds {array.dtype} "
+                             "(text as a numpy string array, numbers as numbers)")
+    if labels is not None and (labels.shape != (count,) or labels.dtype.kind not in "iu"):
+        raise BuildError(f"{model_dir / LABELS_FILE}: one integer class per item ({count}), got "
+                         f"{labels.dtype} {labels.shape}")
+    order = np.random.default_rng(SPLIT_SEED).permutation(count)
+    cut = min(MAX_CALIBRATION, count // 2)
+    calibrate, evaluate = np.sort(order[:cut]), np.sort(order[cut:])
+    chosen = {name: broken_calibration(np.ascontiguousarray(array[calibrate]), calibration)
+              for name, array in arrays.items()}
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(arrays[name]).tobytes())
+    if labels is not None:
+        digest.update(np.ascontiguousarray(labels).tobytes())
+    digest.update(calibration.encode())
+    return TensorData(
+        inputs={name: np.ascontiguousarray(array[evaluate]) for name, array in arrays.items()},
+        calibration=chosen,
+        labels=None if labels is None else labels[evaluate].astype(np.int64),
+        output=config.outputs[0].name,
+        fingerprint=digest.hexdigest(),
+        origin=f"{stored}: {len(evaluate)} items evaluate, {cut} others are kept for calibration",
+    )
+
+
+def _classification(spec: dict, spec_path: Path, version_dir: Path, calibration: str) -> TensorData:
     heldout_path = version_dir / spec.get("heldout", "heldout.npz")
     if not heldout_path.is_file():
         raise EvalDataUnavailable(f"{heldout_path} is missing (was the model built?)")
@@ -89,13 +174,14 @@ def _classification(spec: dict, spec_path: Path, version_dir: Path, calibration:
     digest = hashlib.sha256()
     for array in (images, labels, chosen):
         digest.update(np.ascontiguousarray(array).tobytes())
-    return ClassificationData(
-        input=spec.get("input", "input"),
-        output=spec.get("output", "output"),
-        images=images,
+    name = spec.get("input", "input")
+    return TensorData(
+        inputs={name: images},
+        calibration={name: chosen},
         labels=labels,
-        calibration=chosen,
+        output=spec.get("output", "output"),
         fingerprint=digest.hexdigest(),
+        origin=f"{spec_path.name}: the held-out split, calibration from the training split",
     )
 
 
@@ -130,6 +216,8 @@ def sklearn_digits_train(cal_spec: dict, heldout: np.ndarray) -> np.ndarray:
 
 def broken_calibration(images: np.ndarray, how: str) -> np.ndarray:
     """"zeros"/"noise" replace the calibration set with garbage, to prove the gate catches it."""
+    if how == "train" or images.dtype.kind not in "fc":
+        return images
     if how == "zeros":
         return np.zeros_like(images)
     if how == "noise":

@@ -25,7 +25,7 @@ import numpy as np
 
 from server.config import ModelConfig
 from server.quantize.builders import BuildContext, BuildOutput, Options
-from server.quantize.data import ClassificationData, EvalData
+from server.quantize.data import EvalData, TensorData
 from server.quantize.errors import BuildError
 from server.quantize.progress import Track
 
@@ -48,20 +48,20 @@ def export_program(program_path: Path, out: Path, config: ModelConfig, data: Eva
     import onnx
     import torch
 
-    if config.tokenize is not None or len(config.inputs) != 1:
-        raise BuildError("exporting a torch program to ONNX is supported for single-input models only")
+    if config.tokenize is not None:
+        raise BuildError("exporting a text model's torch program to ONNX is not supported; import its ONNX graph")
     from server.engines.torch import EXPORT_LOCK, load_program
 
     program = load_program(program_path)
-    example = torch.from_numpy(_example(config, data))
+    examples = tuple(torch.from_numpy(example) for example in _examples(config, data))
     with EXPORT_LOCK, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         logging.getLogger("torch").setLevel(logging.ERROR)
         torch.onnx.export(
             program,
-            (example,),
+            examples,
             str(out),
-            input_names=[config.inputs[0].source_name],
+            input_names=[t.source_name for t in config.inputs],
             output_names=[t.source_name for t in config.outputs],
             dynamo=True,
             external_data=False,
@@ -75,11 +75,12 @@ def export_program(program_path: Path, out: Path, config: ModelConfig, data: Eva
     onnx.save(model, str(out))
 
 
-def _example(config: ModelConfig, data: EvalData) -> np.ndarray:
-    if isinstance(data, ClassificationData):
-        return np.ascontiguousarray(data.images[:8])  # batch > 1 keeps the batch dim dynamic
-    dims = [8, *(d if d > 0 else 1 for d in config.inputs[0].dims)]
-    return np.zeros(dims, dtype=np.float32)
+def _examples(config: ModelConfig, data: EvalData) -> list[np.ndarray]:
+    """One example batch per input, in the config's order (8 items: a batch > 1 keeps the batch
+    dim dynamic): evaluation items where there are some, else zeros."""
+    if isinstance(data, TensorData):
+        return [np.ascontiguousarray(data.inputs[t.name][:8]) for t in config.inputs]
+    return [np.zeros([8, *(d if d > 0 else 1 for d in t.dims)], dtype=np.float32) for t in config.inputs]
 
 
 # --- FP32 --------------------------------------------------------------------------------------
@@ -132,7 +133,7 @@ def fp16(ctx: BuildContext) -> BuildOutput:
 
 
 def int8_defaults(source: ModelConfig, data: EvalData) -> Options:
-    static = isinstance(data, ClassificationData)
+    static = isinstance(data, TensorData) and source.tokenize is None  # text: no calibration to draw
     options: Options = {
         "mode": "static" if static else "dynamic",
         "per_channel": True,
@@ -234,10 +235,12 @@ def _dynamic(prepared: Path, ctx: BuildContext, notes: list[str]) -> BuildOutput
 
 
 class _Calibration:
-    """onnxruntime's CalibrationDataReader over the calibration images, in small batches."""
+    """onnxruntime's CalibrationDataReader over the calibration items, in small batches."""
 
-    def __init__(self, name: str, images: np.ndarray, track: Track, batch: int = 32) -> None:
-        batches = [{name: images[i : i + batch]} for i in range(0, len(images), batch)]
+    def __init__(self, config: ModelConfig, items: dict[str, np.ndarray], track: Track, batch: int = 32) -> None:
+        count = len(next(iter(items.values())))
+        names = {t.name: t.source_name for t in config.inputs}
+        batches = [{names[name]: array[i : i + batch] for name, array in items.items()} for i in range(0, count, batch)]
         self._batches = iter(track(batches, "calibrating", len(batches)))
 
     def get_next(self) -> dict[str, np.ndarray] | None:
@@ -252,21 +255,21 @@ def _static(prepared: Path, ctx: BuildContext, notes: list[str]) -> BuildOutput:
 def static_qdq_graph(ctx: BuildContext, notes: list[str]) -> Path:
     """A calibrated, symmetric Q/DQ graph of the source in the scratch folder: what TensorRT's
     explicit quantization builds INT8 engines from (TensorRT takes zero points of 0 only)."""
-    if not isinstance(ctx.data, ClassificationData):
-        raise BuildError("TensorRT INT8 calibrates on images; this model has none (build fp16 or bf16 plans)")
+    if not isinstance(ctx.data, TensorData) or ctx.source_config.tokenize is not None:
+        raise BuildError("TensorRT INT8 calibrates on numeric inputs; this model has none (build fp16 or bf16 plans)")
     out = ctx.work / "qdq.onnx"
     quantize_qdq(_pre_process(source_onnx(ctx), ctx, notes), out, ctx, notes, symmetric=True)
     return out
 
 
 def quantize_qdq(prepared: Path, out: Path, ctx: BuildContext, notes: list[str], *, symmetric: bool) -> str:
-    """ORT `quantize_static` in QDQ format, calibrated on the model's training images; returns
+    """ORT `quantize_static` in QDQ format, calibrated on the model's calibration items; returns
     what it did. `symmetric`: zero points of 0 for weights and activations (TensorRT's rule)."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     data = ctx.data
-    if not isinstance(data, ClassificationData):
-        raise BuildError("static INT8 needs calibration images; text models use mode: dynamic")
+    if not isinstance(data, TensorData) or ctx.source_config.tokenize is not None:
+        raise BuildError("static INT8 calibrates on numeric inputs; text models use mode: dynamic")
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                "percentile": CalibrationMethod.Percentile}
     method = ctx.options["calibrate_method"]
@@ -275,8 +278,8 @@ def quantize_qdq(prepared: Path, out: Path, ctx: BuildContext, notes: list[str],
     calibration = ctx.options["calibration"]
     if calibration != "train":
         notes.append(f"DELIBERATELY BROKEN calibration {calibration!r} (gate test)")
-    ctx.progress(f"static INT8 QDQ quantization, calibrated ({method}) on {len(data.calibration)} training images")
-    reader = _Calibration(ctx.source_config.inputs[0].source_name, data.calibration, ctx.track)
+    ctx.progress(f"static INT8 QDQ quantization, calibrated ({method}) on {data.calibration_count} items")
+    reader = _Calibration(ctx.source_config, data.calibration, ctx.track)
     quantize_static(
         str(prepared),
         str(out),
@@ -291,4 +294,4 @@ def quantize_qdq(prepared: Path, out: Path, ctx: BuildContext, notes: list[str],
         else {"CalibTensorRangeSymmetric": False},
     )
     return (f"QDQ format, QInt8 weights and activations{' (symmetric)' if symmetric else ''}, {method}"
-            f" calibration on {len(data.calibration)} training-split images")
+            f" calibration on {data.calibration_count} items apart from those evaluated")

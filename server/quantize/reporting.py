@@ -77,13 +77,13 @@ class BuildReport:
             f"# Build {self.variant}" + (f" version {self.version}" if self.version is not None else ""),
             "",
             f"- {self.summary()}",
-            f"- built for the {self.device.upper()}; source: `{src.get('model')}` version {src.get('version')} ({src.get('engine')}, fp32),"
+            (f"- built for the {self.device.upper()}; source: `{src.get('model')}` version {src.get('version')} ({src.get('engine')}, fp32),"
             f" {_mb(src.get('size_bytes'))} -> {_mb(self.artifact.get('size_bytes'))}"
-            f" ({self.artifact.get('file', '?')})",
+            f" ({self.artifact.get('file', '?')})"),
             f"- engine {self.engine}, precision {self.precision}: {self.method}",
             f"- options: {json.dumps(self.options, sort_keys=True)}",
-            f"- cache key `{self.cache_key[:16]}`, built {self.built_at} in {self.build_seconds:.1f}s"
-            f" (build process peak RSS {self.build_peak_rss_mb:.0f} MB)",
+            (f"- cache key `{self.cache_key[:16]}`, built {self.built_at} in {self.build_seconds:.1f}s"
+            f" (build process peak RSS {self.build_peak_rss_mb:.0f} MB)"),
             "",
             "## Quality vs FP32",
             "",
@@ -94,11 +94,12 @@ class BuildReport:
         reference = self.quality.get("reference", {})
         for metric, value in self.quality.get("metrics", {}).items():
             check = checks.get(metric)
-            gate = f"{check['op']} {check['threshold']:.4f}: {'pass' if check['passed'] else 'FAIL'}" if check else ""
+            gate = f"{check['op']} {check['threshold']:.4f}: {'pass' if check['passed'] else 'FAIL'}" if check else "(reported)"
             lines.append(f"| {metric} | {_fmt(value)} | {_fmt(reference.get(metric, ''))} | {gate} |")
         enforced = self.quality.get("enforced", True)
-        lines += ["", f"Gate {'enforced' if enforced else 'NOT enforced (build.gate.enforce: false)'}"
-                  f" on {self.quality.get('samples', '?')} held-out samples.", ""]
+        data = f" ({self.quality['data']})" if self.quality.get("data") else ""
+        lines += ["", (f"Gate ({self.quality.get('kind', '?')}) {'enforced' if enforced else 'NOT enforced (build.gate.enforce: false)'}"
+                  f" on {self.quality.get('samples', '?')} held-out samples{data}."), ""]
         bench = self.benchmark
         if bench:
             lines += [
@@ -149,7 +150,9 @@ class BuildReport:
 
 
 def _mb(size: Any) -> str:
-    return f"{size / 1e6:.2f} MB" if isinstance(size, (int, float)) else "?"
+    if not isinstance(size, (int, float)):
+        return "?"
+    return f"{size / 1e6:.2f} MB" if size >= 1e6 else f"{size / 1e3:.1f} KB"
 
 
 def _fmt(value: Any) -> str:

@@ -15,7 +15,7 @@ from server.devices import Device
 from server.engines import create_engine
 from server.preprocess import TextTokenizer
 from server.protocol.datatypes import numpy_dtype
-from server.quantize.data import ClassificationData, EmbeddingData, EvalData
+from server.quantize.data import EmbeddingData, EvalData, TensorData
 from server.quantize.progress import Track, untracked
 
 
@@ -47,28 +47,45 @@ class Runner:
         self.output = config.outputs[0].source_name
         # what clients would send: an FP16-input build (keep_io_types: false) gets FP16 arrays
         self._input_dtypes = {t.source_name: numpy_dtype(t.datatype) for t in config.inputs if t.datatype != "BYTES"}
+        self._source_names = {t.name: t.source_name for t in config.inputs}
 
     def close(self) -> None:
         self.engine.close()
 
-    def run(self, feed: dict[str, np.ndarray]) -> np.ndarray:
-        """One batch through the engine; the model's first output as float32."""
-        return np.asarray(self.engine.run(feed)[self.output], dtype=np.float32)
+    def run(self, feed: dict[str, np.ndarray], output: str | None = None) -> np.ndarray:
+        """One batch through the engine; the output named (API name; default the first) as float32."""
+        tensor = self.config.output(output) if output is not None else None
+        name = tensor.source_name if tensor is not None else self.output
+        return np.asarray(self.engine.run(feed)[name], dtype=np.float32)
 
     def feed(self, data: EvalData, batch: int, sequence_length: int | None = None) -> dict[str, np.ndarray]:
         """A benchmark batch of `batch` items drawn (cycled) from the evaluation data."""
-        if isinstance(data, ClassificationData):
-            index = np.arange(batch) % len(data.images)
-            return self._typed({self._input_name(): np.ascontiguousarray(data.images[index])})
+        if isinstance(data, TensorData):
+            index = np.arange(batch) % data.count
+            return self.items({name: array[index] for name, array in data.inputs.items()}, sequence_length)
         texts = [data.sentences[i % len(data.sentences)] for i in range(batch)]
         return self._tokens(texts, sequence_length)
 
+    def items(self, arrays: dict[str, np.ndarray], sequence_length: int | None = None) -> dict[str, np.ndarray]:
+        """The engine's feed for items given as the model's inputs (API names): numbers typed as
+        the config says, the text of a tokenizing model tokenized."""
+        if self.tokenizer is not None:
+            assert self.config.tokenize is not None
+            texts = [t.decode("utf-8", "replace") if isinstance(t, bytes) else str(t)
+                     for t in np.asarray(arrays[self.config.tokenize.input]).reshape(-1)]
+            return self._tokens(texts, sequence_length)
+        return self._typed({self._source_names[name]: np.ascontiguousarray(array) for name, array in arrays.items()})
+
     def outputs(self, data: EvalData, texts: list[str] | None = None, batch: int = 16,
                 track: Track = untracked, description: str = "evaluating") -> np.ndarray:
-        """The model's outputs for every evaluation item (or `texts`), in order."""
-        if isinstance(data, ClassificationData):
-            starts = range(0, len(data.images), 64)
-            parts = [self.run(self._typed({self._input_name(): data.images[i : i + 64]})) for i in track(starts, description)]
+        """The judged output for every evaluation item (or `texts`), in order."""
+        if isinstance(data, TensorData):
+            if not self.config.batched:  # one item at a time, without a batch axis
+                return np.stack([self.run(self.items({n: a[i] for n, a in data.inputs.items()}), data.output)
+                                 for i in track(range(data.count), description)])
+            step = min(batch if self.tokenizer is not None else 64, self.config.max_batch_size)
+            parts = [self.run(self.items({n: a[i : i + step] for n, a in data.inputs.items()}), data.output)
+                     for i in track(range(0, data.count, step), description)]
             return np.concatenate(parts)
         items = texts if texts is not None else data.sentences
         order = sorted(range(len(items)), key=lambda i: len(items[i]))  # like lengths share a batch
@@ -80,9 +97,6 @@ class Runner:
 
     def _typed(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {k: v.astype(self._input_dtypes[k], copy=False) if k in self._input_dtypes else v for k, v in feed.items()}
-
-    def _input_name(self) -> str:
-        return self.config.inputs[0].source_name
 
     def _tokens(self, texts: list[str], sequence_length: int | None = None) -> dict[str, np.ndarray]:
         assert self.tokenizer is not None, "a text model needs preprocess.tokenize"
@@ -110,6 +124,6 @@ def evaluate(config: ModelConfig, version_dir: Path, data: EvalData, track: Trac
                 "sentences": runner.outputs(data, track=track, description=f"{label}sentences"),
                 "triplets": runner.outputs(data, data.triplet_texts, track=track, description=f"{label}triplets"),
             }
-        return {"probabilities": runner.outputs(data, track=track, description=f"{label}held-out images")}
+        return {"output": runner.outputs(data, track=track, description=f"{label}held-out items")}
     finally:
         runner.close()

@@ -26,7 +26,7 @@ import numpy as np
 
 from server.config import ModelConfig
 from server.quantize.builders import BuildContext, BuildOutput, Options
-from server.quantize.data import ClassificationData, EvalData
+from server.quantize.data import EvalData, TensorData
 from server.quantize.errors import BuildError
 
 if TYPE_CHECKING:
@@ -132,16 +132,17 @@ def _static(ctx: BuildContext) -> BuildOutput:
     from server.engines.torch import load_program
 
     data = ctx.data
-    if not isinstance(data, ClassificationData):
-        raise BuildError("static torch INT8 needs calibration images (an image model)")
-    ctx.progress(f"PT2E INT8 quantization, calibrated on {len(data.calibration)} training images")
+    if not isinstance(data, TensorData):
+        raise BuildError("static torch INT8 calibrates on numeric inputs (eval/inputs.npz); this model has none")
+    ctx.progress(f"PT2E INT8 quantization, calibrated on {data.calibration_count} items")
     program = load_program(ctx.source_artifact)
     quantizer = X86InductorQuantizer()
     quantizer.set_global(get_default_x86_inductor_quantization_config())
     prepared = prepare_pt2e(program.module(), quantizer)
     with torch.no_grad():
-        for start in ctx.track(range(0, len(data.calibration), 32), "calibrating"):
-            prepared(torch.from_numpy(np.ascontiguousarray(data.calibration[start : start + 32])))
+        for start in ctx.track(range(0, data.calibration_count, 32), "calibrating"):
+            prepared(*(torch.from_numpy(np.ascontiguousarray(data.calibration[t.name][start : start + 32]))
+                       for t in ctx.source_config.inputs))
     _export(convert_pt2e(prepared), ctx)
     notes = [
         "eager PyTorch simulates Q/DQ in FP32: slower than FP32 until torch.compile (Inductor) lowers it",
@@ -162,16 +163,27 @@ def _export(module: torch.nn.Module, ctx: BuildContext) -> None:
     """torch.export with a dynamic batch, saved into the stage (an archive, never a pickle)."""
     import torch
 
-    example = _example(ctx)
-    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
-    exported = torch.export.export(module, (example,), dynamic_shapes=({0: batch},))
+    examples = _examples(ctx)
+    batch = torch.export.Dim("batch", min=1, max=_batch_limit(ctx))
+    exported = torch.export.export(module, examples, dynamic_shapes=tuple({0: batch} for _ in examples))
     torch.export.save(exported, str(ctx.stage / ARTIFACT))
 
 
-def _example(ctx: BuildContext) -> torch.Tensor:
+def _batch_limit(ctx: BuildContext) -> int:
+    """The largest batch the source program was exported for (its dynamic dims' tightest upper
+    bound), at most MAX_BATCH: the build cannot take more than its source did."""
+    from server.engines.torch import load_program
+
+    uppers = [int(r.upper) for r in load_program(ctx.source_artifact).range_constraints.values()
+              if r.upper.is_finite and int(r.upper) >= 1]
+    return min([MAX_BATCH, *uppers])
+
+
+def _examples(ctx: BuildContext) -> tuple[torch.Tensor, ...]:
+    """One example batch of 8 items per input, in the config's order, from the evaluation data."""
     import torch
 
     data = ctx.data
-    if isinstance(data, ClassificationData):
-        return torch.from_numpy(np.ascontiguousarray(data.images[:8]))
-    raise BuildError("torch builds export with example images; this model's evaluation data has none")
+    if isinstance(data, TensorData):
+        return tuple(torch.from_numpy(np.ascontiguousarray(data.inputs[t.name][:8])) for t in ctx.source_config.inputs)
+    raise BuildError("torch builds export with example inputs; this model's evaluation data has none")

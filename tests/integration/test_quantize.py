@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
+from server.config import load_model_config
 from server.quantize import build
 from server.quantize.data import load_eval_data
 from server.quantize.quality import cosines, nearest_neighbours
@@ -50,7 +51,7 @@ def test_the_variant_is_listed_and_ready(url: str) -> None:
 
 
 def test_served_int8_embeddings_stay_within_the_gate(url: str) -> None:
-    data = load_eval_data(MODELS / "minilm", MODELS / "minilm" / "1")
+    data = load_eval_data(MODELS / "minilm", MODELS / "minilm" / "1", load_model_config(MODELS / "minilm" / "config.yaml"))
     sentences = data.sentences
     fp32 = np.concatenate([infer_text(url, "minilm", sentences[i : i + 16]) for i in range(0, len(sentences), 16)])
     int8 = np.concatenate([infer_text(url, VARIANT, sentences[i : i + 16]) for i in range(0, len(sentences), 16)])

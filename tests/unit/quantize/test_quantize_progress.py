@@ -38,5 +38,5 @@ def test_every_long_step_of_a_build_is_tracked(repository: Path) -> None:
                    bench_seconds=0.05, bench_batches=[1, 8])
     assert result.servable
     assert steps["calibrating"][0] == steps["calibrating"][1] > 0
-    assert steps["evaluating the build: held-out images"][0] == 6  # 360 images, 64 a batch
+    assert steps["evaluating the build: held-out items"][0] == 6  # 360 images, 64 a batch
     assert steps["timing the build"] == (3, 3)  # a line per batch size, then the figures

@@ -52,7 +52,7 @@ def test_a_changed_spec_is_not_served_from_the_old_build(served: Path, tmp_path:
     config = yaml.safe_load(config_path.read_text())
     config["build"]["precision"] = config["precision"] = "fp16"
     config_path.write_text(yaml.safe_dump(config))
-    with pytest.raises(EngineError, match="no build of this spec is published.*dataset.json is missing"):
+    with pytest.raises(EngineError, match="no build of this spec is published.*eval/inputs.npz is missing"):
         _ensure(repository)
 
 

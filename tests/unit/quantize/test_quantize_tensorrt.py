@@ -244,7 +244,7 @@ def _context(repository: Path, tmp_path: Path, precision: str, **options: object
         source_config=load_model_config(source / "config.yaml"), source_version_dir=source / "1",
         source_artifact=source / "1" / "model.pt2", engine="tensorrt", precision=precision, device="gpu",
         stage=tmp_path / "stage", work=tmp_path, options={**defaults, **options},
-        data=load_eval_data(source, source / "1"), progress=lambda _: None, track=untracked,
+        data=load_eval_data(source, source / "1", load_model_config(source / "config.yaml")), progress=lambda _: None, track=untracked,
     )
 
 
@@ -282,5 +282,5 @@ def test_int8_plans_of_a_text_model_are_refused_before_any_work() -> None:
     from server.quantize.onnx_builds import static_qdq_graph
 
     context = SimpleNamespace(data=EmbeddingData(sentences=["a"], triplets=[], fingerprint="f"))
-    with pytest.raises(BuildError, match="calibrates on images"):
+    with pytest.raises(BuildError, match="calibrates on numeric inputs"):
         static_qdq_graph(context, [])  # type: ignore[arg-type]

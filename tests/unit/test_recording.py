@@ -1,0 +1,106 @@
+"""record_traffic: a bounded, rate-limited, uniform sample of admitted inputs, written atomically
+in the format builds read, and read back by them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from server.config import ModelConfig, RecordTraffic
+from server.quantize.data import TensorData, load_eval_data
+from server.recording import RECORDED_FILE, TrafficRecorder
+
+
+def config(**changes: Any) -> ModelConfig:
+    document = {
+        "name": "mine", "engine": "onnxruntime", "max_batch_size": 32,
+        "inputs": [{"name": "x", "datatype": "FP32", "dims": [2]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "dims": [2]}],
+    }
+    return ModelConfig.model_validate(document | changes)
+
+
+def batch(first: float, size: int) -> dict[str, tuple[str, np.ndarray]]:
+    values = np.arange(first, first + size, dtype=np.float32)
+    return {"x": ("FP32", np.stack([values, values], axis=1))}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_rate_bounds_what_is_considered(tmp_path: Path) -> None:
+    clock = Clock()
+    recorder = TrafficRecorder(RecordTraffic(max_per_second=2), config(), tmp_path, clock=clock, seed=0)
+    for i in range(10):  # ten requests in the same instant: one is let in
+        recorder.offer(batch(i, 1), 1)
+    assert recorder.considered == 1
+    clock.now = 1.0  # a second later: one more (the rate allows no bursts)
+    for i in range(10):
+        recorder.offer(batch(i, 1), 1)
+    assert recorder.considered == 2
+
+
+def test_the_sample_stays_within_its_items_and_bytes_and_is_uniform(tmp_path: Path) -> None:
+    clock = Clock()
+    recorder = TrafficRecorder(RecordTraffic(max_items=50, max_per_second=1), config(), tmp_path, clock=clock, seed=0)
+    for i in range(2000):
+        clock.now += 1.0
+        recorder.offer(batch(float(i), 1), 1)
+    assert len(recorder.items) == 50 and recorder.considered == 2000
+    kept = np.array([item["x"][0] for item in recorder.items])
+    assert kept.mean() == pytest.approx(1000, rel=0.25)  # drawn from the whole run, not its start
+    small = TrafficRecorder(RecordTraffic(max_bytes=40, max_per_second=1000), config(), tmp_path, clock=clock)
+    clock.now += 1.0
+    small.offer(batch(0.0, 8), 8)  # 8 items of 8 bytes: 5 fit in 40
+    assert len(small.items) == 5 and small.bytes == 40
+
+
+def test_at_most_eight_items_of_one_request_are_considered(tmp_path: Path) -> None:
+    recorder = TrafficRecorder(RecordTraffic(), config(), tmp_path, clock=Clock())
+    recorder.offer(batch(0.0, 32), 32)
+    assert recorder.considered == 8
+
+
+async def test_the_sample_is_written_as_a_build_reads_it(tmp_path: Path) -> None:
+    clock = Clock()
+    recorder = TrafficRecorder(RecordTraffic(max_per_second=1000), config(), tmp_path, clock=clock)
+    for i in range(6):
+        clock.now += 1.0
+        recorder.offer(batch(float(i * 8), 8), 8)
+    assert await recorder.write()
+    assert not await recorder.write()  # nothing new since
+    with np.load(tmp_path / RECORDED_FILE) as stored:
+        assert stored.files == ["x"] and stored["x"].shape == (48, 2)
+    data = load_eval_data(tmp_path, tmp_path / "1", config())
+    assert isinstance(data, TensorData) and data.labels is None and "recorded.npz" in data.origin
+    assert data.count + data.calibration_count == 48
+    assert not list((tmp_path / "eval").glob(".recorded-*")), "no temporary file left behind"
+
+
+async def test_text_is_written_as_numpy_strings(tmp_path: Path) -> None:
+    text = config(inputs=[{"name": "text", "datatype": "BYTES", "dims": [1]}])
+    recorder = TrafficRecorder(RecordTraffic(max_per_second=1000), text, tmp_path, clock=Clock())
+    recorder.offer({"text": ("BYTES", np.array([[b"caf\xc3\xa9"], [b"two"]], dtype=object))}, 2)
+    await recorder.write()
+    with np.load(tmp_path / RECORDED_FILE) as stored:
+        assert stored["text"].dtype.kind == "U" and stored["text"].ravel().tolist() == ["café", "two"]
+
+
+async def test_a_repository_it_cannot_write_is_said_once_and_serving_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "eval").write_text("a file where the folder should be")
+    recorder = TrafficRecorder(RecordTraffic(max_per_second=1000), config(), tmp_path, clock=Clock())
+    recorder.offer(batch(0.0, 1), 1)
+    assert not await recorder.write()
+    recorder.offer(batch(1.0, 1), 1)
+    assert not await recorder.write()
+    assert sum("cannot write the recorded requests" in r.message for r in caplog.records) == 1
