@@ -14,12 +14,12 @@ import orjson
 import pytest
 
 from server.dataplane import DataPlane
-from server.http import v2_infer
-from server.http.app import create_app
-from server.http.infer import CONTROL_BODY_BYTES, FastInferApp, InferEndpoint
 from server.errors import InvalidInput, ServerBusy
 from server.grpc.protos import grpc_service_pb2 as pb
 from server.grpc.servicer import InferenceServicer
+from server.http import v2_infer
+from server.http.app import create_app
+from server.http.infer import CONTROL_BODY_BYTES, FastInferApp, InferEndpoint
 from server.inflight import InFlight
 from server.protocol.v2 import decode_request
 from server.repository import ModelRepository
