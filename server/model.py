@@ -16,6 +16,7 @@ and a version with none left is unavailable until it is reloaded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
@@ -99,10 +100,11 @@ class ModelVersion:
         )
         self.placement = _placement(self.instances, gpus, driver)
         if self.config.record_traffic is not None:
-            self.recorder = TrafficRecorder(self.config.record_traffic, self.config, self.path.parent)
-            self._recording = asyncio.create_task(self.recorder.run())
+            recorder = TrafficRecorder(self.config.record_traffic, self.config, self.path.parent)
+            await asyncio.to_thread(recorder.restore)
+            self.recorder, self._recording = recorder, asyncio.create_task(recorder.run())
             logger.info("model %s records a sample of its requests' inputs to %s (record_traffic)",
-                        self.label, self.recorder.path)
+                        self.label, recorder.path)
         self.state = ModelState.READY
         for instance in self.instances:
             d = instance.pipeline.engine.describe()
@@ -368,8 +370,6 @@ class ModelVersion:
             self._admitting -= 1
             if not self._admitting:
                 self._admitted.set()
-        if self.recorder is not None:
-            self.recorder.offer(inputs, admitted.batch_size)
         # An unload that began meanwhile waited for this request: it is queued and drained.
         if self._closed or self.state not in (ModelState.READY, ModelState.UNLOADING):
             raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready: {self.reason}")
@@ -387,6 +387,8 @@ class ModelVersion:
             record=record,
         )
         batcher.submit(request)
+        if self.recorder is not None:  # queued: admitted, and not refused for a full queue
+            self.recorder.offer(inputs, admitted.batch_size)
         return await request.future
 
     @property
@@ -407,7 +409,9 @@ class ModelVersion:
         self._closed = True  # on the loop, so a replacement warming up now is closed, not kept
         if self._recording is not None and self.recorder is not None:
             self._recording.cancel()
-            await self.recorder.write()  # what it recorded since the last write
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._recording  # a write in progress ends first: the last one below wins
+            await self.recorder.write()  # what it recorded since; never raises
         instances, self.instances = self.instances, []
         await asyncio.to_thread(_close_all, instances)
         self.state = ModelState.UNAVAILABLE

@@ -4,8 +4,8 @@
 It holds user data: what clients sent, inputs only (no outputs, no identities), bounded in
 items, bytes and rate, kept in memory as a uniform sample of the items it considered (reservoir
 sampling), and written to `<model>/eval/recorded.npz` in the format `batchline build` reads (one
-array per input, items first, text as numpy strings), replacing the file atomically. Only
-requests that passed admission are offered, so every item fits the config.
+array per input, items first, text as UTF-8 bytes), replacing the file atomically. Only
+requests that were admitted and queued are offered, so every item fits the config.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ ITEMS_PER_REQUEST = 8  # at most this many items of one request are considered
 
 
 class TrafficRecorder:
-    """The reservoir of one model version. `offer` runs on the event loop for each admitted
-    request and costs a clock read unless the rate lets the request in; writing runs on a thread."""
+    """The reservoir of one model version. `offer` runs on the event loop for each queued
+    request and costs a clock read unless the rate lets the request in; reading and writing the
+    file run on a thread. A version that loads resumes from the file an earlier one wrote."""
 
     def __init__(self, settings: RecordTraffic, config: ModelConfig, model_dir: Path,
                  clock: Callable[[], float] = time.monotonic, seed: int | None = None) -> None:
@@ -42,12 +43,37 @@ class TrafficRecorder:
         self._rng = np.random.default_rng(seed)
         self._tokens = 1.0
         self._refilled = clock()
-        self._shapes: dict[str, tuple[int, ...]] = {}  # the first item's shape per input: items must stack
+        self._shapes: dict[str, tuple[int, ...]] = {}  # an item's shape per input: items must stack
         self.items: list[dict[str, np.ndarray]] = []
         self.considered = 0  # items offered and let in by the rate
         self.bytes = 0
         self._written = 0  # self.considered when last written
         self._failed = False
+        self._writing: asyncio.Future[None] | None = None
+
+    def restore(self) -> None:
+        """Start from the sample an earlier run wrote, when it fits this config (call off the loop)."""
+        try:
+            with np.load(self.path, allow_pickle=False) as stored:
+                arrays = {name: stored[name] for name in stored.files}
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            logger.warning("the recorded requests in %s cannot be read (%s); recording starts afresh", self.path, exc)
+            return
+        if sorted(arrays) != sorted(self._names):
+            logger.warning("the recorded requests in %s are for other inputs; recording starts afresh", self.path)
+            return
+        count = min(len(next(iter(arrays.values()))), self._settings.max_items)
+        for index in range(count):
+            item = {name: array[index] for name, array in arrays.items()}
+            size = sum(_nbytes(a) for a in item.values())
+            if self.bytes + size > self._settings.max_bytes:
+                break
+            self.items.append(item)
+            self.bytes += size
+        self._shapes = {name: array.shape[1:] for name, array in arrays.items()}
+        self.considered = self._written = len(self.items)
 
     def offer(self, inputs: dict[str, tuple[str, np.ndarray]], batch_size: int) -> None:
         """Consider a request's items for the reservoir, within the rate."""
@@ -57,31 +83,30 @@ class TrafficRecorder:
         if self._tokens < 1.0:
             return
         self._tokens -= 1.0
-        count = min(batch_size if self._batched else 1, ITEMS_PER_REQUEST)
-        for index in range(count):
-            item = {name: self._row(inputs[name][1], index) for name in self._names}
-            if any(self._shapes.setdefault(n, a.shape) != a.shape for n, a in item.items()):
-                continue  # a variable dim of another size than the first item's: it would not stack
-            self._keep(item)
+        arrays = {name: inputs[name][1] for name in self._names}
+        shapes = {name: a.shape[1:] if self._batched else a.shape for name, a in arrays.items()}
+        if any(self._shapes.setdefault(n, shape) != shape for n, shape in shapes.items()):
+            return  # a variable dim of another size than the items kept: it would not stack
+        for index in range(min(batch_size if self._batched else 1, ITEMS_PER_REQUEST)):
+            self.considered += 1
+            slot = len(self.items)
+            if slot >= self._settings.max_items:
+                slot = int(self._rng.integers(self.considered))  # kept with probability max_items / considered
+                if slot >= len(self.items):
+                    continue
+            item = {name: np.array(a[index] if self._batched else a, copy=True) for name, a in arrays.items()}
+            self._place(slot, item)
 
-    def _row(self, array: np.ndarray, index: int) -> np.ndarray:
-        row = array[index] if self._batched else array
-        return np.array(row, copy=True)
-
-    def _keep(self, item: dict[str, np.ndarray]) -> None:
-        self.considered += 1
+    def _place(self, slot: int, item: dict[str, np.ndarray]) -> None:
         size = sum(_nbytes(a) for a in item.values())
-        if len(self.items) < self._settings.max_items:
-            if self.bytes + size <= self._settings.max_bytes:
-                self.items.append(item)
-                self.bytes += size
+        replaced = sum(_nbytes(a) for a in self.items[slot].values()) if slot < len(self.items) else 0
+        if self.bytes - replaced + size > self._settings.max_bytes:
             return
-        slot = int(self._rng.integers(self.considered))  # keep it with probability max_items / considered
         if slot < len(self.items):
-            replaced = sum(_nbytes(a) for a in self.items[slot].values())
-            if self.bytes - replaced + size <= self._settings.max_bytes:
-                self.items[slot] = item
-                self.bytes += size - replaced
+            self.items[slot] = item
+        else:
+            self.items.append(item)
+        self.bytes += size - replaced
 
     @property
     def changed(self) -> bool:
@@ -89,13 +114,23 @@ class TrafficRecorder:
 
     async def write(self) -> bool:
         """Write the reservoir (on a thread) when it changed; False when there was nothing new
-        or the file could not be written (said once in the log; serving goes on)."""
+        or it could not be written (said once in the log; serving goes on). A write whose caller
+        was cancelled still lands before the next one starts, so the last write wins."""
+        if self._writing is not None:
+            await asyncio.wait({self._writing})
+            if not self._writing.cancelled():
+                self._writing.exception()  # said by its own caller, or by nobody: not again
+            self._writing = None
         if not self.changed:
             return False
         items, considered = list(self.items), self.considered
+        self._writing = asyncio.ensure_future(
+            asyncio.to_thread(_save, self.path, self._names, items, self._settings.max_bytes))
         try:
-            await asyncio.to_thread(_save, self.path, self._names, items)
-        except OSError as exc:
+            await asyncio.shield(self._writing)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (recording must never take serving down)
             if not self._failed:
                 logger.warning("cannot write the recorded requests to %s: %s (serving goes on)", self.path, exc)
             self._failed = True
@@ -116,10 +151,15 @@ def _nbytes(array: np.ndarray) -> int:
     return array.nbytes
 
 
-def _save(path: Path, names: list[str], items: list[dict[str, np.ndarray]]) -> None:
-    """The items as one array per input, text as numpy strings (UTF-8 decoded where it is, else
-    raw bytes), into `path` by a rename."""
-    arrays = {name: _stacked([item[name] for item in items]) for name in names}
+def _save(path: Path, names: list[str], items: list[dict[str, np.ndarray]], max_bytes: int) -> None:
+    """The items as one array per input (text as UTF-8 bytes), into `path` by a rename. Text is
+    padded to its longest item in the file: the longest items are left out until the file
+    holds no more than `max_bytes`."""
+    sized = sorted(((_padded_size(item), i) for i, item in enumerate(items)))
+    while sized and len(sized) * sized[-1][0] > max_bytes:  # every item as wide as the widest
+        sized.pop()
+    kept = [items[i] for _, i in sorted(sized, key=lambda pair: pair[1])]  # in the sample's order
+    arrays = {name: _stacked([item[name] for item in kept]) for name in names}
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".recorded-", suffix=".npz")
     try:
@@ -133,12 +173,23 @@ def _save(path: Path, names: list[str], items: list[dict[str, np.ndarray]]) -> N
         raise
 
 
+def _padded_size(item: dict[str, np.ndarray]) -> int:
+    """The item's bytes once its text is a fixed-width field as wide as its longest string."""
+    size = 0
+    for array in item.values():
+        if array.dtype == object:
+            size += max((len(_utf8(v)) for v in array.ravel()), default=0) * max(array.size, 1)
+        else:
+            size += array.nbytes
+    return size
+
+
+def _utf8(value: object) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
 def _stacked(rows: list[np.ndarray]) -> np.ndarray:
     stacked = np.stack(rows)
     if stacked.dtype != object:
         return stacked
-    values = [v if isinstance(v, bytes) else str(v).encode() for v in stacked.ravel()]
-    try:
-        return np.array([v.decode("utf-8") for v in values]).reshape(stacked.shape)
-    except UnicodeDecodeError:
-        return np.array(values, dtype=bytes).reshape(stacked.shape)
+    return np.array([_utf8(v) for v in stacked.ravel()], dtype=bytes).reshape(stacked.shape)

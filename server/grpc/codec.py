@@ -51,6 +51,16 @@ class DeclaredRequest:
     decode_cost: int  # elements of typed contents plus bytes of raw BYTES: what decoding walks
 
 
+def held_bytes(request: pb.ModelInferRequest) -> int:
+    """About what a request holds in memory, without serializing it (ByteSize would, on the
+    loop): its raw contents' bytes, 8 per element of typed contents as declared by the shapes."""
+    held = sum(len(raw) for raw in request.raw_input_contents)
+    for tensor in request.inputs:
+        if tensor.HasField("contents"):
+            held += 8 * math.prod(d for d in tensor.shape if d > 0)
+    return held
+
+
 def declare(request: pb.ModelInferRequest) -> DeclaredRequest:
     """Names, datatypes and shapes of the inputs, the parameters and the outputs asked for;
     InvalidInput for a request whose parts do not fit together."""

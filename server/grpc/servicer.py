@@ -8,7 +8,9 @@ rather than computing an answer nobody waits for; a cancelled call is dropped be
 
 ModelStreamInfer reads requests as they come and answers each when it is done, in the order
 they finish (each answer carries its request's id), with at most the in-flight bound of one
-stream running at once: past it, the stream is read no further until one finishes.
+stream running at once: past it, the stream is read no further until one finishes. A request
+that finds the server-wide bound full (other streams and front ends count too) is answered
+with its error in the stream at once, as a unary call gets RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -260,7 +262,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse:
         """One infer request through the data plane, cheapest refusals first; its deadline
         counts from `received_ns`, when the call arrived."""
-        held = request.ByteSize()  # already read and parsed by grpc: held until the answer
+        held = codec.held_bytes(request)  # already read and parsed by grpc: held until the answer
         self._flight.take(held)
         self.in_flight += 1
         try:

@@ -23,13 +23,15 @@ import string
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import SecretStr
 
 from server.config import ServerSettings
 from server.http.errors import ControlDisabled, NotAuthenticated, Refusal, UnsupportedMediaType, error_parts
-from server.http.extension import HttpExtension
+
+if TYPE_CHECKING:
+    from server.http.extension import HttpExtension
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -25,7 +25,7 @@ from server.errors import Cancelled, InvalidInput, PayloadTooLarge
 from server.http import v2_infer
 from server.http.disconnect import unless_client_leaves
 from server.http.errors import error_parts
-from server.inflight import InFlight, body_reservation
+from server.inflight import BUSY_MESSAGE, InFlight, body_reservation
 from server.protocol.v2 import encode_error
 from server.scheduler.request import RequestRecord
 
@@ -43,7 +43,7 @@ _BINARY = [(b"content-type", b"application/octet-stream")]
 CLIENT_CLOSED = 499  # nginx's status for a client that left first: logged, never sent
 BUSY = 429
 # The refusal under overload is a constant: no encoding, no allocation per refused request.
-BUSY_BODY = encode_error("the server is at its limit of requests in flight; retry after Retry-After seconds")
+BUSY_BODY = encode_error(BUSY_MESSAGE)
 _BUSY_HEADERS = [*_JSON, (b"content-length", str(len(BUSY_BODY)).encode()), (b"retry-after", b"1")]
 _BUSY_CLOSE_HEADERS = [*_BUSY_HEADERS, (b"connection", b"close")]
 _BUSY_START = {"type": "http.response.start", "status": BUSY, "headers": _BUSY_HEADERS}
@@ -94,7 +94,7 @@ class InferEndpoint:
         """The body bytes a request holds while in flight (declared, or the limit when undeclared
         or compressed), or None when the in-flight bounds refuse it now. A request alone is
         always let in."""
-        reserved = body_reservation(_length(headers.get(_CONTENT_LENGTH)), _CONTENT_ENCODING in headers, self._limit)
+        reserved = body_reservation(declared_length(headers.get(_CONTENT_LENGTH)), _CONTENT_ENCODING in headers, self._limit)
         return reserved if self.flight.has_room(reserved) else None
 
     def log_refusal(self, scope: Scope, model: str, status: int, started: int) -> None:
@@ -147,7 +147,7 @@ class InferEndpoint:
         return await _send(send, 200, content, {HEADER_LENGTH: str(binary_header_length)}, _BINARY)
 
     async def _body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
-        declared = _length(headers.get(_CONTENT_LENGTH))
+        declared = declared_length(headers.get(_CONTENT_LENGTH))
         if declared is not None and declared > self._limit:
             raise PayloadTooLarge(f"the request body exceeds the limit of {self._limit} bytes")
         chunks: list[bytes] = []
@@ -224,7 +224,7 @@ def _inflate(body: bytes, wbits: int, name: str, limit: int) -> bytes:
 _MAX_DIGITS = 18  # past a quintillion bytes a length is as good as infinite; int() of 5000 digits raises
 
 
-def _length(raw: bytes | None) -> int | None:
+def declared_length(raw: bytes | None) -> int | None:
     """A length header's value; None when absent or not a plain non-negative integer. A value
     of more digits than any body could have reads as larger than any limit, without int()."""
     if raw is None:
@@ -239,7 +239,7 @@ def _header_length(headers: dict[bytes, bytes]) -> int | None:
     raw = headers.get(_HEADER_LENGTH_KEY)
     if raw is None:
         return None
-    length = _length(raw)
+    length = declared_length(raw)
     if length is None or length >= 10**_MAX_DIGITS:
         raise InvalidInput(f"{HEADER_LENGTH} must be a non-negative integer, got {raw.decode('latin-1')[:40]!r}")
     return length
@@ -290,7 +290,7 @@ class FastInferApp:
         """A control-plane POST: 413 at once for a declared length over the limit; otherwise
         the body is counted as the app reads it, and PayloadTooLarge (413) raised past it."""
         limit = self._control_limit
-        declared = _length(dict(scope["headers"]).get(_CONTENT_LENGTH))
+        declared = declared_length(dict(scope["headers"]).get(_CONTENT_LENGTH))
         if declared is not None and declared > limit:
             await _send(send, *error_parts(PayloadTooLarge(_control_too_large(limit))))
             return

@@ -47,7 +47,7 @@ def chunks(sizes: list[int], size: int) -> list[list[int]]:
 
 
 async def embed(
-    plane: DataPlane, model: ModelVersion, texts: list[bytes], record: RequestRecord
+    plane: DataPlane, model: ModelVersion, texts: list[bytes], record: RequestRecord, received_ns: int | None = None
 ) -> np.ndarray:
     """The vectors of `texts`, in their order; `record` gets the tokens read, the version, and
     the longest queue and compute times of the chunks. The first failure fails the call, and
@@ -63,7 +63,8 @@ async def embed(
     async def run(part: list[int], part_record: RequestRecord) -> list[Output]:
         async with window:
             tensor = _tensor(texts, part, config.batched)
-            return await plane.infer(model, {text_input: ("BYTES", tensor)}, {}, [output.name], part_record)
+            return await plane.infer(model, {text_input: ("BYTES", tensor)}, {}, [output.name], part_record,
+                                     received_ns)  # every chunk's deadline counts from the call's arrival
 
     tasks = [asyncio.ensure_future(run(part, r)) for part, r in zip(plan, records, strict=True)]
     try:

@@ -25,6 +25,7 @@ from server.access_log import AccessLog
 from server.dataplane import DataPlane
 from server.errors import Cancelled, InvalidInput, ModelNotFound, PayloadTooLarge, ServerBusy
 from server.http.disconnect import unless_client_leaves
+from server.http.infer import declared_length
 from server.inflight import InFlight, body_reservation
 from server.model import ModelVersion
 from server.openai import PREFIX, codec
@@ -65,7 +66,8 @@ def openai_router(
         started = time.perf_counter_ns()
         record = RequestRecord()
         model = "-"  # for the access log line: the model the body names, once it is read
-        held = body_reservation(_declared_length(request), False, max_body_bytes)
+        held = body_reservation(declared_length(request.headers.get("content-length", "").encode("latin-1")),
+                                False, max_body_bytes)
         try:
             bound.take(held)
         except ServerBusy as exc:
@@ -74,7 +76,8 @@ def openai_router(
             try:
                 parsed = await _parsed(request, max_body_bytes)
                 model = parsed.model
-                outcome = await unless_client_leaves(request.receive, lambda: _embeddings(plane, parsed, record))
+                outcome = await unless_client_leaves(
+                    request.receive, lambda: _embeddings(plane, parsed, record, started))
                 if outcome is None:
                     outcome = Cancelled("the client disconnected before its embeddings were computed")
                 response = outcome if isinstance(outcome, Response) else error_response(outcome)
@@ -123,7 +126,9 @@ async def _parsed(request: Request, limit: int) -> EmbeddingRequest:
     return codec.parse_request(body)
 
 
-async def _embeddings(plane: DataPlane, request: EmbeddingRequest, record: RequestRecord) -> Response:
+async def _embeddings(
+    plane: DataPlane, request: EmbeddingRequest, record: RequestRecord, received_ns: int
+) -> Response:
     """As on v2, the model (404, 503) and its queue (429) are refused before any text is encoded
     or tokenized, and what the model cannot answer (400) before any compute."""
     model = _embedding_model(plane.admit(request.model, None))
@@ -134,7 +139,7 @@ async def _embeddings(plane: DataPlane, request: EmbeddingRequest, record: Reque
     except InvalidInput:
         model.stats.count_failure("invalid")  # counted as v2 counts a request its model refuses
         raise
-    vectors = await embed(plane, model, texts, record)
+    vectors = await embed(plane, model, texts, record, received_ns)
     if dimensions is not None:
         vectors = codec.truncated(vectors, dimensions)
     encode = (vectors, request.encoding_format, request.model, record.tokens)
@@ -160,14 +165,9 @@ def _model(model: ModelVersion) -> dict[str, Any]:
     return codec.model_object(model.config.name, created)
 
 
-def _declared_length(request: Request) -> int | None:
-    declared = request.headers.get("content-length", "")
-    return int(declared) if declared.isascii() and declared.isdigit() else None
-
-
 async def _body(request: Request, limit: int) -> bytes:
     """The body, refused (413) once it passes `limit`: at once when its declared length does."""
-    declared = _declared_length(request)
+    declared = declared_length(request.headers.get("content-length", "").encode("latin-1"))
     if declared is not None and declared > limit:
         raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
     chunks: list[bytes] = []

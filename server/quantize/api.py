@@ -42,6 +42,9 @@ from server.quantize.reporting import (
 logger = logging.getLogger("server.quantize")
 DEFAULT_ARTIFACTS = {"onnxruntime": "model.onnx", "torch": "model.pt2"}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# What a config says of serving alone: changing it never calls for a rebuild (a build's key).
+SERVING_ONLY = {"name", "openai", "record_traffic", "dynamic_batching", "version_policy", "warmup",
+                "instance_group", "execution_timeout_seconds", "max_item_bytes"}
 
 # In-process memo of FP32 figures: many builds of one source share them.
 _reference_outputs: dict[tuple[str, str], dict[str, np.ndarray]] = {}
@@ -69,13 +72,15 @@ def build(
     bench_seconds: float = 1.0,
     bench_batches: list[int] | None = None,
     sequence_length: int = 32,
+    recorded: bool = True,
 ) -> BuildReport:
     """Build `model` for `engine`/`precision` as the variant `name` (default model-engine-precision).
 
     `progress` gets a line per step; `track` wraps the long loops (a bar on a terminal).
     `device` ("cpu" or "gpu", default the variant's earlier build's or "cpu") is where the build
     is evaluated and timed, against FP32 on the same device, and where the variant serves.
-    Returns the report; `report.servable` says whether a version was published. Raises
+    `recorded`: whether the source's eval/recorded.npz (traffic the server recorded) may stand in
+    for eval/inputs.npz. Returns the report; `report.servable` says whether a version was published. Raises
     `BuildError` (an EngineError) or `ConfigError` when no build can be made at all.
     """
     started = time.perf_counter()
@@ -90,7 +95,7 @@ def build(
     builder = select(engine, precision, source_config.engine)
     given = dict(options if options is not None else (existing.build.options if existing and existing.build else {}))
     data = load_eval_data(repository / model, source_version_dir, source_config,
-                          calibration=str(given.get("calibration", "train")))
+                          calibration=str(given.get("calibration", "train")), recorded=recorded)
     resolved = resolve_options(builder, source_config, data, given)
     gate = gate or (existing.build.gate if existing and existing.build else BuildGate())
     device = _device(engine, device or (existing.build.device if existing and existing.build else "cpu"))
@@ -98,8 +103,7 @@ def build(
     source_digest = file_digest(source_artifact)
     key = cache_key(
         source_digest=source_digest,
-        # serving only (no rebuild): the name, OpenAI's route, traffic recording
-        source_config=source_config.model_dump(mode="json", exclude={"name", "openai", "record_traffic"}),
+        source_config=source_config.model_dump(mode="json", exclude=SERVING_ONLY),
         engine=engine,
         precision=precision,
         device=_device_identity(device),
@@ -177,7 +181,7 @@ def _build(
         notes = list(output.notes)
         if not quality["passed"]:
             failed = [c for c in quality["checks"] if not c["passed"]]
-            detail = ", ".join(f"{c['metric']} {c['value']:.4f} < {c['threshold']:.4f}" for c in failed)
+            detail = ", ".join(f"{c['metric']} {c['value']:.4f}, not {c['op']} {c['threshold']:.4f}" for c in failed)
             notes.append(f"quality gate FAILED: {detail}" + ("" if gate.enforce else "; published anyway (enforce: false)"))
 
         bench = None

@@ -83,9 +83,11 @@ class EmbeddingData:
 EvalData = TensorData | EmbeddingData
 
 
-def load_eval_data(model_dir: Path, version_dir: Path, config: ModelConfig, calibration: str = "train") -> EvalData:
-    """The model's evaluation data: eval/dataset.json when there is one, else eval/inputs.npz.
-    `calibration` other than "train" breaks the calibration set on purpose (gate tests)."""
+def load_eval_data(model_dir: Path, version_dir: Path, config: ModelConfig, calibration: str = "train",
+                   recorded: bool = True) -> EvalData:
+    """The model's evaluation data: eval/dataset.json when there is one, else eval/inputs.npz,
+    else (`recorded`) eval/recorded.npz. `calibration` other than "train" breaks the
+    calibration set on purpose (gate tests)."""
     if calibration not in CALIBRATIONS:
         raise BuildError(f"calibration {calibration!r} is not one of {', '.join(CALIBRATIONS)}")
     spec_path = model_dir / DATASET_FILE
@@ -97,7 +99,7 @@ def load_eval_data(model_dir: Path, version_dir: Path, config: ModelConfig, cali
         if kind == "embedding":
             return _embedding(spec, spec_path.parent)
         raise BuildError(f"{spec_path}: kind {kind!r} is not 'classification' or 'embedding'")
-    for stored in (INPUTS_FILE, RECORDED_FILE):
+    for stored in (INPUTS_FILE, RECORDED_FILE) if recorded else (INPUTS_FILE,):
         if (model_dir / stored).is_file():
             return _tensors(model_dir, stored, config, calibration)
     raise EvalDataUnavailable(

@@ -39,6 +39,7 @@ def ensure_built(repository: Path, model_name: str, config: ModelConfig, *, benc
             Path(repository), spec.source, spec.engine, spec.precision, name=model_name, device=spec.device,
             options=dict(spec.options), gate=spec.gate, benchmark=benchmark,
             progress=lambda message: logger.info("%s", message),
+            recorded=False,  # recorded traffic changes as it is served: it would rebuild at every load
         )
     except EvalDataUnavailable as exc:
         report = published_build(Path(repository), model_name, spec)
@@ -53,6 +54,6 @@ def ensure_built(repository: Path, model_name: str, config: ModelConfig, *, benc
         raise EngineError(f"{model_name}: building from '{spec.source}' failed: {type(exc).__name__}: {exc}") from exc
     if not report.servable:
         failed = [c for c in report.quality.get("checks", []) if not c["passed"]]
-        detail = ", ".join(f"{c['metric']} {c['value']:.4f} < {c['threshold']:.4f}" for c in failed)
+        detail = ", ".join(f"{c['metric']} {c['value']:.4f}, not {c['op']} {c['threshold']:.4f}" for c in failed)
         raise EngineError(f"{model_name}: the {spec.engine} {spec.precision} build failed its quality gate ({detail})")
     return report.version

@@ -62,10 +62,13 @@ def derive_config(
     rebuild of one goes back to the CPU.
 
     `base` is the source's config for a new variant, or the variant's own for a rebuild (so a
-    hand-tuned batching section survives). Engine-specific blocks of another engine are dropped.
+    hand-tuned batching section survives). Engine-specific blocks of another engine are dropped,
+    and so is `record_traffic`: a variant is never a build's source, so it would record user
+    data for nothing.
     """
     previous_device = (base.get("build") or {}).get("device", "cpu")
-    raw = {k: v for k, v in base.items() if k not in ("name", "engine", "precision", "model_filename", "build")}
+    dropped = ("name", "engine", "precision", "model_filename", "build", "record_traffic")
+    raw = {k: v for k, v in base.items() if k not in dropped}
     for block, owner in ENGINE_BLOCKS.items():
         if owner != engine:
             raw.pop(block, None)

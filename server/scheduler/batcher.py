@@ -166,6 +166,8 @@ class Batcher:
         """Its deadline would pass before a batch dispatched now is done."""
         if request.deadline_ns is None:
             return False
+        if request.deadline_ns <= now:  # already past it (its expiry timer has not fired yet)
+            return True
         typical = self._batch_ns
         if now - self._batch_done_ns > typical:
             # No batch has finished for longer than one takes: the estimate may be an old outlier's,
@@ -174,7 +176,10 @@ class Batcher:
             return False
         return request.deadline_ns - now < typical
 
-    def _give_up_late(self, request: InferenceRequest) -> None:
+    def _give_up_late(self, request: InferenceRequest, now: int) -> None:
+        if request.deadline_ns is not None and request.deadline_ns <= now:
+            self._give_up(request, "the request's deadline passed before it could run; it was not run")
+            return
         self._give_up(request, f"the request's deadline would pass before its batch could finish (a batch takes "
                                f"about {self._batch_ns / 1e6:.0f} ms here); it was not run")
 
@@ -244,7 +249,7 @@ class Batcher:
         for queue in self._queues:
             while queue and (queue[0].state is not RequestState.QUEUED or self._too_late(queue[0], now)):
                 if queue[0].state is RequestState.QUEUED:
-                    self._give_up_late(queue[0])
+                    self._give_up_late(queue[0], now)
                 queue.popleft()
         head = next((q[0] for q in self._queues if q), None)
         if head is None:
@@ -258,7 +263,7 @@ class Batcher:
                 if candidate is head or candidate.state is not RequestState.QUEUED:
                     continue
                 if self._too_late(candidate, now):
-                    self._give_up_late(candidate)
+                    self._give_up_late(candidate, now)
                     continue
                 if candidate.shape_key != head.shape_key:
                     continue
@@ -305,24 +310,25 @@ class Batcher:
             self._stats.record_busy(instance.label, took)
             self._batch_ns = took if not self._batch_ns else 0.8 * self._batch_ns + 0.2 * took
             self._note_memory(instance, result)
-            served = [r for i, r in enumerate(batch) if i not in result.failed]
+            done = self._clock()
+            late = {i for i, r in enumerate(batch) if r.deadline_ns is not None and done > r.deadline_ns}
+            served = [r for i, r in enumerate(batch) if i not in result.failed and i not in late]
             if served:
                 self._stats.record_batch(
                     sum(r.batch_size for r in served), len(served),
                     result.compute_input_ns, result.compute_infer_ns, result.compute_output_ns,
                 )
-            done = self._clock()
             compute_ns = result.compute_input_ns + result.compute_infer_ns + result.compute_output_ns
             for index, (request, outputs) in enumerate(zip(batch, result.outputs)):
                 if index in result.failed:
                     self._fail_request(request, result.failed[index], done)
                     continue
-                if request.deadline_ns is not None and done > request.deadline_ns:
+                if request.record is not None:
+                    request.record.compute_ns = compute_ns
+                if index in late:
                     self._answer_late(request, done)
                     continue
                 self._stats.record_success(done - request.received_ns)
-                if request.record is not None:
-                    request.record.compute_ns = compute_ns
                 self._release(request, lambda r=request, o=outputs: r.resolve(o))
         finally:
             self._running.discard(asyncio.current_task())  # this batch no longer counts as busy

@@ -11,6 +11,7 @@ import pytest
 
 from server.config import ModelConfig, RecordTraffic
 from server.quantize.data import TensorData, load_eval_data
+from server.quantize.errors import EvalDataUnavailable
 from server.recording import RECORDED_FILE, TrafficRecorder
 
 
@@ -82,16 +83,55 @@ async def test_the_sample_is_written_as_a_build_reads_it(tmp_path: Path) -> None
     data = load_eval_data(tmp_path, tmp_path / "1", config())
     assert isinstance(data, TensorData) and data.labels is None and "recorded.npz" in data.origin
     assert data.count + data.calibration_count == 48
+    with pytest.raises(EvalDataUnavailable):  # builds at load: recorded traffic would rebuild at every load
+        load_eval_data(tmp_path, tmp_path / "1", config(), recorded=False)
     assert not list((tmp_path / "eval").glob(".recorded-*")), "no temporary file left behind"
 
 
-async def test_text_is_written_as_numpy_strings(tmp_path: Path) -> None:
-    text = config(inputs=[{"name": "text", "datatype": "BYTES", "dims": [1]}])
-    recorder = TrafficRecorder(RecordTraffic(max_per_second=1000), text, tmp_path, clock=Clock())
-    recorder.offer({"text": ("BYTES", np.array([[b"caf\xc3\xa9"], [b"two"]], dtype=object))}, 2)
+TEXT = config(inputs=[{"name": "text", "datatype": "BYTES", "dims": [1]}])
+
+
+def texts(*values: bytes) -> dict[str, tuple[str, np.ndarray]]:
+    return {"text": ("BYTES", np.array([[v] for v in values], dtype=object))}
+
+
+async def test_text_is_written_as_utf8_bytes_and_read_back_by_builds(tmp_path: Path) -> None:
+    recorder = TrafficRecorder(RecordTraffic(max_per_second=1000), TEXT, tmp_path, clock=Clock())
+    recorder.offer(texts(b"caf\xc3\xa9", b"two", b"three", b"four"), 4)
     await recorder.write()
     with np.load(tmp_path / RECORDED_FILE) as stored:
-        assert stored["text"].dtype.kind == "U" and stored["text"].ravel().tolist() == ["café", "two"]
+        assert stored["text"].dtype.kind == "S"
+        assert [v.decode() for v in stored["text"].ravel()] == ["café", "two", "three", "four"]
+    data = load_eval_data(tmp_path, tmp_path / "1", TEXT)
+    assert isinstance(data, TensorData) and data.count == 2
+
+
+async def test_the_file_stays_within_the_byte_bound_however_text_is_padded(tmp_path: Path) -> None:
+    """Text is stored as wide as its longest item: one long text among short ones would make
+    the file count x longest. The longest items are left out until it fits."""
+    recorder = TrafficRecorder(RecordTraffic(max_per_second=1000, max_bytes=2000), TEXT, tmp_path, clock=Clock())
+    recorder.offer(texts(b"x" * 1000, *[b"short"] * 7), 8)
+    assert await recorder.write()
+    with np.load(tmp_path / RECORDED_FILE) as stored:
+        assert stored["text"].nbytes <= 2000 and stored["text"].ravel().tolist() == [b"short"] * 7
+
+
+async def test_a_new_run_resumes_the_sample_an_earlier_one_wrote(tmp_path: Path) -> None:
+    clock = Clock()
+    first = TrafficRecorder(RecordTraffic(max_per_second=1000), config(), tmp_path, clock=clock)
+    first.offer(batch(0.0, 4), 4)
+    await first.write()
+    second = TrafficRecorder(RecordTraffic(max_per_second=1000), config(), tmp_path, clock=clock)
+    second.restore()
+    assert len(second.items) == 4 and not second.changed
+    clock.now += 1.0
+    second.offer(batch(10.0, 2), 2)
+    await second.write()
+    with np.load(tmp_path / RECORDED_FILE) as stored:
+        assert stored["x"][:, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 10.0, 11.0]
+    other = TrafficRecorder(RecordTraffic(), TEXT, tmp_path, clock=clock)
+    other.restore()  # recorded for other inputs: starts afresh
+    assert other.items == []
 
 
 async def test_a_repository_it_cannot_write_is_said_once_and_serving_goes_on(

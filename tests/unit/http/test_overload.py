@@ -127,6 +127,29 @@ async def test_a_client_waiting_for_100_continue_is_refused_with_connection_clos
     await task
 
 
+class SlowBody(Exchange):
+    """A client whose body arrives 300 ms after its head."""
+
+    async def receive(self) -> dict[str, Any]:
+        if self.receive_calls == 0:
+            await asyncio.sleep(0.3)
+        return await super().receive()
+
+
+async def test_a_timeout_counts_from_the_requests_head_not_from_its_parsed_body(plane: DataPlane) -> None:
+    """The client waits from when it sent the request: a 100 ms timeout whose body took 300 ms to
+    arrive has passed before the request could run, and is answered 504, not run."""
+    app = FastInferApp(unreachable, InferEndpoint(plane, LIMIT))
+    body = infer_body(1.0, timeout=100_000)
+    late = await call(app, SlowBody([{"type": "http.request", "body": body, "more_body": False}],
+                                    {"content-length": str(len(body))}))
+    assert late.status == 504, late.sent
+    assert "deadline passed" in late.json()["error"]
+    in_time = await call(app, SlowBody([{"type": "http.request", "body": infer_body(2.0, timeout=2_000_000),
+                                         "more_body": False}]))
+    assert in_time.status == 200, in_time.sent
+
+
 async def test_a_full_queue_refuses_before_the_body_is_parsed(
     root: Path, gate: Gate, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -55,9 +55,12 @@ class FakePlane:
         self.all_in = asyncio.Event()
         self.cancelled = 0
         self.now = self.most = 0
+        self.received: list[int | None] = []
 
     async def infer(self, model: FakeModel, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any],
-                    outputs: list[str] | None, record: RequestRecord) -> list[tuple[str, str, np.ndarray]]:
+                    outputs: list[str] | None, record: RequestRecord,
+                    received_ns: int | None = None) -> list[tuple[str, str, np.ndarray]]:
+        self.received.append(received_ns)
         datatype, array = inputs["text"]
         assert datatype == "BYTES" and array.shape == (len(array), 1) and outputs == ["embedding"]
         texts = list(array.reshape(-1))
@@ -102,7 +105,8 @@ async def test_a_list_goes_as_chunks_in_flight_together_and_comes_back_in_order(
     model = FakeModel(config(max_batch_size=3))
     plane = FakePlane(expected=4)
     record = RequestRecord()
-    vectors = await embed(plane, model, texts, record)  # type: ignore[arg-type]
+    vectors = await embed(plane, model, texts, record, 12345)  # type: ignore[arg-type]
+    assert set(plane.received) == {12345}  # every chunk's deadline counts from the call's arrival
     assert [len(call) for call in plane.calls] == [3, 3, 3, 1]
     assert [len(t) for call in plane.calls for t in call] == sorted(len(t) for t in texts)
     np.testing.assert_array_equal(vectors[:, 0], [len(t) for t in texts])

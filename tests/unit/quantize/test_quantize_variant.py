@@ -33,6 +33,14 @@ def test_derived_config_keeps_the_interface_and_records_the_build() -> None:
     assert derived["build"]["source"] == "digits" and derived["build"]["gate"]["min_mean_cosine"] == 0.99
 
 
+def test_a_variant_does_not_record_traffic_as_its_source_does() -> None:
+    """A variant is never a build's source: recording its users' inputs would serve nothing."""
+    recording = {**SOURCE, "record_traffic": {"max_items": 10}}
+    derived = variant.derive_config(recording, name="digits-onnxruntime-int8", engine="onnxruntime",
+                                    precision="int8", model_filename=None, spec=SPEC)
+    assert "record_traffic" not in derived
+
+
 def test_publish_numbers_versions_and_writes_a_loadable_config(tmp_path: Path) -> None:
     folder = tmp_path / "digits-onnxruntime-int8"
     derived = variant.derive_config(SOURCE, name=folder.name, engine="onnxruntime", precision="int8",

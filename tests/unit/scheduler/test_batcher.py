@@ -272,6 +272,19 @@ async def test_a_batch_that_finishes_after_a_deadline_answers_that_request_with_
     assert (await whenever.future)["y"].item() == 6.0
     assert stats.failures["deadline"] == 1
     assert stats.success.count == 2
+    assert stats.inference_count == 2  # the late one is a failure, not an inference served
+
+
+async def test_a_request_already_past_its_deadline_never_runs_even_on_an_idle_model() -> None:
+    fake = FakeInstance()
+    now = [10_000_000_000]
+    stats = ModelStatistics()
+    b = Batcher(BatchPolicy(8, (), 0, None), QueueSettings(), [fake], stats, clock=lambda: now[0])
+    expired = request([1.0], deadline_ns=now[0] - 1)  # its body took longer than its timeout
+    b.submit(expired)
+    with pytest.raises(DeadlineExceeded, match="deadline passed before it could run"):
+        await asyncio.wait_for(expired.future, 1.0)
+    assert fake.batches == [] and stats.failures["deadline"] == 1
 
 
 async def test_a_full_queue_refuses_at_once() -> None:
