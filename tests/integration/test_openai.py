@@ -195,11 +195,16 @@ def batches_of(statistics: dict[str, Any], size: int) -> int:
     return next((b["compute_infer"]["count"] for b in statistics["batch_stats"] if b["batch_size"] == size), 0)
 
 
-def in_flight(url: str) -> float:
+def gauge(url: str, name: str) -> float:
+    """A gauge of MRL's, as /metrics shows it now."""
     for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("batchline_batches_in_flight{") and f'model="{MRL}"' in line:
+        if line.startswith(f"{name}{{") and f'model="{MRL}"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def in_flight(url: str) -> float:
+    return gauge(url, "batchline_batches_in_flight")
 
 
 def test_openai_and_v2_requests_share_a_batch_and_the_models_statistics(guarded: tuple[str, Path]) -> None:
@@ -239,13 +244,6 @@ def test_openai_and_v2_requests_share_a_batch_and_the_models_statistics(guarded:
     assert logged[-1]["queue_ms"] > 0 and logged[-1]["compute_ms"] > 0
 
 
-def queue_depth(url: str) -> float:
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("batchline_queue_depth{") and f'model="{MRL}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 def test_a_client_that_leaves_has_its_texts_dropped_before_compute(guarded: tuple[str, Path]) -> None:
     """The only instance is held by a long v2 batch; an embeddings call queues behind it and its
     client disconnects: the texts never run, and the model counts the call as cancelled."""
@@ -264,7 +262,7 @@ def test_a_client_that_leaves_has_its_texts_dropped_before_compute(guarded: tupl
     with socket.create_connection((host, int(port))) as raw:
         raw.sendall(f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-        while queue_depth(url) < 1:
+        while gauge(url, "batchline_queue_depth") < 1:
             assert time.monotonic() < deadline and hold.is_alive(), "the call never queued"
             time.sleep(0.005)
 
