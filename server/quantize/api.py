@@ -94,8 +94,7 @@ def build(
     existing = _existing_variant(variant_dir, model)
     builder = select(engine, precision, source_config.engine)
     given = dict(options if options is not None else (existing.build.options if existing and existing.build else {}))
-    data = load_eval_data(repository / model, source_version_dir, source_config,
-                          calibration=str(given.get("calibration", "train")), recorded=recorded)
+    data = load_eval_data(repository / model, source_version_dir, source_config, recorded=recorded)
     resolved = resolve_options(builder, source_config, data, given)
     gate = gate or (existing.build.gate if existing and existing.build else BuildGate())
     device = _device(engine, device or (existing.build.device if existing and existing.build else "cpu"))

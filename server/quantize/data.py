@@ -30,7 +30,6 @@ from server.recording import RECORDED_FILE
 DATASET_FILE = Path("eval") / "dataset.json"
 INPUTS_FILE = Path("eval") / "inputs.npz"
 LABELS_FILE = Path("eval") / "labels.npy"
-CALIBRATIONS = ("train", "zeros", "noise")  # the last two are deliberately broken (gate tests)
 MAX_CALIBRATION = 256
 SPLIT_SEED = 0
 
@@ -83,25 +82,21 @@ class EmbeddingData:
 EvalData = TensorData | EmbeddingData
 
 
-def load_eval_data(model_dir: Path, version_dir: Path, config: ModelConfig, calibration: str = "train",
-                   recorded: bool = True) -> EvalData:
+def load_eval_data(model_dir: Path, version_dir: Path, config: ModelConfig, recorded: bool = True) -> EvalData:
     """The model's evaluation data: eval/dataset.json when there is one, else eval/inputs.npz,
-    else (`recorded`) eval/recorded.npz. `calibration` other than "train" breaks the
-    calibration set on purpose (gate tests)."""
-    if calibration not in CALIBRATIONS:
-        raise BuildError(f"calibration {calibration!r} is not one of {', '.join(CALIBRATIONS)}")
+    else (`recorded`) eval/recorded.npz."""
     spec_path = model_dir / DATASET_FILE
     if spec_path.is_file():
         spec = json.loads(spec_path.read_text(encoding="utf-8"))
         kind = spec.get("kind")
         if kind == "classification":
-            return _classification(spec, spec_path, version_dir, calibration)
+            return _classification(spec, spec_path, version_dir)
         if kind == "embedding":
             return _embedding(spec, spec_path.parent)
         raise BuildError(f"{spec_path}: kind {kind!r} is not 'classification' or 'embedding'")
     for stored in (INPUTS_FILE, RECORDED_FILE) if recorded else (INPUTS_FILE,):
         if (model_dir / stored).is_file():
-            return _tensors(model_dir, stored, config, calibration)
+            return _tensors(model_dir, stored, config)
     raise EvalDataUnavailable(
         f"{model_dir / INPUTS_FILE} is missing: a build is judged against FP32 on the model's own data "
         f"(one array per input, named as in its config; optionally {LABELS_FILE} with a class per item), "
@@ -109,7 +104,7 @@ def load_eval_data(model_dir: Path, version_dir: Path, config: ModelConfig, cali
     )
 
 
-def _tensors(model_dir: Path, stored: Path, config: ModelConfig, calibration: str) -> TensorData:
+def _tensors(model_dir: Path, stored: Path, config: ModelConfig) -> TensorData:
     """eval/inputs.npz (+ labels.npy) or eval/recorded.npz, checked against the config, split
     into calibration and evaluation items once, deterministically."""
     path = model_dir / stored
@@ -139,15 +134,13 @@ def _tensors(model_dir: Path, stored: Path, config: ModelConfig, calibration: st
     order = np.random.default_rng(SPLIT_SEED).permutation(count)
     cut = min(MAX_CALIBRATION, count // 2)
     calibrate, evaluate = np.sort(order[:cut]), np.sort(order[cut:])
-    chosen = {name: broken_calibration(np.ascontiguousarray(array[calibrate]), calibration)
-              for name, array in arrays.items()}
+    chosen = {name: np.ascontiguousarray(array[calibrate]) for name, array in arrays.items()}
     digest = hashlib.sha256()
     for name in sorted(arrays):
         digest.update(name.encode())
         digest.update(np.ascontiguousarray(arrays[name]).tobytes())
     if labels is not None:
         digest.update(np.ascontiguousarray(labels).tobytes())
-    digest.update(calibration.encode())
     return TensorData(
         inputs={name: np.ascontiguousarray(array[evaluate]) for name, array in arrays.items()},
         calibration=chosen,
@@ -158,7 +151,7 @@ def _tensors(model_dir: Path, stored: Path, config: ModelConfig, calibration: st
     )
 
 
-def _classification(spec: dict, spec_path: Path, version_dir: Path, calibration: str) -> TensorData:
+def _classification(spec: dict, spec_path: Path, version_dir: Path) -> TensorData:
     heldout_path = version_dir / spec.get("heldout", "heldout.npz")
     if not heldout_path.is_file():
         raise EvalDataUnavailable(f"{heldout_path} is missing (was the model built?)")
@@ -172,7 +165,6 @@ def _classification(spec: dict, spec_path: Path, version_dir: Path, calibration:
     rng = np.random.default_rng(int(cal_spec.get("seed", 0)))
     count = min(int(cal_spec.get("count", 256)), len(train))
     chosen = train[np.sort(rng.choice(len(train), size=count, replace=False))]
-    chosen = broken_calibration(chosen, calibration)
     digest = hashlib.sha256()
     for array in (images, labels, chosen):
         digest.update(np.ascontiguousarray(array).tobytes())
@@ -214,17 +206,6 @@ def sklearn_digits_train(cal_spec: dict, heldout: np.ndarray) -> np.ndarray:
     if x_test.shape != heldout.shape or not np.array_equal(x_test, heldout):
         raise BuildError("the re-derived digits split does not reproduce heldout.npz; refusing to calibrate")
     return x_train
-
-
-def broken_calibration(images: np.ndarray, how: str) -> np.ndarray:
-    """"zeros"/"noise" replace the calibration set with garbage, to prove the gate catches it."""
-    if how == "train" or images.dtype.kind not in "fc":
-        return images
-    if how == "zeros":
-        return np.zeros_like(images)
-    if how == "noise":
-        return np.random.default_rng(0).uniform(0, 2000, size=images.shape).astype(images.dtype)
-    return images
 
 
 def _embedding(spec: dict, folder: Path) -> EmbeddingData:

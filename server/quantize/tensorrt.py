@@ -74,8 +74,7 @@ def precision_flags(precision: str) -> list[str]:
 
 def defaults(source: ModelConfig, data: EvalData) -> Options:
     """workspace_mb for every plan; INT8 also takes the static QDQ calibration options."""
-    return {"workspace_mb": 4096, "calibration": "train", "calibrate_method": "minmax", "per_channel": True,
-            "reduce_range": False}
+    return {"workspace_mb": 4096, "calibrate_method": "minmax", "per_channel": True, "reduce_range": False}
 
 
 def build(ctx: BuildContext) -> BuildOutput:

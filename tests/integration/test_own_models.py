@@ -21,6 +21,7 @@ import yaml
 from sklearn.datasets import load_digits
 
 from tests.integration.conftest import running_server
+from tests.unit.quantize.broken import break_calibration
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,11 +109,17 @@ def test_an_imported_onnx_classifier_builds_int8_and_fp16_gated_on_its_labels(ow
     assert "static" in int8["method"] or "QDQ" in int8["method"], int8["method"]  # calibrated on eval/ items
 
 
-def test_a_broken_calibration_fails_the_gate_and_is_never_published(own: tuple[Path, np.ndarray, np.ndarray]) -> None:
+def test_a_broken_calibration_fails_the_gate_and_is_never_published(
+    own: tuple[Path, np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from server.quantize import build as build_here
+
     repository, _, _ = own
-    report = build(repository, "mlp", "onnxruntime", "int8", "calibration=noise")
-    assert not report["quality"]["passed"] and not report["servable"] and report["version"] is None
-    assert "rejected" in report["location"]
+    break_calibration(monkeypatch, "noise")
+    report = build_here(repository, "mlp", "onnxruntime", "int8", name="mlp-broken", benchmark=False,
+                        progress=lambda _: None)
+    assert not report.quality["passed"] and not report.servable and report.version is None
+    assert "rejected" in report.location and not (repository / "mlp-broken" / "config.yaml").exists()
 
 
 def test_a_torch_program_without_labels_is_judged_by_relative_error(own: tuple[Path, np.ndarray, np.ndarray]) -> None:

@@ -58,16 +58,6 @@ def test_calibration_takes_at_most_its_cap_and_leaves_the_rest_to_evaluate(tmp_p
     assert (data.calibration_count, data.count) == (MAX_CALIBRATION, 1000 - MAX_CALIBRATION)
 
 
-def test_a_broken_calibration_changes_the_calibration_items_and_the_fingerprint(tmp_path: Path) -> None:
-    write(tmp_path, **items(10))
-    good = load_eval_data(tmp_path, tmp_path / "1", config())
-    noisy = load_eval_data(tmp_path, tmp_path / "1", config(), calibration="noise")
-    assert isinstance(good, TensorData) and isinstance(noisy, TensorData)
-    assert not np.array_equal(good.calibration["a"], noisy.calibration["a"])
-    assert np.array_equal(good.calibration["b"], noisy.calibration["b"])  # integers are left as they are
-    assert np.array_equal(good.inputs["a"], noisy.inputs["a"]) and good.fingerprint != noisy.fingerprint
-
-
 @pytest.mark.parametrize(("arrays", "labels", "message"), [
     ({"a": np.zeros((4, 3), np.float32)}, None, r"holds \['a'\]; the model's inputs are \['a', 'b'\]"),
     ({**items(4), "c": np.zeros(4)}, None, "the model's inputs are"),

@@ -14,6 +14,7 @@ from server.cli import main as cli_main
 from server.config import load_model_config
 from server.errors import EngineError
 from server.quantize import BuildError, build, ensure_built, report
+from tests.unit.quantize.broken import break_calibration
 
 
 def quiet(message: str) -> None:
@@ -120,23 +121,28 @@ def _inner(tensor: object) -> list:
 
 
 def test_torch_int8_options_are_checked(repository: Path) -> None:
-    with pytest.raises(BuildError, match="not calibrated"):
+    with pytest.raises(BuildError, match="unknown build options"):
         build(repository, "digits", "torch", "int8", options={"calibration": "zeros"}, progress=quiet)
     with pytest.raises(BuildError, match="scheme must be one of"):
         build(repository, "digits", "torch", "int8", options={"scheme": "int4"}, progress=quiet)
 
 
-def test_torch_static_int8_with_broken_calibration_fails_its_gate(repository: Path) -> None:
-    broken = build(repository, "digits", "torch", "int8", options={"scheme": "static", "calibration": "zeros"},
+def test_torch_static_int8_with_broken_calibration_fails_its_gate(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    break_calibration(monkeypatch, "zeros")
+    broken = build(repository, "digits", "torch", "int8", options={"scheme": "static"},
                    progress=quiet, benchmark=False)
     assert not broken.servable and not broken.quality["passed"]
 
 
-def test_broken_calibration_fails_and_the_model_stays_on_its_good_version(repository: Path) -> None:
+def test_broken_calibration_fails_and_the_model_stays_on_its_good_version(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     good = build(repository, "digits", "onnxruntime", "int8", progress=quiet, benchmark=False)
     assert good.servable and good.version == 1
-    broken = build(repository, "digits", "onnxruntime", "int8", options={"calibration": "zeros"},
-                   progress=quiet, benchmark=False)
+    break_calibration(monkeypatch, "zeros")
+    broken = build(repository, "digits", "onnxruntime", "int8", progress=quiet, benchmark=False)
     assert not broken.servable and broken.version is None
     assert not broken.quality["passed"] and broken.quality["metrics"]["accuracy"] < 0.9
     folder = repository / "digits-onnxruntime-int8"
@@ -145,18 +151,21 @@ def test_broken_calibration_fails_and_the_model_stays_on_its_good_version(reposi
     assert load_model_config(folder / "config.yaml").build.options == {}  # still the good build's config
 
 
-def test_a_first_build_that_fails_leaves_no_model(repository: Path) -> None:
-    broken = build(repository, "digits", "onnxruntime", "int8", name="garbage",
-                   options={"calibration": "noise"}, progress=quiet, benchmark=False)
+def test_a_first_build_that_fails_leaves_no_model(repository: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    break_calibration(monkeypatch, "noise")
+    broken = build(repository, "digits", "onnxruntime", "int8", name="garbage", progress=quiet, benchmark=False)
     assert not broken.servable
     assert not (repository / "garbage" / "config.yaml").exists()  # the server will not list it
 
 
-def test_gate_not_enforced_publishes_with_the_failure_reported(repository: Path) -> None:
+def test_gate_not_enforced_publishes_with_the_failure_reported(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from server.config import BuildGate
 
-    result = build(repository, "digits", "onnxruntime", "int8", options={"calibration": "zeros"},
-                   gate=BuildGate(enforce=False), progress=quiet, benchmark=False)
+    break_calibration(monkeypatch, "zeros")
+    result = build(repository, "digits", "onnxruntime", "int8", gate=BuildGate(enforce=False), progress=quiet,
+                   benchmark=False)
     assert result.servable and result.version == 1 and not result.quality["passed"]
     assert any("GATE FAILED" in note or "gate FAILED" in note for note in result.notes)
 
@@ -205,18 +214,22 @@ def test_ensure_built_builds_once_then_reuses(repository: Path) -> None:
     assert ensure_built(repository, "digits", load_model_config(repository / "digits" / "config.yaml")) is None
 
 
-def test_ensure_built_refuses_a_build_that_fails_its_gate(repository: Path) -> None:
-    _declare(repository, "digits-bad", options={"calibration": "zeros"})
+def test_ensure_built_refuses_a_build_that_fails_its_gate(repository: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    break_calibration(monkeypatch, "zeros")
+    _declare(repository, "digits-bad")
     with pytest.raises(EngineError, match="failed its quality gate"):
         ensure_built(repository, "digits-bad", load_model_config(repository / "digits-bad" / "config.yaml"))
 
 
-def test_cli_exit_codes(digits_int8, shared_repository: Path, capsys: pytest.CaptureFixture) -> None:
+def test_cli_exit_codes(
+    digits_int8, shared_repository: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     repo = ["--model-repository", str(shared_repository)]
     assert cli_main(["build", "digits", "--engine", "onnxruntime", "--precision", "int8", *repo]) == 0
     assert "cache hit" in capsys.readouterr().out
     assert cli_main(["build", "digits", "--engine", "onnxruntime", "--precision", "int8", "--report", *repo]) == 0
     assert "Quality vs FP32" in capsys.readouterr().out
     assert cli_main(["build", "minilm", "--engine", "onnxruntime", "--precision", "bf16", *repo]) == 2
+    break_calibration(monkeypatch, "zeros")
     assert cli_main(["build", "digits", "--engine", "onnxruntime", "--precision", "int8", "--name", "cli-broken",
-                     "--option", "calibration=zeros", "--no-benchmark", *repo]) == 1
+                     "--no-benchmark", *repo]) == 1

@@ -272,7 +272,7 @@ def test_int8_plans_start_from_a_calibrated_symmetric_qdq_graph(repository: Path
     assert handed["zero_points"] and all((z == 0).all() for z in handed["zero_points"])  # TensorRT's rule
     assert output.engine == "tensorrt" and "Q/DQ" in output.method
     with pytest.raises(BuildError, match="INT8 builds only"):
-        tensorrt.build(_context(repository, tmp_path / "fp16", "fp16", calibration="zeros"))
+        tensorrt.build(_context(repository, tmp_path / "fp16", "fp16", calibrate_method="entropy"))
 
 
 def test_int8_plans_of_a_text_model_are_refused_before_any_work() -> None:
