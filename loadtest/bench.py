@@ -23,6 +23,7 @@ from loadtest import (
     report,
     runs,
 )
+from server.ladder import doubling
 
 DESCRIPTION = """Benchmarks for Batchline. Modes:
 
@@ -51,11 +52,13 @@ The HTTP modes never start a server: start it yourself, e.g. pinned to CPU 0:
   batchline bench closed --url http://127.0.0.1:8000 --generator-cpu 1 --out out/closed
 """
 
-ENGINE_HELP = """The engine alone, loaded as the server loads it, called directly: no HTTP, no queue.
-minilm: ONNX Runtime (CPUExecutionProvider, --threads intra-op threads) + tokenizers
-(truncation at the config's max_length, padding to the longest text of the batch; tokenization is
-timed as part of each batch, as the server does it). digits: torch.export.load(...).module(),
-torch.set_num_threads(--threads). Per batch size: 3 warm-up runs, then runs back to back for
+ENGINE_HELP = """The engine alone, called directly: no HTTP, no queue. The model folder is read as the
+server reads it (its config, its latest version, its artifact). digits: the server's own engine for
+that config (torch or ONNX Runtime), pinned to --threads as `--engine-threads` pins it.
+minilm: its own ONNX Runtime session (CPUExecutionProvider, --threads intra-op threads) + tokenizers
+(truncation at the config's max_length, padding to the longest text of the batch, or with
+--length-sorted to neighbours in length; tokenization is timed as part of each batch), since batch
+formation is part of what it measures. Per batch size: 3 warm-up runs, then runs back to back for
 --duration seconds (at least 5 runs, at most 100,000); reports items/s, p50/p99 latency per batch,
 and the best batch size ("the engine ceiling")."""
 
@@ -105,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     engine = modes.add_parser("engine", parents=[common], help="the engine alone, per batch size",
                               description=ENGINE_HELP, formatter_class=runs.Formatter)
-    engine.add_argument("--batch-sizes", type=runs.ints, default=[1, 2, 4, 8, 16, 32, 64], help="comma-separated")
+    engine.add_argument("--batch-sizes", type=runs.ints, default=doubling(1, 64), help="comma-separated")
     engine.add_argument("--duration", type=float, default=3.0, help="seconds of runs per batch size")
     engine.add_argument("--threads", type=int, default=1, help="intra-op threads (ONNX Runtime) / torch.set_num_threads")
     engine.add_argument("--length-sorted", action="store_true",

@@ -4,7 +4,7 @@ One command makes the table docs/benchmarks.md asks for on each machine: on a GP
 (`--device gpu`) every FP16 / BF16 / INT8 build of the model that runs on a GPU, TensorRT plans
 included, each judged against FP32 and timed against FP32 on GPU 0; on a CPU machine the CPU
 builds. The builds go into a scratch repository that links the model's built version (the real
-repository is never written), through `server.quantize.build`, so each row is the figures of one
+repository is never written), through `server.quantize.api.build`, so each row is the figures of one
 build report: quality against FP32 and speed against FP32 measured in the same run.
 """
 
@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import payloads, report, runs
+from server.layout import EVAL_DIR, config_path, is_version_folder
+from server.quantize.bench import DEFAULT_BATCHES
 
 # (engine, precision, options) per device; a model's build that does not apply (e.g. static
 # calibration for a text model) is reported as refused with the builder's reason.
@@ -49,7 +51,8 @@ def add_parser(modes: Any, parents: runs.Parents) -> None:
     parser.add_argument("--model-repository", type=Path, default=payloads.MODELS, help="model repository folder")
     parser.add_argument("--device", choices=sorted(BUILDS), default="cpu", help="where builds are judged and timed")
     parser.add_argument("--bench-seconds", type=float, default=1.0, help="timed seconds per batch size")
-    parser.add_argument("--batch-sizes", type=runs.ints, default=[1, 8, 32], help="comma-separated")
+    parser.add_argument("--batch-sizes", type=runs.ints, default=list(DEFAULT_BATCHES),
+                        help="comma-separated (default: the sizes a build report times)")
     parser.add_argument("--only", type=lambda text: [t for t in text.split(",") if t], default=None,
                         help="comma-separated builds of the list to make, named without the model, "
                              "e.g. onnxruntime-int8,torch-int8-weight_only (default: all)")
@@ -66,9 +69,9 @@ def link_model(source: Path, root: Path, model: str) -> None:
     """`model` of repository `source` into repository `root`: its config copied (free to edit),
     its version folders and eval/ linked, so builds into `root` never write `source`."""
     (root / model).mkdir(parents=True)
-    shutil.copyfile(source / model / "config.yaml", root / model / "config.yaml")
+    shutil.copyfile(config_path(source / model), config_path(root / model))
     for part in (source / model).iterdir():
-        if part.name == "eval" or (part.is_dir() and part.name.isdigit()):
+        if part.name == EVAL_DIR or is_version_folder(part):
             (root / model / part.name).symlink_to(part.resolve())
 
 
@@ -90,8 +93,9 @@ def chosen(device: str, only: list[str] | None) -> list[tuple[str, str, dict[str
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
     from server.errors import BatchlineError
-    from server.quantize import build
+    from server.quantize.api import build
     from server.quantize.progress import bars
+    from server.quantize.references import References
 
     todo = chosen(args.device, args.only)
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # as `batchline` does: CUDA and NVML agree
@@ -101,6 +105,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
                   "builds": [build_name(*b) for b in todo]}
     record = runs.record(args, argv, parameters)
     entries: list[dict[str, Any]] = []
+    references = References()  # FP32 evaluated and timed once for every build of the model
     try:
         for engine, precision, options in todo:
             name = f"{args.model}-{build_name(engine, precision, options)}"
@@ -108,7 +113,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
             try:
                 built = build(repository, args.model, engine, precision, name=name, options=options,
                               device=args.device, bench_seconds=args.bench_seconds, bench_batches=args.batch_sizes,
-                              progress=lambda m: print(m, file=sys.stderr, flush=True), track=bars(sys.stderr))
+                              progress=lambda m: print(m, file=sys.stderr, flush=True), track=bars(sys.stderr),
+                              references=references)
             except BatchlineError as exc:
                 entries.append({"name": name, "engine": engine, "precision": precision, "refused": exc.message})
                 continue
@@ -156,13 +162,13 @@ def quality_names(entries: list[dict[str, Any]]) -> list[str]:
 
 
 def table_row(entry: dict[str, Any], quality: list[str], batches: list[int]) -> list[Any]:
-    built = entry["report"]
-    metrics = built["quality"]["metrics"]
-    bench = built.get("benchmark") or {}
-    mine = {b["batch"]: b["latency_ms"] for b in bench.get("buckets", [])}
-    fp32 = {b["batch"]: b["latency_ms"] for b in (bench.get("reference") or {}).get("buckets", [])}
-    speedups = [round(fp32[b] / mine[b], 2) if b in mine and b in fp32 else None for b in batches]
-    gate = "pass" if built["quality"].get("passed") else "FAIL"
-    figures = [metrics.get(name) for name in quality]
-    size = round(built["artifact"]["size_bytes"] / 1e6, 2)
-    return [entry["name"], gate, *figures, size, *speedups, bench.get("gpu_memory_mb")]
+    """One build's row, read from its report as `batchline build --report` reads it."""
+    from server.quantize.reporting import BuildReport
+
+    built = BuildReport.from_dict(entry["report"])
+    measured = built.speedups()
+    speedups = [round(measured[b], 2) if b in measured else None for b in batches]
+    figures = [built.quality["metrics"].get(name) for name in quality]
+    size = round(built.artifact["size_bytes"] / 1e6, 2)
+    return [entry["name"], "pass" if built.gate_passed else "FAIL", *figures, size, *speedups,
+            (built.benchmark or {}).get("gpu_memory_mb")]

@@ -22,9 +22,12 @@ from typing import Any
 import numpy as np
 
 from loadtest.payloads import SENTENCES, digits_images
+from server.config import ModelConfig, load_model_config
+from server.engines.registry import artifact_file
+from server.engines.timing import time_runs
+from server.layout import config_path, version_dir, version_numbers
 
 MAX_RUNS_PER_BATCH = 100_000
-WARMUP_RUNS = 3
 
 
 @dataclass
@@ -54,7 +57,6 @@ class BatchResult:
         return out | self.extra
 
 
-DEFAULT_ARTIFACTS = {"onnxruntime": "model.onnx", "torch": "model.pt2"}
 ONNX_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
               "tensor(int64)": np.int64, "tensor(int32)": np.int32}
 
@@ -64,47 +66,32 @@ class ModelFiles:
     """A model folder as the server reads it."""
 
     folder: Path
-    config: dict[str, Any]
+    config: ModelConfig
     version_dir: Path
-    engine: str
-    precision: str
     artifact: Path
 
     def find(self, filename: str) -> Path:
         """A file of the version folder; else of the build source's (a variant may share it)."""
         path = self.version_dir / filename
-        source = (self.config.get("build") or {}).get("source")
-        if not path.is_file() and source:
-            fallback = model_files(self.folder.parent / source).version_dir / filename
+        if not path.is_file() and self.config.build is not None:
+            fallback = model_files(self.folder.parent / self.config.build.source).version_dir / filename
             if fallback.is_file():
                 return fallback
         return path
 
 
 def model_files(folder: Path) -> ModelFiles:
-    import yaml
-
-    config = yaml.safe_load((folder / "config.yaml").read_text()) or {}
-    versions = sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) > 0)
+    config = load_model_config(config_path(folder))
+    versions = version_numbers(folder)
     if not versions:
         raise FileNotFoundError(f"{folder} holds no version folder; build it first")
-    version_dir = folder / str(versions[-1])
-    engine = str(config.get("engine", "onnxruntime"))
-    artifact = version_dir / (config.get("model_filename") or DEFAULT_ARTIFACTS.get(engine, "model.onnx"))
-    return ModelFiles(folder, config, version_dir, engine, str(config.get("precision", "fp32")), artifact)
+    version = version_dir(folder, versions[-1])
+    return ModelFiles(folder, config, version, artifact_file(config, version))
 
 
 Runner = Callable[[int], float | None]  # runs batch number i; returns seconds spent tokenizing
 # A runner may carry `extra`: figures about its inputs (e.g. padding) to put into the report.
 Loader = Callable[[int], Runner]  # batch size -> runner; the model is loaded once per sweep
-
-
-def tokenizer_max_length(model_dir: Path, default: int = 256) -> int:
-    """preprocess.tokenize.max_length of the model's config.yaml, as the server reads it."""
-    import yaml
-
-    config = yaml.safe_load((model_dir / "config.yaml").read_text()) or {}
-    return int(((config.get("preprocess") or {}).get("tokenize") or {}).get("max_length", default))
 
 
 def _onnx_session(path: Path, threads: int) -> Any:
@@ -122,9 +109,11 @@ def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False) ->
 
     files = model_files(model_dir)
     session = _onnx_session(files.artifact, threads)
-    tokenize = (files.config.get("preprocess") or {}).get("tokenize") or {}
-    tokenizer = Tokenizer.from_file(str(files.find(tokenize.get("tokenizer", "tokenizer.json"))))
-    tokenizer.enable_truncation(max_length=tokenizer_max_length(model_dir))
+    tokenize = files.config.tokenize
+    if tokenize is None:
+        raise ValueError(f"{model_dir} is not a text model (no preprocess.tokenize)")
+    tokenizer = Tokenizer.from_file(str(files.find(tokenize.tokenizer)))
+    tokenizer.enable_truncation(max_length=tokenize.max_length)
     tokenizer.enable_padding()
     types = {i.name: ONNX_TYPES.get(i.type, np.int64) for i in session.get_inputs()}
     feeds = set(types)
@@ -168,18 +157,12 @@ def _image_batches(images: np.ndarray, batch_size: int) -> list[np.ndarray]:
 def image_loader(model_dir: Path, threads: int, length_sorted: bool = False) -> Loader:
     """The server's own engine for the model's config (torch, any precision, or ONNX Runtime),
     with `threads` threads, called directly: exactly what an instance runs, minus the server."""
-    from server.config import load_model_config
     from server.devices import Device
     from server.engines import create_engine
+    from server.quantize.runner import with_threads
 
     files = model_files(model_dir)
-    config = load_model_config(model_dir / "config.yaml")
-    config = config.model_copy(
-        update={
-            "onnxruntime": config.onnxruntime.model_copy(update={"intra_op_num_threads": threads, "inter_op_num_threads": 1}),
-            "torch": config.torch.model_copy(update={"num_threads": threads}),
-        }
-    )
+    config = with_threads(files.config, threads)  # as a build's timing pins them
     engine = create_engine(config, files.version_dir, Device("CPU"))
     name = config.inputs[0].source_name
     images = digits_images(model_dir.parent)
@@ -206,20 +189,9 @@ LOADERS: dict[tuple[str, str], Callable[[Path, int, bool], Loader]] = {
 def measure(run: Runner, batch_size: int, duration_s: float, max_runs: int = MAX_RUNS_PER_BATCH) -> BatchResult:
     """Warm up, then run back to back until `duration_s` or `max_runs`, whichever comes first
     (at least 5 runs, so a p99 exists even for slow batches)."""
-    for i in range(WARMUP_RUNS):
-        run(i)
-    latencies: list[float] = []
-    tokenize: list[float] = []
-    start = time.perf_counter()
-    while len(latencies) < max_runs:
-        before = time.perf_counter()
-        spent = run(len(latencies))
-        latencies.append(time.perf_counter() - before)
-        if spent is not None:
-            tokenize.append(spent)
-        if before + latencies[-1] - start >= duration_s and len(latencies) >= 5:
-            break
-    return BatchResult(batch_size, len(latencies), time.perf_counter() - start, latencies, tokenize)
+    timed = time_runs(run, duration_s, max_runs=max_runs, keep=True)  # each run returns its tokenize seconds
+    tokenize = [spent for spent in timed.returned if spent is not None]
+    return BatchResult(batch_size, len(timed.latencies_s), timed.elapsed_s, timed.latencies_s, tokenize)
 
 
 def sweep(
@@ -229,7 +201,7 @@ def sweep(
     """`model` names the payload (digits | minilm); `folder` the model folder to load (default:
     repository/model; a variant of it, e.g. repository/minilm-onnxruntime-int8, takes the same payload)."""
     folder = folder or repository / model
-    engine = str(model_files(folder).engine)
+    engine = model_files(folder).config.engine
     if (model, engine) not in LOADERS:
         known = ", ".join(f"{m} on {e}" for m, e in LOADERS)
         raise ValueError(f"no engine-alone loader for {model} on {engine}; known: {known}")

@@ -448,6 +448,7 @@ def engine_phase(run: Run, context: dict[str, Any], deadline: float) -> None:
     from server.config import load_model_config
     from server.devices import Device
     from server.engines import create_engine
+    from server.layout import FIRST_VERSION, config_path, version_dir
 
     profile, device = run.profile, context["device"]
     placement = Device("GPU", device.index or 0) if device.type == "cuda" else Device("CPU")
@@ -470,9 +471,9 @@ def engine_phase(run: Run, context: dict[str, Any], deadline: float) -> None:
         loaded = run.clock()
         engines: list[Any] = []
         try:
-            config = load_model_config(folder / "config.yaml")
+            config = load_model_config(config_path(folder))
             for _ in range(variant.get("instances", 1)):  # one by one: those made are closed if the next fails
-                engines.append(create_engine(config, folder / "1", placement))
+                engines.append(create_engine(config, version_dir(folder, FIRST_VERSION), placement))
             record: dict[str, Any] = {"load_s": round(run.clock() - loaded, 2), "seconds_per_bucket": round(seconds, 3)}
 
             def batches(size: int, model: Any = model) -> list[dict[str, Any]]:

@@ -38,7 +38,6 @@ PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 MAX_EXPORT_BATCH = 4096
 EXAMPLE_BATCH = 4  # > 1: an example batch of 1 would specialise the batch dim
 POOL_ITEMS = 64  # distinct inputs per model that requests and engine batches are drawn from
-ARTIFACT = "model.pt2"
 
 
 @dataclass(frozen=True)
@@ -353,13 +352,16 @@ def write_variant(repository: Path, model: Model, precision: str, artifact: Path
     batch up to and warms up one by one)."""
     from server.config import load_model_config
     from server.engines.digests import record_digests
+    from server.engines.registry import ENGINES
+    from server.layout import FIRST_VERSION, config_path, version_dir
 
     name = f"{model.name}-{precision}" + (f"-{suffix}" if suffix else "")
     folder = repository / name
-    version = folder / "1"
+    version = version_dir(folder, FIRST_VERSION)
     version.mkdir(parents=True, exist_ok=True)
-    _link_or_copy(artifact, version / ARTIFACT)
-    record_digests(version, [ARTIFACT])
+    filename = ENGINES["torch"].artifact
+    _link_or_copy(artifact, version / filename)
+    record_digests(version, [filename])
     config: dict[str, Any] = {
         "name": name,
         "engine": "torch",
@@ -383,8 +385,8 @@ def write_variant(repository: Path, model: Model, precision: str, artifact: Path
     if torch_options:
         config["torch"] = torch_options
     header = f"# Written by loadtest/gpu_check: {model.about.get('source')}, {name}.\n"
-    (folder / "config.yaml").write_text(header + yaml.safe_dump(config, sort_keys=False))
-    load_model_config(folder / "config.yaml")
+    config_path(folder).write_text(header + yaml.safe_dump(config, sort_keys=False))
+    load_model_config(config_path(folder))
     return name
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from server.layout import FIRST_VERSION, version_dir
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -92,7 +94,7 @@ class InferRequest:
 @lru_cache(maxsize=4)
 def digits_images(repository: Path = MODELS) -> np.ndarray:
     """The held-out digits images, FP32 [n,1,8,8] (written by models/digits/build.py)."""
-    path = repository / "digits" / "1" / "heldout.npz"
+    path = version_dir(repository / "digits", FIRST_VERSION) / "heldout.npz"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; build the models first (`make models`)")
     with np.load(path) as data:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import engine, payloads, report, runs, variants
+from server.quantize.bench import DEFAULT_BATCHES
 
 HELP = """Finds --model and its variants in --model-repository (folders whose config.yaml has
 `build: {source: MODEL, ...}`, as `batchline build` writes them, e.g. minilm-onnxruntime-int8), and runs
@@ -34,7 +35,8 @@ def add_parser(modes: Any, parents: runs.Parents) -> None:
                               help="engine alone (and optionally closed loop) over a model's precision variants",
                               description=HELP, formatter_class=runs.Formatter)
     parser.add_argument("--model-repository", type=Path, default=payloads.MODELS, help="model repository folder")
-    parser.add_argument("--batch-sizes", type=runs.ints, default=[1, 8, 32], help="engine sweep, comma-separated")
+    parser.add_argument("--batch-sizes", type=runs.ints, default=list(DEFAULT_BATCHES),
+                        help="engine sweep, comma-separated (default: the sizes a build report times)")
     parser.add_argument("--engine-duration", type=float, default=3.0, help="seconds of runs per batch size")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (ONNX Runtime) / torch threads")
     parser.add_argument("--rounds", type=int, default=1,

@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from loadtest import localserver, machine, report
+from server.layout import config_path, version_dir, version_numbers
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
@@ -36,14 +37,13 @@ def variant_repository(folder: Path, model: str, batching: bool) -> Path:
     root = folder / ("batching-on" if batching else "batching-off")
     target = root / model
     target.mkdir(parents=True)
-    for version in (MODELS / model).iterdir():
-        if version.is_dir() and version.name.isdigit():
-            (target / version.name).symlink_to(version.resolve(), target_is_directory=True)
-    config = yaml.safe_load((MODELS / model / "config.yaml").read_text())
+    for version in version_numbers(MODELS / model):
+        version_dir(target, version).symlink_to(version_dir(MODELS / model, version).resolve(), target_is_directory=True)
+    config = yaml.safe_load(config_path(MODELS / model).read_text())
     if not batching:
         config.pop("dynamic_batching", None)
         config.setdefault("warmup", {})["profile"] = False
-    (target / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    config_path(target).write_text(yaml.safe_dump(config, sort_keys=False))
     return root
 
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from server.layout import config_path, version_numbers
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -28,7 +30,7 @@ class Variant:
 
 def _config(folder: Path) -> dict[str, Any] | None:
     try:
-        config = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
+        config = yaml.safe_load(config_path(folder).read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
         return None
     return config if isinstance(config, dict) else None
@@ -36,7 +38,7 @@ def _config(folder: Path) -> dict[str, Any] | None:
 
 def _variant(folder: Path, config: dict[str, Any]) -> Variant:
     build = config.get("build") if isinstance(config.get("build"), dict) else None
-    built = any(p.is_dir() and p.name.isdigit() and int(p.name) > 0 for p in folder.iterdir())
+    built = bool(version_numbers(folder))
     return Variant(
         name=str(config.get("name", folder.name)),
         folder=folder,
@@ -54,7 +56,7 @@ def find(repository: Path, model: str) -> list[Variant]:
     found: list[Variant] = []
     base = _config(repository / model)
     if base is None:
-        raise FileNotFoundError(f"{repository / model / 'config.yaml'} is missing")
+        raise FileNotFoundError(f"{config_path(repository / model)} is missing")
     found.append(_variant(repository / model, base))
     for folder in sorted(p for p in repository.iterdir() if p.is_dir() and p.name != model):
         config = _config(folder)

@@ -9,51 +9,13 @@ import os
 import socket
 import sys
 import threading
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from server import __version__
-from server.config import ServerSettings
 from server.model_import import add_import_parser
 from server.quantize.cli import add_build_parser
-
-
-def settings_from(args: argparse.Namespace) -> ServerSettings:
-    """Environment (BATCHLINE_*) first, flags over it."""
-    overrides = {
-        k: v
-        for k, v in {
-            "model_repository": args.model_repository,
-            "host": args.host,
-            "http_port": args.http_port,
-            "port_file": args.port_file,
-            "allow_grpc": args.allow_grpc,
-            "grpc_port": args.grpc_port,
-            "grpc_port_file": args.grpc_port_file,
-            "log_level": args.log_level,
-            "models": args.model or None,
-            "engine_threads": args.engine_threads,
-            "device_price_per_hour": args.device_price_per_hour,
-            "access_log": args.access_log,
-            "max_in_flight": args.max_in_flight,
-            "max_in_flight_bytes": args.max_in_flight_bytes,
-            "model_control": args.model_control,
-            "admin_token_file": args.admin_token_file,
-            "inference_token_file": args.inference_token_file,
-        }.items()
-        if v is not None
-    }
-    return ServerSettings(**overrides)
-
-
-class _RefuseToken(argparse.Action):
-    """A token on the command line shows in `ps` to every user of the machine: refused by name,
-    rather than taken by argparse as an abbreviation of --admin-token-file."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-                 option_string: str | None = None) -> None:
-        variable = f"BATCHLINE_{str(option_string).removeprefix('--').replace('-', '_').upper()}"
-        parser.error(f"{option_string} takes no token (the command line shows in ps): use {option_string}-file "
-                     f"FILE or {variable}")
+from server.settings import add_setting_flags, settings_from
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -132,13 +94,23 @@ def _write_port_file(path: Path, port: int) -> None:
     partial.replace(path)
 
 
+# Commands that other installed packages add to `batchline` (the benchmarks add `bench`), found
+# by name among the installed entry points: the server never imports the tools built on it.
+COMMANDS = "batchline.commands"
+
+
 def _bench(args: argparse.Namespace) -> int:
+    found = entry_points(group=COMMANDS, name="bench")
     try:
-        from loadtest.bench import main as bench_main
+        run = next(iter(found)).load() if found else None
     except ImportError as exc:
         logging.getLogger(__name__).error("the benchmark tools are not installed (pip install 'batchline[loadtest]'): %s", exc)
         return 2
-    return bench_main(args.arguments)
+    if run is None:  # the package's metadata predates the command: an install from before it
+        logging.getLogger(__name__).error("the bench command is not registered with this install of batchline: "
+                                          "reinstall it (pip install -e '.[loadtest]' in a checkout)")
+        return 2
+    return int(run(args.arguments))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,67 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a model repository over KServe v2 HTTP and gRPC. Every flag can also be set "
         "by an environment variable BATCHLINE_<NAME> (e.g. BATCHLINE_HTTP_PORT); flags win.",
     )
-    serve.add_argument("--model-repository", help="folder of models (default: models)")
-    serve.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
-    serve.add_argument("--http-port", type=int, help="HTTP port (default: 8000; 0: any free port, see --port-file)")
-    serve.add_argument(
-        "--port-file", metavar="FILE",
-        help="once the HTTP socket is bound, write its port number to FILE (replaced whole, never half "
-        "written): how a caller learns the port of --http-port 0; poll /v2/health/live before sending",
-    )
-    serve.add_argument("--grpc-port", type=int, help="gRPC port (default: 8001; 0: any free port, see --grpc-port-file)")
-    serve.add_argument(
-        "--grpc-port-file", metavar="FILE",
-        help="once gRPC takes calls, write its port number to FILE (as --port-file does for HTTP)",
-    )
-    serve.add_argument(
-        "--allow-grpc", choices=["true", "false"],
-        help="serve gRPC beside HTTP, as Triton's --allow-grpc (default: true; false: HTTP only)",
-    )
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default: info")
-    serve.add_argument(
-        "--engine-threads", type=int, metavar="N",
-        help="threads per engine instance for every model, overriding the configs (e.g. 1 when pinned to one core)",
-    )
-    serve.add_argument(
-        "--access-log", choices=["off", "text", "json"],
-        help="a line per infer request with id, model, status, queue and compute times (default: off)",
-    )
-    serve.add_argument(
-        "--device-price-per-hour", type=float, metavar="USD",
-        help="price of this replica's device per hour, exported as batchline_device_price_per_hour",
-    )
-    serve.add_argument(
-        "--model", action="append", metavar="NAME", help="load only this model at start (repeatable)"
-    )
-    serve.add_argument(
-        "--max-in-flight", type=int, metavar="N",
-        help="infer requests served at once, over HTTP and gRPC together; past it 429 + Retry-After before the "
-        "body is read (default: 512)",
-    )
-    serve.add_argument(
-        "--max-in-flight-bytes", type=int, metavar="BYTES",
-        help="bytes of infer bodies held at once, over HTTP and gRPC together; past it 429 + Retry-After before "
-        "the body is read "
-        "(default: 1 GiB, so request memory stays near 3 GiB)",
-    )
-    serve.add_argument(
-        "--model-control", action="store_true", default=None,
-        help="allow POST /v2/repository/models/NAME/load and /unload (Triton's --model-control-mode=explicit); "
-        "needs an admin token unless --host is loopback (default: off, both answer 403)",
-    )
-    serve.add_argument(
-        "--admin-token-file", type=Path, metavar="FILE",
-        help="the bearer token load/unload need, read from FILE (or BATCHLINE_ADMIN_TOKEN; never a flag: "
-        "argv shows in ps)",
-    )
-    serve.add_argument(
-        "--inference-token-file", type=Path, metavar="FILE",
-        help="the bearer token every route but health, /metrics and the docs needs, read from FILE "
-        "(or BATCHLINE_INFERENCE_TOKEN; default: none, those routes are open)",
-    )
-    for refused in ("--admin-token", "--inference-token"):
-        serve.add_argument(refused, action=_RefuseToken, help=argparse.SUPPRESS)
+    add_setting_flags(serve)
     serve.set_defaults(handler=_serve)
     bench = commands.add_parser(
         "bench",

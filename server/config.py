@@ -1,4 +1,4 @@
-"""Server settings (flags and environment) and the model-configuration schema.
+"""The model-configuration schema.
 
 A model is described by `models/<name>/config.yaml`; the schema keeps Triton's names and meanings
 (max_batch_size, dynamic_batching, instance_group, version_policy) so a Triton user feels at home.
@@ -16,74 +16,18 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from server.errors import ConfigError
+from server.ladder import batch_ladder
 from server.protocol.datatypes import DATATYPES, numpy_dtype
 
-CONFIG_FILENAME = "config.yaml"
-
-EngineName = Literal["onnxruntime", "torch", "tensorrt"]
+EngineName = Literal["onnxruntime", "torch", "tensorrt"]  # the keys of server.engines.registry.ENGINES
 Precision = Literal["fp32", "fp16", "bf16", "int8"]
 DeviceKind = Literal["CPU", "GPU"]
-
-
-class ServerSettings(BaseSettings):
-    """Process-wide settings; every field is also read from `BATCHLINE_<FIELD>`."""
-
-    model_config = SettingsConfigDict(env_prefix="BATCHLINE_", extra="ignore")
-
-    model_repository: Path = Path("models")
-    host: str = "127.0.0.1"
-    http_port: int = Field(default=8000, ge=0, le=65535)
-    port_file: Path | None = Field(
-        default=None, description="Written with the bound port once listening (how a caller learns port 0's)."
-    )
-    allow_grpc: bool = Field(default=True, description="Serve gRPC as well as HTTP (Triton's --allow-grpc).")
-    grpc_port: int = Field(default=8001, ge=0, le=65535, description="gRPC port (Triton's default, 8001).")
-    grpc_port_file: Path | None = Field(
-        default=None, description="Written with the bound gRPC port once gRPC takes calls (as port_file)."
-    )
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    models: list[str] | None = Field(
-        default=None, description="Load only these models at start (default: every model)."
-    )
-    max_body_bytes: int = Field(default=64 << 20, gt=0, description="Largest request body accepted.")
-    max_in_flight: int = Field(
-        default=512, gt=0,
-        description="Infer requests served at once, over every front end together; past it a request is answered"
-        " 429 before its body is read.",
-    )
-    max_in_flight_bytes: int = Field(
-        default=1 << 30, gt=0,
-        description="Bytes of infer bodies held at once (declared Content-Length, or max_body_bytes when"
-        " undeclared); past it 429 before the body is read. Bounds request memory at about 3x this.",
-    )
-    access_log: Literal["off", "text", "json"] = Field(
-        default="off", description="One line per infer request (id, model, status, queue and compute times)."
-    )
-    device_price_per_hour: float | None = Field(
-        default=None, ge=0, description="Price of this replica's device per hour, exported for cost per inference."
-    )
-    engine_threads: int | None = Field(
-        default=None, gt=0, description="Threads per engine instance for every model (overrides configs)."
-    )
-    model_control: bool = Field(
-        default=False, description="Allow repository load/unload (Triton's --model-control-mode=explicit)."
-    )
-    admin_token: SecretStr | None = Field(
-        default=None, description="Bearer token that load/unload need; admin_token_file keeps it out of the environment."
-    )
-    admin_token_file: Path | None = Field(default=None, description="File holding the admin token.")
-    inference_token: SecretStr | None = Field(
-        default=None, description="Bearer token that every route but health, /metrics and the docs needs, when set."
-    )
-    inference_token_file: Path | None = Field(default=None, description="File holding the inference token.")
 
 
 class _Strict(BaseModel):
@@ -409,7 +353,7 @@ class BuildSpec(_Strict):
     """How a variant was (or is to be) built from another model (`batchline build`, server/quantize)."""
 
     source: str = Field(min_length=1, description="The model this variant is built from, in the same repository.")
-    engine: Literal["onnxruntime", "torch", "tensorrt"]
+    engine: EngineName
     precision: Precision
     device: Literal["cpu", "gpu"] = Field(
         default="cpu",
@@ -561,14 +505,8 @@ class ModelConfig(_Strict):
         return self.dynamic_batching.levels if self.dynamic_batching else 1
 
     def batch_ladder(self) -> list[int]:
-        """The batch sizes worth timing: the engine's buckets, else powers of two up to the max."""
-        if self.batch_buckets:
-            return [b for b in self.batch_buckets if b <= self.max_batch_size]
-        ladder, size = [], 1
-        while size < self.max_batch_size:
-            ladder.append(size)
-            size *= 2
-        return [*ladder, self.max_batch_size] if self.batched else [1]
+        """The batch sizes worth building, warming and timing (server/ladder.py)."""
+        return batch_ladder(self.max_batch_size, self.batch_buckets)
 
     @property
     def batched(self) -> bool:

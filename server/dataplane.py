@@ -14,13 +14,14 @@ import numpy as np
 
 from server import __version__
 from server.config import ModelConfig
+from server.engines.registry import ENGINES
 from server.errors import InvalidInput, QueueFull, Unavailable
 from server.heap import HeapPolicy
 from server.model import ModelVersion
-from server.protocol.triton_config import triton_model_config, triton_platform
 from server.repository import ModelRepository
 from server.scheduler.admission import check_declared
 from server.scheduler.request import RequestRecord
+from server.triton_config import triton_model_config
 
 Output = tuple[str, str, np.ndarray]  # name, datatype, array
 
@@ -88,7 +89,7 @@ class DataPlane:
         return {
             "name": name,
             "versions": versions,
-            "platform": triton_platform(model.config.engine),
+            "platform": ENGINES[model.config.engine].triton_platform,
             **model.metadata(),
         }
 
@@ -174,6 +175,7 @@ class DataPlane:
         selection = output_tensors(model.config, outputs)
         results = await model.infer(inputs, parameters, record, received_ns)
         return [(name, datatype, results[name]) for name, datatype in selection]
+
 
 
 def refuse_when_full(model: ModelVersion) -> None:

@@ -37,6 +37,7 @@ import torch
 
 from server.config import Tokenize
 from server.errors import BatchlineError
+from server.ladder import doubling
 from server.preprocess import TextTokenizer
 
 Kind = Literal["embedding", "classification"]
@@ -153,12 +154,7 @@ class HfSource:
 
 def sequence_buckets(max_length: int) -> list[int]:
     """Powers of two from 16 below max_length, then max_length: little padding, few shapes."""
-    buckets = []
-    size = 16
-    while size < max_length:
-        buckets.append(size)
-        size *= 2
-    return [*buckets, max_length]
+    return doubling(16, max_length)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,12 +34,18 @@ class InFlight:
         """Whether a request holding `nbytes` would be let in now."""
         return self.requests < self.max_requests and not (self.bytes and self.bytes + nbytes > self.max_bytes)
 
-    def take(self, nbytes: int) -> None:
-        """Count a request in, or refuse it (ServerBusy, answered 429 / RESOURCE_EXHAUSTED)."""
+    def try_take(self, nbytes: int) -> bool:
+        """Count a request in when there is room; False (nothing counted) when there is none."""
         if not self.has_room(nbytes):
-            raise ServerBusy(BUSY_MESSAGE)
+            return False
         self.requests += 1
         self.bytes += nbytes
+        return True
+
+    def take(self, nbytes: int) -> None:
+        """Count a request in, or refuse it (ServerBusy, answered 429 / RESOURCE_EXHAUSTED)."""
+        if not self.try_take(nbytes):
+            raise ServerBusy(BUSY_MESSAGE)
 
     def give_back(self, nbytes: int) -> None:
         """Count a request out: it was answered, or its client left."""

@@ -28,6 +28,7 @@ import numpy as np
 from server.config import ModelConfig, TensorConfig
 from server.devices import Device, placements
 from server.engines import create_engine
+from server.engines.registry import ENGINES
 from server.errors import BatchlineError, EngineError, InvalidInput, Unavailable
 from server.gpu import driver_versions, identity
 from server.preprocess import TextTokenizer
@@ -38,7 +39,7 @@ from server.scheduler.batcher import Batcher, BatchRunner, QueueSettings
 from server.scheduler.policy import BatchPolicy
 from server.scheduler.request import InferenceRequest, RequestRecord
 from server.stats import ModelStatistics
-from server.versions import installed_versions, tensorrt_version
+from server.versions import installed_versions
 from server.workers.instance import ModelInstance
 from server.workers.pipeline import ModelPipeline, paddable_inputs
 
@@ -238,11 +239,9 @@ class ModelVersion:
         batch can reach; without, the batch buckets within max_batch_size."""
         sizes = set(self.config.warmup.batch_sizes)
         cap = self.config.max_batch_size
+        if not sweep:
+            return sorted(sizes | set(self.config.batch_ladder() if self.config.batch_buckets else []))
         for bucket in self.config.batch_buckets or []:
-            if not sweep:
-                if bucket <= cap:
-                    sizes.add(bucket)
-                continue
             sizes.add(min(bucket, cap))
             if bucket >= cap:  # larger buckets are never reached
                 break
@@ -407,13 +406,13 @@ class ModelVersion:
         if self._batcher is not None:
             await self._batcher.drain()
         self._closed = True  # on the loop, so a replacement warming up now is closed, not kept
+        instances, self.instances = self.instances, []
+        await asyncio.to_thread(_close_all, instances)  # engines freed first: the final write below need not hold them
         if self._recording is not None and self.recorder is not None:
             self._recording.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._recording  # a write in progress ends first: the last one below wins
             await self.recorder.write()  # what it recorded since; never raises
-        instances, self.instances = self.instances, []
-        await asyncio.to_thread(_close_all, instances)
         self.state = ModelState.UNAVAILABLE
         self.reason = "unloaded"
 
@@ -449,9 +448,6 @@ def _gpu_identities(instances: list[ModelInstance]) -> tuple[dict[int, str], str
         f"driver {driver or 'unknown'}, CUDA {cuda or 'unknown'}")
 
 
-_ENGINE_DISTRIBUTIONS = {"onnxruntime": ("onnxruntime-gpu", "onnxruntime"), "torch": ("torch",)}
-
-
 def _placement(instances: list[ModelInstance], gpus: dict[int, str], driver: str) -> str:
     """One line for clients (the model config's `placement` parameter): each distinct device
     with its GPU model and compute capability, the driver and CUDA, and the engine's library
@@ -473,11 +469,8 @@ def _placement(instances: list[ModelInstance], gpus: dict[int, str], driver: str
 
 def _engine_library(engine: str) -> str:
     """The installed distribution that runs `engine`, with its version."""
-    if engine == "tensorrt":
-        version = tensorrt_version()
-        return f"tensorrt {version}" if version else "tensorrt"
-    for name in _ENGINE_DISTRIBUTIONS.get(engine, ()):
-        version = installed_versions((name,))[name]
+    entry = ENGINES.get(engine)
+    for name, version in installed_versions(entry.distributions if entry else ()).items():
         if version:
             return f"{name} {version}"
     return engine

@@ -30,14 +30,18 @@ import yaml
 
 from server.config import ModelConfig
 from server.engines.digests import record_digests
+from server.engines.registry import ENGINES
 from server.engines.signature import EngineSignature, TensorSignature, check_signature
+from server.engines.spec import EngineIO
 from server.errors import BatchlineError
+from server.layout import FIRST_VERSION, config_path, eval_dir, version_dir
+from server.settings import RepositorySettings, add_setting_flags, settings_from
 
 if TYPE_CHECKING:
     from server.hf_export import HfSource
 
-ENGINE_BY_SUFFIX = {".onnx": "onnxruntime", ".pt2": "torch"}
-ARTIFACT_BY_ENGINE = {"onnxruntime": "model.onnx", "torch": "model.pt2"}
+# the engines whose artifacts import reads a signature from, by their artifact's file type
+ENGINE_BY_SUFFIX = {Path(ENGINES[name].artifact).suffix: name for name in ("onnxruntime", "torch")}
 DEFAULT_MAX_BATCH_SIZE = 32
 DEFAULT_MAX_QUEUE_SIZE = 1024
 DEFAULT_TIMEOUT_US = 30_000_000
@@ -197,16 +201,16 @@ def import_model(
     engine, signature = read_signature(artifact)
     raw = draft_config(name, engine, signature, max_batch_size, dims)
     config = ModelConfig.model_validate(raw)
-    check_signature(config, signature)
+    check_signature(EngineIO.from_config(config), signature)
     data_files = external_data_files(artifact) if engine == "onnxruntime" else []
     with _staged(repository, name) as staging:
-        version = staging / "1"
-        shutil.copyfile(artifact, version / ARTIFACT_BY_ENGINE[engine])
+        version = version_dir(staging, FIRST_VERSION)
+        shutil.copyfile(artifact, version / ENGINES[engine].artifact)
         for relative in data_files:  # beside the graph, where it names them
             (version / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(artifact.parent / relative, version / relative)
         record_digests(version)
-        (staging / "config.yaml").write_text(_config_text(raw, artifact), encoding="utf-8")
+        config_path(staging).write_text(_config_text(raw, artifact), encoding="utf-8")
     return target
 
 
@@ -254,8 +258,8 @@ def _staged(repository: Path, name: str) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{name}.import-", dir=repository))
     try:
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from a server running as another user
-        (staging / "1").mkdir()
-        (staging / "eval").mkdir()
+        version_dir(staging, FIRST_VERSION).mkdir()
+        eval_dir(staging).mkdir()
         yield staging
         os.replace(staging, repository / name)
     except BaseException:
@@ -285,19 +289,20 @@ def _import_folder(
     raw = draft_text_config(name, source, max_batch_size)
     config = ModelConfig.model_validate(raw)
     with _staged(repository, name) as staging:
-        version = staging / "1"
+        version = version_dir(staging, FIRST_VERSION)
+        graph = version / ENGINES["onnxruntime"].artifact
         try:
-            module = hf_export.export_source(source, version / "model.onnx", say)
+            module = hf_export.export_source(source, graph, say)
         except hf_export.ExportRefused as exc:
             raise ImportRefused(exc.message) from exc
         shutil.copyfile(source.tokenizer_file, version / "tokenizer.json")
-        check_signature(config, _onnx_signature(version / "model.onnx"))
+        check_signature(EngineIO.from_config(config), _onnx_signature(graph))
         say(f"checking the export against the original on {len(hf_export.CHECK_SENTENCES)} texts ...")
-        report = hf_export.check_export(source, version / "model.onnx", version / "tokenizer.json", module)
+        report = hf_export.check_export(source, graph, version / "tokenizer.json", module)
         for line in report.lines:
             say(f"  {line}")
         record_digests(version)
-        (staging / "config.yaml").write_text(_folder_config_text(raw, source, report.reference), encoding="utf-8")
+        config_path(staging).write_text(_folder_config_text(raw, source, report.reference), encoding="utf-8")
     return repository / name
 
 
@@ -393,16 +398,13 @@ def add_import_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         "--max-length", type=int, default=None, metavar="N",
         help="Hugging Face folders: tokens per text, past which text is cut (default: the folder's own)",
     )
-    parser.add_argument(
-        "--model-repository", type=Path, default=None,
-        help="folder of models (default: $BATCHLINE_MODEL_REPOSITORY or models)",
-    )
+    add_setting_flags(parser, RepositorySettings)
     parser.set_defaults(handler=run_import)
     return parser
 
 
 def run_import(args: argparse.Namespace) -> int:
-    repository = args.model_repository or Path(os.environ.get("BATCHLINE_MODEL_REPOSITORY", "models"))
+    repository = settings_from(args, RepositorySettings).model_repository
     if args.max_batch_size is not None and args.max_batch_size < 0:
         print("batchline import: --max-batch-size must be 0 or more", file=sys.stderr)
         return 2
@@ -412,7 +414,7 @@ def run_import(args: argparse.Namespace) -> int:
     except BatchlineError as exc:
         print(f"batchline import: {exc.message}", file=sys.stderr)
         return 2
-    print(f"imported {args.path} as {folder}; review {folder / 'config.yaml'}, then: "
+    print(f"imported {args.path} as {folder}; review {config_path(folder)}, then: "
           f"batchline serve --model-repository {repository} --model {args.name}\n"
           f"to build quantized variants of it, put items like your traffic in {folder / 'eval' / 'inputs.npz'} "
           f"(one array per input, named as in the config; labels.npy optional), then: "

@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from server.config import ModelConfig, RecordTraffic
+from server.layout import RECORDED_FILE
 
 logger = logging.getLogger(__name__)
 
-RECORDED_FILE = Path("eval") / "recorded.npz"
 ITEMS_PER_REQUEST = 8  # at most this many items of one request are considered
 
 
@@ -47,7 +47,8 @@ class TrafficRecorder:
         self.items: list[dict[str, np.ndarray]] = []
         self.considered = 0  # items offered and let in by the rate
         self.bytes = 0
-        self._written = 0  # self.considered when last written
+        self._changes = 0  # items placed (restored, added or replacing one) since the start
+        self._written = 0  # self._changes when last written
         self._failed = False
         self._writing: asyncio.Future[None] | None = None
 
@@ -66,14 +67,14 @@ class TrafficRecorder:
             return
         count = min(len(next(iter(arrays.values()))), self._settings.max_items)
         for index in range(count):
-            item = {name: array[index] for name, array in arrays.items()}
+            item = {name: array[index].copy() for name, array in arrays.items()}  # not views of the whole file
             size = sum(_nbytes(a) for a in item.values())
             if self.bytes + size > self._settings.max_bytes:
                 break
             self.items.append(item)
             self.bytes += size
         self._shapes = {name: array.shape[1:] for name, array in arrays.items()}
-        self.considered = self._written = len(self.items)
+        self.considered = self._changes = self._written = len(self.items)
 
     def offer(self, inputs: dict[str, tuple[str, np.ndarray]], batch_size: int) -> None:
         """Consider a request's items for the reservoir, within the rate."""
@@ -89,28 +90,32 @@ class TrafficRecorder:
             return  # a variable dim of another size than the items kept: it would not stack
         for index in range(min(batch_size if self._batched else 1, ITEMS_PER_REQUEST)):
             self.considered += 1
+            view = {name: a[index] if self._batched else a for name, a in arrays.items()}
+            size = sum(_nbytes(a) for a in view.values())
             slot = len(self.items)
-            if slot >= self._settings.max_items:
-                slot = int(self._rng.integers(self.considered))  # kept with probability max_items / considered
+            if slot >= self._settings.max_items or self.bytes + size > self._settings.max_bytes:
+                # full, by items or by bytes: kept with probability len(items) / considered, so the
+                # sample stays uniform over the whole run whichever bound binds
+                slot = int(self._rng.integers(self.considered))
                 if slot >= len(self.items):
                     continue
-            item = {name: np.array(a[index] if self._batched else a, copy=True) for name, a in arrays.items()}
-            self._place(slot, item)
+            self._place(slot, view, size)
 
-    def _place(self, slot: int, item: dict[str, np.ndarray]) -> None:
-        size = sum(_nbytes(a) for a in item.values())
+    def _place(self, slot: int, view: dict[str, np.ndarray], size: int) -> None:
         replaced = sum(_nbytes(a) for a in self.items[slot].values()) if slot < len(self.items) else 0
         if self.bytes - replaced + size > self._settings.max_bytes:
             return
+        item = {name: np.array(a, copy=True) for name, a in view.items()}  # copied only once kept
         if slot < len(self.items):
             self.items[slot] = item
         else:
             self.items.append(item)
         self.bytes += size - replaced
+        self._changes += 1
 
     @property
     def changed(self) -> bool:
-        return self.considered != self._written and bool(self.items)
+        return self._changes != self._written and bool(self.items)
 
     async def write(self) -> bool:
         """Write the reservoir (on a thread) when it changed; False when there was nothing new
@@ -123,7 +128,7 @@ class TrafficRecorder:
             self._writing = None
         if not self.changed:
             return False
-        items, considered = list(self.items), self.considered
+        items, changes = list(self.items), self._changes
         self._writing = asyncio.ensure_future(
             asyncio.to_thread(_save, self.path, self._names, items, self._settings.max_bytes))
         try:
@@ -135,7 +140,7 @@ class TrafficRecorder:
                 logger.warning("cannot write the recorded requests to %s: %s (serving goes on)", self.path, exc)
             self._failed = True
             return False
-        self._written = considered
+        self._written = changes
         return True
 
     async def run(self) -> None:

@@ -14,8 +14,10 @@ from pathlib import Path
 import orjson
 from pydantic import ValidationError
 
-from server.config import CONFIG_FILENAME, ModelConfig, load_model_config
+from server.config import ModelConfig, load_model_config
+from server.engines.registry import ENGINES
 from server.errors import BatchlineError, ConfigError, EngineError, InvalidInput, ModelNotFound, Unavailable
+from server.layout import CONFIG_FILENAME, version_dir, version_number, version_numbers
 from server.model import ModelState, ModelVersion
 from server.quantize.ensure import ensure_built
 
@@ -93,14 +95,14 @@ class ModelRepository:
                     await asyncio.to_thread(ensure_built, self.root, name, config)
                     # the build publishes the config it serves under (a torch INT8 program takes FP32)
                     config = self._with_overrides(load_model_config(path / CONFIG_FILENAME))
-                selected = config.version_policy.select(_versions_on_disk(path))
+                selected = config.version_policy.select(version_numbers(path))
                 if not selected:
                     raise ConfigError(f"{path}: no version folder (e.g. {path}/1) to serve")
             except ConfigError as exc:
                 raise self._failed(name, exc.message, serving, InvalidInput) from exc
             except EngineError as exc:
                 raise self._failed(name, exc.message, serving, Unavailable) from exc
-            fresh = {v: ModelVersion(config, v, path / str(v)) for v in selected}
+            fresh = {v: ModelVersion(config, v, version_dir(path, v)) for v in selected}
             await asyncio.gather(*(m.load() for m in fresh.values()))
             failed = [m for m in fresh.values() if not m.ready]
             if failed and serving:  # swap only a wholly ready set; the old one serves on
@@ -128,13 +130,7 @@ class ModelRepository:
         """Apply server-wide settings that win over each model's own (engine threads)."""
         if self._engine_threads is None:
             return config
-        threads = self._engine_threads
-        return config.model_copy(
-            update={
-                "onnxruntime": config.onnxruntime.model_copy(update={"intra_op_num_threads": threads}),
-                "torch": config.torch.model_copy(update={"num_threads": threads}),
-            }
-        )
+        return ENGINES[config.engine].with_threads(config, self._engine_threads)
 
     async def unload(self, name: str) -> None:
         self._model_dir(name)
@@ -241,10 +237,6 @@ def unknown_model(name: str, version: str | None = None) -> str:
 
 # A model name is one folder name: at most NAME_MAX (255) bytes on the file systems we serve from.
 _MAX_NAME_BYTES = 255
-# Versions are folder names of digits; no real one has more digits than an int64 (19).
-_MAX_VERSION_DIGITS = 19
-
-
 def _is_folder_name(name: str) -> bool:
     if name in ("", ".", "..") or "/" in name or "\0" in name:
         return False
@@ -254,18 +246,4 @@ def _is_folder_name(name: str) -> bool:
         return False
 
 
-def version_number(version: str) -> int | None:
-    """The version a client names, or None when it names none: ASCII digits only ("²" and "١"
-    pass str.isdigit but are not folder names), and few enough of them that int() stays cheap
-    (Python refuses over 4300 digits with ValueError). "01" is version 1, as Triton reads it."""
-    if not (version.isascii() and version.isdigit()) or len(version) > _MAX_VERSION_DIGITS:
-        return None
-    return int(version)
-
-
-def _versions_on_disk(path: Path) -> list[int]:
-    numbers = (version_number(p.name) for p in path.iterdir() if p.is_dir())
-    return sorted(n for n in numbers if n)
-
-
-__all__ = ["IndexEntry", "ModelRepository", "ModelState", "unknown_model", "version_number"]
+__all__ = ["IndexEntry", "ModelRepository", "ModelState", "unknown_model"]

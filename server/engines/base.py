@@ -1,6 +1,7 @@
 """The one small interface every engine implements.
 
-An engine knows its artifact and its device, nothing else: no HTTP, no queues, no metrics.
+An engine knows its spec (artifact, tensors, precision, its own options: server/engines/spec.py)
+and its device, nothing else: no model config, no HTTP, no queues, no metrics.
 Tensors cross this boundary as numpy arrays keyed by the engine's own tensor names; BYTES
 tensors are object arrays of `bytes` both ways, whatever the runtime wants inside.
 """
@@ -9,15 +10,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from server.config import ModelConfig
 from server.devices import Device
-from server.engines.digests import verify_artifact
 from server.engines.signature import EngineSignature
-from server.errors import EngineError
+from server.engines.spec import EngineSpec
 
 
 @dataclass(frozen=True)
@@ -32,10 +31,10 @@ class EngineDescription:
 
 
 class Engine(ABC):
-    """Loads an artifact at construction; a failed load raises `EngineError` with the reason."""
+    """Loads its spec's artifact at construction; a failed load raises `EngineError` with the reason."""
 
     @abstractmethod
-    def __init__(self, config: ModelConfig, version_dir: Path, device: Device) -> None: ...
+    def __init__(self, spec: EngineSpec[Any], device: Device) -> None: ...
 
     @abstractmethod
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -61,15 +60,4 @@ class Engine(ABC):
 
     def close(self) -> None:
         """Free the engine's resources; the default relies on garbage collection."""
-
-
-def artifact_path(config: ModelConfig, version_dir: Path, default_filename: str) -> Path:
-    """The artifact an engine loads, checked against the version folder's recorded digests
-    before anything reads it: every engine resolves its artifact here, so every engine gets the
-    same check (`server/engines/digests.py`; a folder without a record loads with a warning)."""
-    path = version_dir / (config.model_filename or default_filename)
-    if not path.is_file():
-        raise EngineError(f"model artifact {path} is missing (was the model built?)")
-    verify_artifact(path, version_dir)
-    return path
 

@@ -23,12 +23,13 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from server.config import ModelConfig
+from server.config import OnnxRuntimeOptions
 from server.devices import Device
-from server.engines.base import Engine, EngineDescription, artifact_path
+from server.engines.base import Engine, EngineDescription
 from server.engines.digests import file_digest
 from server.engines.profiles import cache_root, provider_shapes
 from server.engines.signature import EngineSignature, TensorSignature
+from server.engines.spec import EngineSpec
 from server.errors import EngineError
 
 _OPTIMIZATION_LEVELS = {
@@ -59,10 +60,10 @@ _DATATYPES = {
 _STRING = "tensor(string)"
 
 
-def requested_providers(config: ModelConfig, device: Device, artifact: Path) -> list[str | tuple[str, dict]]:
+def requested_providers(spec: EngineSpec[OnnxRuntimeOptions], device: Device) -> list[str | tuple[str, dict]]:
     """The provider list for a session on `device`, GPU providers pinned to its index, the
     TensorRT provider with the options of `onnxruntime.tensorrt`."""
-    names = list(config.onnxruntime.execution_providers)
+    names = list(spec.options.execution_providers)
     if device.kind == "GPU":
         if not any(n in _GPU_PROVIDERS for n in names):
             names = ["CUDAExecutionProvider", *names]
@@ -71,18 +72,18 @@ def requested_providers(config: ModelConfig, device: Device, artifact: Path) -> 
     if "CPUExecutionProvider" not in names:
         names.append("CPUExecutionProvider")
     return [
-        (n, tensorrt_provider_options(config, device, artifact) if n == "TensorrtExecutionProvider"
-         else cuda_provider_options(config, device))
+        (n, tensorrt_provider_options(spec, device) if n == "TensorrtExecutionProvider"
+         else cuda_provider_options(spec.options, device))
         if n in _GPU_PROVIDERS else n
         for n in names
     ]
 
 
-def cuda_provider_options(config: ModelConfig, device: Device) -> dict[str, Any]:
+def cuda_provider_options(options: OnnxRuntimeOptions, device: Device) -> dict[str, Any]:
     """ORT's CUDA EP options: the device, and how cuDNN picks convolution algorithms. HEURISTIC
     by default, where ORT's own default, EXHAUSTIVE, times every algorithm at each new input
     shape and so stalls the first batch of a size that warm-up did not run."""
-    return {"device_id": device.index, "cudnn_conv_algo_search": config.onnxruntime.cudnn_conv_algo_search}
+    return {"device_id": device.index, "cudnn_conv_algo_search": options.cudnn_conv_algo_search}
 
 
 @functools.cache
@@ -110,15 +111,15 @@ def preload_cuda_libraries() -> str:
         return "none"
 
 
-def tensorrt_provider_options(config: ModelConfig, device: Device, artifact: Path) -> dict[str, Any]:
+def tensorrt_provider_options(spec: EngineSpec[OnnxRuntimeOptions], device: Device) -> dict[str, Any]:
     """ORT's TensorRT EP options: precision flags, workspace, engine and timing caches, and one
     profile spanning the batch buckets.
 
     ORT names its cached engines after the graph's file, node and tensor names, not its weights,
     and asks users to clear the cache when the model, the profiles or TensorRT change: so the
     cache folder is keyed by everything that makes an engine stale (ort_cache_folder)."""
-    trt = config.onnxruntime.tensorrt
-    shapes = provider_shapes(config) if trt.explicit_profiles else {}
+    trt = spec.options.tensorrt
+    shapes = provider_shapes(spec.io) if trt.explicit_profiles else {}
     options: dict[str, Any] = {
         "device_id": device.index,
         "trt_fp16_enable": trt.fp16,
@@ -129,10 +130,10 @@ def tensorrt_provider_options(config: ModelConfig, device: Device, artifact: Pat
     }
     if trt.engine_cache or trt.timing_cache:
         try:
-            folder = ort_cache_folder(artifact, device, {**options, **shapes})
+            folder = ort_cache_folder(spec.artifact, device, {**options, **shapes})
             folder.mkdir(parents=True, exist_ok=True)  # ORT creates one level only
         except OSError as exc:
-            raise EngineError(f"the TensorRT cache folder for {artifact} cannot be made: {exc}") from exc
+            raise EngineError(f"the TensorRT cache folder for {spec.artifact} cannot be made: {exc}") from exc
         if trt.engine_cache:
             options["trt_engine_cache_path"] = str(folder)
         if trt.timing_cache:
@@ -205,15 +206,15 @@ def run_bound(
 
 
 class OnnxRuntimeEngine(Engine):
-    def __init__(self, config: ModelConfig, version_dir: Path, device: Device) -> None:
-        self._path = artifact_path(config, version_dir, "model.onnx")
-        self._precision = config.precision
+    def __init__(self, spec: EngineSpec[OnnxRuntimeOptions], device: Device) -> None:
+        self._path = spec.artifact
+        self._precision = spec.precision
         self._device = device
         options = ort.SessionOptions()
-        options.intra_op_num_threads = config.onnxruntime.intra_op_num_threads
-        options.inter_op_num_threads = config.onnxruntime.inter_op_num_threads
-        options.graph_optimization_level = _OPTIMIZATION_LEVELS[config.onnxruntime.graph_optimization_level]
-        providers = requested_providers(config, device, self._path)
+        options.intra_op_num_threads = spec.options.intra_op_num_threads
+        options.inter_op_num_threads = spec.options.inter_op_num_threads
+        options.graph_optimization_level = _OPTIMIZATION_LEVELS[spec.options.graph_optimization_level]
+        providers = requested_providers(spec, device)
         if device.kind == "GPU":
             preload_cuda_libraries()
         try:

@@ -1,10 +1,11 @@
 """What an engine takes and gives, and the one check of a model config against it.
 
 Each engine reads its signature from its own artifact (an ONNX Runtime session, a torch.export
-program's placeholders, a TensorRT plan). `check_signature` compares it with the config once,
-at load, for every engine alike: a config that misdescribes its model is refused, naming the
-tensor, what the config says and what the model has, instead of loading, advertising shapes
-and types the model does not produce, and failing (or answering otherwise) at run time.
+program's placeholders, a TensorRT plan). `check_signature` compares it with the config, as the
+engine's `EngineIO` states it, once at load, for every engine alike: a config that misdescribes
+its model is refused, naming the tensor, what the config says and what the model has, instead of
+loading, advertising shapes and types the model does not produce, and failing (or answering
+otherwise) at run time.
 Static signatures can be partial (a dim or a rank the artifact leaves open), so warm-up also
 checks what the engine really returns, with `check_results`.
 """
@@ -17,12 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from server.config import ModelConfig, TensorConfig
+from server.engines.spec import EngineIO, TensorSpec
 from server.errors import EngineError, InvalidInput
 from server.protocol.datatypes import v2_datatype
 
 FLOAT_DATATYPES = frozenset({"FP16", "BF16", "FP32", "FP64"})
-TOKEN_DATATYPE = "INT64"  # what TextTokenizer.encode gives every token tensor
 
 Shape = tuple[int | None, ...]
 
@@ -57,48 +57,44 @@ class DeclaredTensor:
     shape: tuple[int, ...]  # with the batch dim when the model batches; -1 is variable
 
 
-def engine_inputs(config: ModelConfig) -> list[DeclaredTensor]:
-    """What the engine is fed, in config order; a tokenized text input becomes its token tensors."""
-    tokenize = config.tokenize
+def engine_inputs(io: EngineIO) -> list[DeclaredTensor]:
+    """What the engine is fed, in config order (a text input as its token tensors)."""
     declared: list[DeclaredTensor] = []
-    for tensor in config.inputs:
-        if tokenize is not None and tensor.name == tokenize.input:
+    for tensor in io.inputs:
+        if tensor.token_of is not None:
             # one row of tokens per text, as long as its sequence bucket (fixed if only one)
-            rows = _batch_dim(config) if config.batched else 1
-            buckets = tokenize.sequence_buckets or []
+            rows = _batch_dim(io) if io.batched else 1
+            buckets = io.tokens.sequence_buckets if io.tokens else ()
             sequence = buckets[0] if len(buckets) == 1 else -1
-            for name in (tokenize.input_ids, tokenize.attention_mask, tokenize.token_type_ids):
-                if name:
-                    label = f"input '{name}' (a token tensor of '{tensor.name}')"
-                    declared.append(DeclaredTensor(name, label, TOKEN_DATATYPE, (rows, sequence)))
+            label = f"input '{tensor.engine_name}' (a token tensor of '{tensor.token_of}')"
+            declared.append(DeclaredTensor(tensor.engine_name, label, tensor.datatype, (rows, sequence)))
             continue
-        declared.append(_declared(config, "input", tensor))
+        declared.append(_declared(io, "input", tensor))
     return declared
 
 
-def engine_outputs(config: ModelConfig) -> list[DeclaredTensor]:
+def engine_outputs(io: EngineIO) -> list[DeclaredTensor]:
     """The declared outputs under the names the engine gives them, in config order."""
-    return [_declared(config, "output", t) for t in config.outputs]
+    return [_declared(io, "output", t) for t in io.outputs]
 
 
-def _declared(config: ModelConfig, kind: str, tensor: TensorConfig) -> DeclaredTensor:
+def _declared(io: EngineIO, kind: str, tensor: TensorSpec) -> DeclaredTensor:
     label = f"{kind} '{tensor.name}'"
-    if tensor.source_name != tensor.name:
-        label += f" (engine name '{tensor.source_name}')"
-    return DeclaredTensor(tensor.source_name, label, tensor.datatype, _shape(config, tensor.dims))
+    if tensor.engine_name != tensor.name:
+        label += f" (engine name '{tensor.engine_name}')"
+    return DeclaredTensor(tensor.engine_name, label, tensor.datatype, _shape(io, tensor.dims))
 
 
-def _batch_dim(config: ModelConfig) -> int:
+def _batch_dim(io: EngineIO) -> int:
     """-1, or the one batch size every batch is padded to (a single batch bucket)."""
-    buckets = config.batch_buckets or []
-    return buckets[0] if len(buckets) == 1 else -1
+    return io.batch_buckets[0] if len(io.batch_buckets) == 1 else -1
 
 
-def _shape(config: ModelConfig, dims: list[int]) -> tuple[int, ...]:
-    return ((_batch_dim(config),) if config.batched else ()) + tuple(dims)
+def _shape(io: EngineIO, dims: tuple[int, ...]) -> tuple[int, ...]:
+    return ((_batch_dim(io),) if io.batched else ()) + dims
 
 
-def check_signature(config: ModelConfig, signature: EngineSignature) -> None:
+def check_signature(io: EngineIO, signature: EngineSignature) -> None:
     """Refuse a config whose tensors the engine does not have, or has with other types or dims.
 
     Allowed differences: a dim the engine leaves variable that the config fixes; an output whose
@@ -106,10 +102,10 @@ def check_signature(config: ModelConfig, signature: EngineSignature) -> None:
     datatype, so an FP16 or BF16 build serves an FP32 config); likewise float inputs of an engine
     that casts them to its precision (torch). All problems are reported at once.
     """
-    problems = _mismatches("input", engine_inputs(config), signature.inputs, signature)
-    problems += _mismatches("output", engine_outputs(config), signature.outputs, signature)
+    problems = _mismatches("input", engine_inputs(io), signature.inputs, signature)
+    problems += _mismatches("output", engine_outputs(io), signature.outputs, signature)
     if problems:
-        raise EngineError(f"the config does not describe the model '{config.name}': " + "; ".join(problems))
+        raise EngineError(f"the config does not describe the model '{io.model}': " + "; ".join(problems))
 
 
 def _mismatches(
@@ -180,12 +176,12 @@ def _described(tensor: TensorSignature) -> str:
     return f"{datatype} {[-1 if d is None else d for d in tensor.shape]}"
 
 
-def check_results(config: ModelConfig, results: dict[str, np.ndarray], rows: int | None) -> None:
+def check_results(io: EngineIO, results: dict[str, np.ndarray], rows: int | None) -> None:
     """Check what one batch really returned (warm-up) against the declared outputs: every output
     present, of a compatible datatype, and shaped as declared with `rows` items (None: the model
     does not batch)."""
     problems = []
-    for want in engine_outputs(config):
+    for want in engine_outputs(io):
         array = results.get(want.engine_name)
         if array is None:
             problems.append(f"{want.label}: the model returned no such output")

@@ -18,15 +18,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from server.config import ModelConfig
 from server.devices import Device
-from server.engines.base import Engine, EngineDescription, artifact_path
+from server.engines.base import Engine, EngineDescription
 from server.engines.signature import EngineSignature, TensorSignature
+from server.engines.spec import EngineSpec
 from server.errors import EngineError, InvalidInput
 from server.protocol.datatypes import v2_datatype
 
@@ -150,7 +149,7 @@ class CudaPlace:
 
 
 class TensorRTEngine(Engine):
-    def __init__(self, config: ModelConfig, version_dir: Path, device: Device) -> None:
+    def __init__(self, spec: EngineSpec[None], device: Device) -> None:
         # released in the reverse order by close(); None until made
         self._runtime: Any = None
         self._engine: Any = None
@@ -170,8 +169,8 @@ class TensorRTEngine(Engine):
             raise EngineError("the tensorrt engine was placed on a GPU, but torch sees no CUDA device")
         self._torch = torch
         self._version = trt.__version__
-        self._precision = config.precision
-        self._path = artifact_path(config, version_dir, "model.plan")  # checked against its digest
+        self._precision = spec.precision
+        self._path = spec.artifact  # checked against its digest
         try:
             self._load(trt, device)
         except BaseException:

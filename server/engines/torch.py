@@ -2,9 +2,9 @@
 compiled once per bucket (`torch: {compile: true}`).
 
 Only `torch.export` archives are loaded, never plain pickles; an archive may still unpickle parts
-of itself (constants, custom objects), so it is code like any artifact: `artifact_path` checks it
-against its version folder's recorded digests before torch opens it (docs/operations.md, trust
-boundary).
+of itself (constants, custom objects), so it is code like any artifact: `EngineSpec.from_config`
+checks it against its version folder's recorded digests before torch opens it (docs/operations.md,
+trust boundary).
 Inputs map to the program's positional arguments in config order (a tokenized text input as its
 token tensors), outputs likewise; the program's own tensor names play no part.
 
@@ -30,10 +30,11 @@ import numpy as np
 import torch
 from torch.export.passes import move_to_device_pass
 
-from server.config import ModelConfig
+from server.config import TorchOptions
 from server.devices import Device
-from server.engines.base import Engine, EngineDescription, artifact_path
+from server.engines.base import Engine, EngineDescription
 from server.engines.signature import EngineSignature, TensorSignature, engine_inputs, engine_outputs
+from server.engines.spec import EngineIO, EngineSpec
 from server.errors import EngineError
 
 logger = logging.getLogger(__name__)
@@ -118,33 +119,33 @@ def compile_options(mode: str) -> dict[str, Any]:
     return options
 
 
-def _compiled(module: torch.nn.Module, config: ModelConfig) -> torch.nn.Module:
+def _compiled(module: torch.nn.Module, io: EngineIO, mode: str) -> torch.nn.Module:
     """torch.compile with static shapes: each batch bucket, times each sequence bucket of a text
     model, compiles once, the first time it runs. Model warm-up (server/model.py) runs every one
     of them and the pipeline pads every batch to a bucket, so serving never meets a new shape.
     The recompile limit is raised to cover the buckets, no further."""
-    sequences = config.tokenize.sequence_buckets if config.tokenize and config.tokenize.sequence_buckets else [1]
-    shapes = len(config.batch_buckets or [1]) * len(sequences)
+    sequences = io.tokens.sequence_buckets if io.tokens and io.tokens.sequence_buckets else (1,)
+    shapes = len(io.batch_buckets or (1,)) * len(sequences)
     with COMPILE_LOCK:  # process-wide settings
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes + 1)
-    options = compile_options(config.torch.compile_mode)
+    options = compile_options(mode)
     return torch.compile(module, dynamic=False, options=options or None)
 
 
 class TorchEngine(Engine):
-    def __init__(self, config: ModelConfig, version_dir: Path, device: Device) -> None:
-        if config.precision not in _DTYPES:
-            raise EngineError(f"the torch engine serves fp32, fp16 or bf16, not {config.precision}")
+    def __init__(self, spec: EngineSpec[TorchOptions], device: Device) -> None:
+        if spec.precision not in _DTYPES:
+            raise EngineError(f"the torch engine serves fp32, fp16 or bf16, not {spec.precision}")
         if device.kind == "GPU" and not torch.cuda.is_available():
             raise EngineError("the torch engine was placed on a GPU, but torch sees no CUDA device")
-        self._path = artifact_path(config, version_dir, "model.pt2")
+        self._path = spec.artifact
         self._device = torch.device(str(device))
-        self._dtype = _DTYPES[config.precision]
-        self._precision = config.precision
-        self._name = config.name
-        self._batched = config.batched
-        if config.torch.num_threads:
-            torch.set_num_threads(config.torch.num_threads)
+        self._dtype = _DTYPES[spec.precision]
+        self._precision = spec.precision
+        self._name = spec.io.model
+        self._batched = spec.io.batched
+        if spec.options.num_threads:
+            torch.set_num_threads(spec.options.num_threads)
         try:
             program = load_program(self._path)
         except Exception as exc:  # torch raises many types for a bad archive
@@ -158,16 +159,16 @@ class TorchEngine(Engine):
             # the weights were copied on the default stream, which the instance's does not wait for
             torch.cuda.synchronize(self._device)
             self._stream = torch.cuda.Stream(self._device)
-        self._compiled = config.torch.compile
-        self._compile_mode = config.torch.compile_mode
+        self._compiled = spec.options.compile
+        self._compile_mode = spec.options.compile_mode
         # torch keeps the CUDA graphs it records per thread: one thread runs this engine, warm-up
         # included (its instance's), so each shape is compiled and recorded once, here
         self._shapes_compiled: set[tuple[torch.Size, ...]] = set()
         if self._compiled:
-            self._module = _compiled(self._module, config)
-        self._input_names = [t.engine_name for t in engine_inputs(config)]
-        self._output_names = [t.engine_name for t in engine_outputs(config)]
-        tokens = config.tokenize.input_ids if config.tokenize else None
+            self._module = _compiled(self._module, spec.io, self._compile_mode)
+        self._input_names = [t.engine_name for t in engine_inputs(spec.io)]
+        self._output_names = [t.engine_name for t in engine_outputs(spec.io)]
+        tokens = spec.io.tokens.input_ids if spec.io.tokens else None
         self._sequence_index = self._input_names.index(tokens) if tokens in self._input_names else None
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

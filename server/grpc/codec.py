@@ -53,11 +53,17 @@ class DeclaredRequest:
 
 def held_bytes(request: pb.ModelInferRequest) -> int:
     """About what a request holds in memory, without serializing it (ByteSize would, on the
-    loop): its raw contents' bytes, 8 per element of typed contents as declared by the shapes."""
+    loop): its raw contents' bytes, the bytes of its strings, 8 per element of other typed
+    contents (counted as sent, whatever the shapes declare)."""
     held = sum(len(raw) for raw in request.raw_input_contents)
     for tensor in request.inputs:
-        if tensor.HasField("contents"):
-            held += 8 * math.prod(d for d in tensor.shape if d > 0)
+        if not tensor.HasField("contents"):
+            continue
+        if tensor.datatype == BYTES:
+            held += sum(len(item) + 8 for item in tensor.contents.bytes_contents)
+        else:
+            field = CONTENTS_FIELD.get(tensor.datatype)
+            held += 8 * (len(getattr(tensor.contents, field)) if field else math.prod(d for d in tensor.shape if d > 0))
     return held
 
 

@@ -15,13 +15,13 @@ from pathlib import Path
 import grpc
 
 from server.access_log import AccessLog
-from server.config import ServerSettings
 from server.dataplane import DataPlane
 from server.grpc.access import Policy
 from server.grpc.protos import grpc_service_pb2_grpc as pb_grpc
 from server.grpc.servicer import InferenceServicer
 from server.inflight import InFlight
 from server.server import StartFailed
+from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 

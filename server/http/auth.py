@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import SecretStr
 
-from server.config import ServerSettings
 from server.http.errors import ControlDisabled, NotAuthenticated, Refusal, UnsupportedMediaType, error_parts
+from server.settings import ServerSettings
 
 if TYPE_CHECKING:
-    from server.http.extension import HttpExtension
+    from server.asgi.extension import HttpExtension
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -56,7 +56,7 @@ class Door:
             return None
         headers = dict(scope["headers"])
         close = headers.get(_EXPECT, b"").lower() == b"100-continue"
-        if self._endpoint.reservation(headers) is None:
+        if not self._endpoint.flight.has_room(self._endpoint.reservation(headers)):
             body, retry_after = BUSY_BODY, "1"
         else:
             try:

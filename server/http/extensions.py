@@ -3,7 +3,7 @@ one is that package plus one line here."""
 
 from __future__ import annotations
 
-from server.http.extension import HttpExtension
+from server.asgi.extension import HttpExtension
 from server.openai.extension import OPENAI
 
 EXTENSIONS: tuple[HttpExtension, ...] = (OPENAI,)

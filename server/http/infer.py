@@ -20,10 +20,11 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from server.access_log import AccessLog
+from server.asgi.disconnect import unless_client_leaves
+from server.asgi.lengths import TOO_LONG, declared_length
 from server.dataplane import DataPlane
 from server.errors import Cancelled, InvalidInput, PayloadTooLarge
 from server.http import v2_infer
-from server.http.disconnect import unless_client_leaves
 from server.http.errors import error_parts
 from server.inflight import BUSY_MESSAGE, InFlight, body_reservation
 from server.protocol.v2 import encode_error
@@ -74,11 +75,10 @@ class InferEndpoint:
         started = time.perf_counter_ns()
         headers = dict(scope["headers"])
         reserved = self.reservation(headers)
-        if reserved is None:
+        flight = self.flight
+        if not flight.try_take(reserved):  # one check: the door's earlier one may be stale by now
             await self._refuse_busy(scope, send, headers, model, started)
             return
-        flight = self.flight
-        flight.take(reserved)
         try:
             record = RequestRecord() if self._access_log.enabled else None
             status = await self._respond(headers, receive, send, model, version, record, started)
@@ -90,12 +90,10 @@ class InferEndpoint:
                 f"{client[0]}:{client[1]}" if client else "-", scope["path"], model, status, started, record
             )
 
-    def reservation(self, headers: dict[bytes, bytes]) -> int | None:
-        """The body bytes a request holds while in flight (declared, or the limit when undeclared
-        or compressed), or None when the in-flight bounds refuse it now. A request alone is
-        always let in."""
-        reserved = body_reservation(declared_length(headers.get(_CONTENT_LENGTH)), _CONTENT_ENCODING in headers, self._limit)
-        return reserved if self.flight.has_room(reserved) else None
+    def reservation(self, headers: dict[bytes, bytes]) -> int:
+        """The body bytes a request holds while in flight: declared, or the limit when undeclared
+        or compressed."""
+        return body_reservation(declared_length(headers.get(_CONTENT_LENGTH)), _CONTENT_ENCODING in headers, self._limit)
 
     def log_refusal(self, scope: Scope, model: str, status: int, started: int) -> None:
         """The access log line of a request refused before its body was read."""
@@ -132,7 +130,7 @@ class InferEndpoint:
             header_length = _header_length(headers)
         except Cancelled:
             return CLIENT_CLOSED  # the client is gone; nobody to answer
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every failure is answered in v2's shape, an unknown one as 500
             return await _send(send, *error_parts(exc))
         outcome = await unless_client_leaves(
             receive, lambda: v2_infer.infer_v2(self.plane, model, version, body, header_length, record, received_ns)
@@ -221,26 +219,12 @@ def _inflate(body: bytes, wbits: int, name: str, limit: int) -> bytes:
         raise InvalidInput(f"the body is not valid {name}: {exc}") from exc
 
 
-_MAX_DIGITS = 18  # past a quintillion bytes a length is as good as infinite; int() of 5000 digits raises
-
-
-def declared_length(raw: bytes | None) -> int | None:
-    """A length header's value; None when absent or not a plain non-negative integer. A value
-    of more digits than any body could have reads as larger than any limit, without int()."""
-    if raw is None:
-        return None
-    digits = raw.strip()
-    if not digits.isdigit():  # bytes.isdigit is ASCII digits only
-        return None
-    return int(digits) if len(digits) <= _MAX_DIGITS else 10**_MAX_DIGITS
-
-
 def _header_length(headers: dict[bytes, bytes]) -> int | None:
     raw = headers.get(_HEADER_LENGTH_KEY)
     if raw is None:
         return None
     length = declared_length(raw)
-    if length is None or length >= 10**_MAX_DIGITS:
+    if length is None or length >= TOO_LONG:
         raise InvalidInput(f"{HEADER_LENGTH} must be a non-negative integer, got {raw.decode('latin-1')[:40]!r}")
     return length
 

@@ -3,7 +3,7 @@ the OpenAPI document."""
 
 from __future__ import annotations
 
-from server.http.extension import HttpExtension
+from server.asgi.extension import HttpExtension
 from server.openai import PREFIX
 from server.openai.errors import refusal_body
 from server.openai.openapi import ERROR_SCHEMA, ERROR_STATUSES, component_schemas

@@ -22,10 +22,10 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from server.access_log import AccessLog
+from server.asgi.disconnect import unless_client_leaves
+from server.asgi.lengths import declared_length
 from server.dataplane import DataPlane
 from server.errors import Cancelled, InvalidInput, ModelNotFound, PayloadTooLarge, ServerBusy
-from server.http.disconnect import unless_client_leaves
-from server.http.infer import declared_length
 from server.inflight import InFlight, body_reservation
 from server.model import ModelVersion
 from server.openai import PREFIX, codec

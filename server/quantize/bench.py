@@ -17,25 +17,24 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from server.config import ModelConfig
 from server.devices import Device
+from server.engines.timing import time_runs
 from server.quantize.progress import Track, untracked
 
 DEFAULT_BATCHES = (1, 8, 32)
 RESULT = "BATCHLINE-BENCH-RESULT "  # marks the figures among whatever else libraries print
-WARMUP_RUNS = 3
-MIN_RUNS = 5
 
 
 def batch_sizes(config: ModelConfig) -> list[int]:
-    """The config's batch buckets, else 1, 8 and 32 (within max_batch_size)."""
-    if not config.batched:
-        return [1]
-    if config.batch_buckets:
-        return [b for b in config.batch_buckets if b <= config.max_batch_size]
+    """The config's batch buckets (its ladder), else 1, 8 and 32 (within max_batch_size): a
+    build is timed where it will serve, and a model without buckets at three points of its ladder."""
+    if not config.batched or config.batch_buckets:
+        return config.batch_ladder()
     return [b for b in DEFAULT_BATCHES if b <= config.max_batch_size] or [config.max_batch_size]
 
 
@@ -89,6 +88,24 @@ def benchmark(
     return json.loads(results[-1])
 
 
+@dataclass(frozen=True)
+class Timing:
+    """How every timing of one build runs: same data, seconds, sequence length and device, so the
+    build, FP32 and the FP32 export in the build's engine compare."""
+
+    dirs: tuple[Path, Path]  # the source's model folder and version folder (its evaluation data)
+    seconds: float
+    sequence_length: int
+    work: Path
+    track: Track
+    device: str
+
+    def run(self, config: ModelConfig, version_dir: Path, batches: list[int] | None, label: str) -> dict[str, Any]:
+        return benchmark(config, version_dir, self.dirs, batches=batches, seconds=self.seconds,
+                         sequence_length=self.sequence_length, workdir=self.work, track=self.track,
+                         label=label, device=self.device)
+
+
 def _child(request_path: Path) -> dict[str, Any]:
     from server.quantize.data import load_eval_data
     from server.quantize.runner import Runner, with_threads
@@ -101,14 +118,7 @@ def _child(request_path: Path) -> dict[str, Any]:
     rows = []
     for batch in request["batches"]:
         feed = runner.feed(data, batch, request["sequence_length"])
-        for _ in range(WARMUP_RUNS):
-            runner.run(feed)
-        timings: list[float] = []
-        deadline = time.perf_counter() + request["seconds"]
-        while len(timings) < MIN_RUNS or time.perf_counter() < deadline:
-            start = time.perf_counter()
-            runner.run(feed)
-            timings.append(time.perf_counter() - start)
+        timings = time_runs(lambda _, feed=feed: runner.run(feed), request["seconds"]).latencies_s
         mean = statistics.fmean(timings)
         rows.append({
             "batch": batch,

@@ -1,8 +1,9 @@
-"""What each builder receives and returns, and which builder serves which (engine, precision).
+"""What each builder receives and returns, and how its options are checked.
 
 A builder writes one artifact into the staging folder and says how the variant must be served
-(engine, the config's precision) and what it did. Which builders exist is the table at the end;
-anything else is refused with the list of what is supported.
+(engine, the config's precision) and what it did. This module imports no builder: the builder
+modules take these types from here, and the table of which builder makes what is
+`registry.py`, above them.
 """
 
 from __future__ import annotations
@@ -67,32 +68,3 @@ def resolve_options(builder: Builder, source: ModelConfig, data: EvalData, given
         elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise BuildError(f"build option {key!r} must be {expected.__name__}, got {value!r}")
     return resolved
-
-
-def builders() -> dict[tuple[str, str], Builder]:
-    """(target engine, precision) -> builder; imported lazily (torch, onnx are heavy)."""
-    from server.quantize import onnx_builds, tensorrt, torch_builds
-
-    return {
-        ("onnxruntime", "fp32"): Builder(onnx_builds.fp32, onnx_builds.fp32_defaults, ("onnxruntime", "torch")),
-        ("onnxruntime", "fp16"): Builder(onnx_builds.fp16, onnx_builds.fp16_defaults, ("onnxruntime", "torch")),
-        ("onnxruntime", "int8"): Builder(onnx_builds.int8, onnx_builds.int8_defaults, ("onnxruntime", "torch")),
-        ("torch", "fp16"): Builder(torch_builds.cast, torch_builds.cast_defaults, ("torch",)),
-        ("torch", "bf16"): Builder(torch_builds.cast, torch_builds.cast_defaults, ("torch",)),
-        ("torch", "int8"): Builder(torch_builds.int8, torch_builds.int8_defaults, ("torch",)),
-        **{("tensorrt", p): Builder(tensorrt.build, tensorrt.defaults, ("onnxruntime", "torch"))
-           for p in ("fp32", "fp16", "bf16", "int8")},
-    }
-
-
-def select(engine: str, precision: str, source_engine: str) -> Builder:
-    table = builders()
-    builder = table.get((engine, precision))
-    if builder is None:
-        supported = ", ".join(f"{e}/{p}" for e, p in sorted(table))
-        raise BuildError(f"no {engine} {precision} build; supported: {supported}")
-    if source_engine not in builder.sources:
-        raise BuildError(
-            f"a {engine} {precision} build starts from a {' or '.join(builder.sources)} model, not {source_engine}"
-        )
-    return builder

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from pathlib import Path
 
-ENGINES = ("onnxruntime", "torch", "tensorrt")
+from server.engines.registry import ENGINES
+from server.settings import RepositorySettings, add_setting_flags, settings_from
+
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 
 
@@ -28,7 +28,7 @@ def add_build_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "stderr; on a terminal, long steps (calibration, evaluation, timing) draw progress bars.",
     )
     parser.add_argument("model", help="the FP32 source model")
-    parser.add_argument("--engine", required=True, choices=ENGINES)
+    parser.add_argument("--engine", required=True, choices=list(ENGINES))
     parser.add_argument("--precision", required=True, choices=PRECISIONS)
     parser.add_argument("--name", help="the variant's name (default MODEL-ENGINE-PRECISION)")
     parser.add_argument(
@@ -47,10 +47,7 @@ def add_build_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser.add_argument("--sequence-length", type=int, default=32,
                         help="text models: tokens per timed item (default 32)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of markdown")
-    parser.add_argument(
-        "--model-repository", type=Path, default=None,
-        help="folder of models (default: $BATCHLINE_MODEL_REPOSITORY or models)",
-    )
+    add_setting_flags(parser, RepositorySettings)
     parser.set_defaults(handler=run_build)
     return parser
 
@@ -65,7 +62,7 @@ def parse_option(text: str) -> tuple[str, bool | int | float | str]:
     except ValueError:
         return key, value
     if not isinstance(parsed, (bool, int, float, str)):
-        raise ValueError(f"--option {key}: a scalar value is expected, got {value!r}")
+        raise ValueError(f"--option {key}: a scalar value is expected, got {value!r}")  # noqa: TRY004 - said as a usage error
     return key, parsed
 
 
@@ -76,7 +73,7 @@ def run_build(args: argparse.Namespace) -> int:
     from server.quantize.reporting import report
     from server.quantize.variant import variant_name
 
-    repository = (args.model_repository or Path(os.environ.get("BATCHLINE_MODEL_REPOSITORY", "models"))).absolute()
+    repository = settings_from(args, RepositorySettings).model_repository.absolute()
     variant = args.name or variant_name(args.model, args.engine, args.precision)
     try:
         if args.report:

@@ -24,12 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from server.config import ModelConfig
+from server.layout import DATASET_FILE, EVAL_DIR, INPUTS_FILE, LABELS_FILE, RECORDED_FILE
 from server.quantize.errors import BuildError, EvalDataUnavailable
-from server.recording import RECORDED_FILE
 
-DATASET_FILE = Path("eval") / "dataset.json"
-INPUTS_FILE = Path("eval") / "inputs.npz"
-LABELS_FILE = Path("eval") / "labels.npy"
 MAX_CALIBRATION = 256
 SPLIT_SEED = 0
 
@@ -67,6 +64,7 @@ class EmbeddingData:
     sentences: list[str]
     triplets: list[tuple[str, str, str]]
     fingerprint: str
+    origin: str = ""  # the files the text came from, for the report
 
     kind = "embedding"
 
@@ -223,4 +221,5 @@ def _embedding(spec: dict, folder: Path) -> EmbeddingData:
     if len(sentences) < 2 or any(len(t) != 3 for t in triplets):
         raise BuildError(f"{folder}: need >= 2 sentences and (anchor, positive, negative) triplets")
     digest = hashlib.sha256(json.dumps([sentences, triplets], ensure_ascii=False).encode())
-    return EmbeddingData(sentences=list(sentences), triplets=triplets, fingerprint=digest.hexdigest())
+    origin = ", ".join(f"{EVAL_DIR}/{path.name}" for path in (sentences_path, triplets_path))
+    return EmbeddingData(sentences=list(sentences), triplets=triplets, fingerprint=digest.hexdigest(), origin=origin)

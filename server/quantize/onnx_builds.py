@@ -24,12 +24,13 @@ from pathlib import Path
 import numpy as np
 
 from server.config import ModelConfig
+from server.engines.registry import ENGINES
 from server.quantize.builders import BuildContext, BuildOutput, Options
 from server.quantize.data import EvalData, TensorData
 from server.quantize.errors import BuildError
 from server.quantize.progress import Track
 
-ARTIFACT = "model.onnx"
+ARTIFACT = ENGINES["onnxruntime"].artifact  # what every onnxruntime build writes
 
 
 def source_onnx(ctx: BuildContext) -> Path:

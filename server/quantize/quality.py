@@ -144,7 +144,7 @@ def judge(data: EvalData, reference: dict[str, np.ndarray], candidate: dict[str,
     return {
         "kind": kind,
         "samples": data.count,
-        "data": data.origin if isinstance(data, TensorData) else "eval/sentences.json, eval/triplets.json",
+        "data": data.origin,
         "metrics": metrics,
         "reference": figures,
         "checks": [asdict(c) for c in verdicts],

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from server.layout import is_version_folder
+
 REPORT_FILE = "build.json"
 MARKDOWN_FILE = "build.md"
 CHART_FILE = "build.png"
@@ -62,6 +64,14 @@ class BuildReport:
     @property
     def gate_passed(self) -> bool:
         return bool(self.quality.get("passed"))
+
+    def speedups(self, against: str = "reference") -> dict[int, float]:
+        """FP32's mean latency over the build's, per batch size timed in the same run: against
+        the FP32 source (`reference`) or the FP32 export in the build's own engine
+        (`fp32_same_engine`). Empty without timing."""
+        bench = self.benchmark or {}
+        fp32 = {b["batch"]: b["latency_ms"] for b in (bench.get(against) or {}).get("buckets", [])}
+        return {b["batch"]: fp32[b["batch"]] / b["latency_ms"] for b in bench.get("buckets", []) if b["batch"] in fp32}
 
     def summary(self) -> str:
         """One line: what happened to this build."""
@@ -113,6 +123,7 @@ class BuildReport:
             ]
             ref = {b["batch"]: b for b in (bench.get("reference") or {}).get("buckets", [])}
             same_engine = {b["batch"]: b for b in (bench.get("fp32_same_engine") or {}).get("buckets", [])}
+            speedups, same_speedups = self.speedups(), self.speedups("fp32_same_engine")
             same_lines: list[str] = []
             for row in bench.get("buckets", []):
                 r = ref.get(row["batch"])
@@ -120,12 +131,12 @@ class BuildReport:
                 if same:
                     same_lines.append(
                         f"| {row['batch']} | {same['latency_ms']:.3f} | {same['throughput']:.1f} |"
-                        f" {same['latency_ms'] / row['latency_ms']:.2f}x |"
+                        f" {same_speedups[row['batch']]:.2f}x |"
                     )
                 if r:
                     lines.append(
                         f"| {row['batch']} | {row['latency_ms']:.3f} | {r['latency_ms']:.3f} |"
-                        f" {row['throughput']:.1f} | {r['throughput']:.1f} | {r['latency_ms'] / row['latency_ms']:.2f}x |"
+                        f" {row['throughput']:.1f} | {r['throughput']:.1f} | {speedups[row['batch']]:.2f}x |"
                     )
                 else:
                     lines.append(f"| {row['batch']} | {row['latency_ms']:.3f} | | {row['throughput']:.1f} | | |")
@@ -164,7 +175,7 @@ def find_reports(variant_dir: Path) -> list[tuple[Path, BuildReport]]:
     found: list[tuple[Path, BuildReport]] = []
     if not variant_dir.is_dir():
         return found
-    candidates = [p for p in variant_dir.iterdir() if p.is_dir() and p.name.isdigit()]
+    candidates = [p for p in variant_dir.iterdir() if is_version_folder(p)]
     rejected = variant_dir / REJECTED_DIR
     if rejected.is_dir():
         candidates += [p for p in rejected.iterdir() if p.is_dir()]

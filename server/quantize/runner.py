@@ -13,6 +13,7 @@ import numpy as np
 from server.config import ModelConfig
 from server.devices import Device
 from server.engines import create_engine
+from server.engines.registry import ENGINES
 from server.preprocess import TextTokenizer
 from server.protocol.datatypes import numpy_dtype
 from server.quantize.data import EmbeddingData, EvalData, TensorData
@@ -20,20 +21,14 @@ from server.quantize.progress import Track, untracked
 
 
 def with_threads(config: ModelConfig, threads: int) -> ModelConfig:
-    """The config with every engine pinned to `threads` intra-op threads."""
-    return config.model_copy(
-        update={
-            "onnxruntime": config.onnxruntime.model_copy(
-                update={"intra_op_num_threads": threads, "inter_op_num_threads": 1}
-            ),
-            "torch": config.torch.model_copy(update={"num_threads": threads}),
-        }
-    )
+    """The config with its engine pinned to `threads` threads, as `--engine-threads` pins it
+    when serving: a build is timed as it will serve."""
+    return ENGINES[config.engine].with_threads(config, threads)
 
 
 def build_device(engine: str, device: str) -> Device:
     """Where a build runs: GPU 0 for `gpu` and for TensorRT plans (they run on GPUs only), else the CPU."""
-    return Device("GPU", 0) if device == "gpu" or engine == "tensorrt" else Device("CPU")
+    return Device("GPU", 0) if device == "gpu" or ENGINES[engine].gpu_only else Device("CPU")
 
 
 class Runner:

@@ -25,6 +25,8 @@ from typing import Any
 from server.config import ModelConfig
 from server.engines.digests import file_digest
 from server.engines.profiles import Profile, cache_root, optimization_profiles
+from server.engines.registry import ENGINES
+from server.engines.spec import EngineIO
 from server.engines.tensorrt import unsupported_tensorrt
 from server.quantize.builders import BuildContext, BuildOutput, Options
 from server.quantize.data import EvalData
@@ -94,10 +96,10 @@ def build(ctx: BuildContext) -> BuildOutput:
         if changed:
             raise BuildError(f"{changed} apply to TensorRT INT8 builds only (calibration)")
         graph = source_onnx(ctx)
-    built = build_engine(graph, ctx.stage / "model.plan", ctx.source_config, ctx.precision,
+    built = build_engine(graph, ctx.stage / ENGINES["tensorrt"].artifact, ctx.source_config, ctx.precision,
                          workspace_mb=int(ctx.options["workspace_mb"]))
     return BuildOutput(
-        "model.plan",
+        ENGINES["tensorrt"].artifact,
         "tensorrt",
         ctx.precision,
         f"TensorRT plan, {len(built['profiles'])} optimization profiles (one per batch bucket)"
@@ -136,7 +138,7 @@ def build_engine(
     import torch
 
     cache = cache or cache_root()
-    profiles = optimization_profiles(config)
+    profiles = optimization_profiles(EngineIO.from_config(config))
     props = torch.cuda.get_device_properties(0)
     gpu = (props.name, (props.major, props.minor), trt.__version__)
     key = engine_cache_key(

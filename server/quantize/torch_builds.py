@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from server.config import ModelConfig
+from server.engines.registry import ENGINES
 from server.quantize.builders import BuildContext, BuildOutput, Options
 from server.quantize.data import EvalData, TensorData
 from server.quantize.errors import BuildError
@@ -32,7 +33,7 @@ from server.quantize.errors import BuildError
 if TYPE_CHECKING:
     import torch
 
-ARTIFACT = "model.pt2"
+ARTIFACT = ENGINES["torch"].artifact  # what every torch build writes
 MAX_BATCH = 4096
 
 
@@ -92,7 +93,8 @@ def _module_swap(ctx: BuildContext, scheme: str) -> BuildOutput:
     from server.engines.torch import load_program
     from server.quantize.torch_graph import lift_linear_layers
 
-    module = load_program(ctx.source_artifact).module()
+    program = load_program(ctx.source_artifact)
+    module = program.module()
     lifted = lift_linear_layers(module)
     if not lifted:
         raise BuildError(
@@ -104,7 +106,7 @@ def _module_swap(ctx: BuildContext, scheme: str) -> BuildOutput:
     config = (Int8DynamicActivationInt8WeightConfig(set_inductor_config=False) if scheme == "dynamic"
               else Int8WeightOnlyConfig(set_inductor_config=False))
     quantize_(module, config)
-    _export(module, ctx)
+    _export(module, ctx, _batch_limit(program))
     kinds = {
         "dynamic": "INT8 per-channel weights, activations quantized per row at run time, INT8 matmul",
         "weight_only": "INT8 per-channel weights, dequantized into the FP32 matmul",
@@ -141,7 +143,7 @@ def _static(ctx: BuildContext) -> BuildOutput:
         for start in ctx.track(range(0, data.calibration_count, 32), "calibrating"):
             prepared(*(torch.from_numpy(np.ascontiguousarray(data.calibration[t.name][start : start + 32]))
                        for t in ctx.source_config.inputs))
-    _export(convert_pt2e(prepared), ctx)
+    _export(convert_pt2e(prepared), ctx, _batch_limit(program))
     notes = [
         "eager PyTorch simulates Q/DQ in FP32: slower than FP32 until torch.compile (Inductor) lowers it",
     ]
@@ -155,24 +157,27 @@ def _static(ctx: BuildContext) -> BuildOutput:
     )
 
 
-def _export(module: torch.nn.Module, ctx: BuildContext) -> None:
-    """torch.export with a dynamic batch, saved into the stage (an archive, never a pickle)."""
+def _export(module: torch.nn.Module, ctx: BuildContext, max_batch: int) -> None:
+    """torch.export with a dynamic batch up to `max_batch`, saved into the stage (an archive, never a pickle)."""
     import torch
 
     examples = _examples(ctx)
-    batch = torch.export.Dim("batch", min=1, max=_batch_limit(ctx))
+    batch = torch.export.Dim("batch", min=1, max=max_batch)
     exported = torch.export.export(module, examples, dynamic_shapes=tuple({0: batch} for _ in examples))
     torch.export.save(exported, str(ctx.stage / ARTIFACT))
 
 
-def _batch_limit(ctx: BuildContext) -> int:
-    """The largest batch the source program was exported for (its dynamic dims' tightest upper
-    bound), at most MAX_BATCH: the build cannot take more than its source did."""
-    from server.engines.torch import load_program
-
-    uppers = [int(r.upper) for r in load_program(ctx.source_artifact).range_constraints.values()
-              if r.upper.is_finite and int(r.upper) >= 1]
-    return min([MAX_BATCH, *uppers])
+def _batch_limit(program: torch.export.ExportedProgram) -> int:
+    """The largest batch the source program was exported for (the upper bound of its first
+    input's batch dim; other dynamic dims, a sequence's, do not bound it), at most MAX_BATCH:
+    the build cannot take more than its source did."""
+    first = program.graph_signature.user_inputs[0]
+    node = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == first)
+    batch = node.meta["val"].shape[0]
+    bound = program.range_constraints.get(batch.node.expr) if hasattr(batch, "node") else None
+    if bound is None or not bound.upper.is_finite:
+        return MAX_BATCH
+    return max(1, min(MAX_BATCH, int(bound.upper)))
 
 
 def _examples(ctx: BuildContext) -> tuple[torch.Tensor, ...]:

@@ -29,7 +29,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -45,20 +45,9 @@ from server.errors import (
 from server.scheduler.policy import BatchPolicy, DispatchReason
 from server.scheduler.request import InferenceRequest, RequestState
 from server.stats import ModelStatistics
+from server.workers.result import BatchResult
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class BatchResult:
-    outputs: list[dict[str, np.ndarray]]  # one per request, in request order ({} where failed)
-    compute_input_ns: int = 0
-    compute_infer_ns: int = 0
-    compute_output_ns: int = 0
-    # request index -> its error, when only part of the batch failed (out of memory on one item)
-    failed: dict[int, BatchlineError] = field(default_factory=dict)
-    batch_cap: int | None = None  # the instance's working cap, once running out of memory lowered it
-    memory_splits: int = 0  # times this batch was halved after running out of memory
 
 
 class BatchRunner(Protocol):
@@ -310,7 +299,7 @@ class Batcher:
             self._stats.record_busy(instance.label, took)
             self._batch_ns = took if not self._batch_ns else 0.8 * self._batch_ns + 0.2 * took
             self._note_memory(instance, result)
-            done = self._clock()
+            done = self._batch_done_ns
             late = {i for i, r in enumerate(batch) if r.deadline_ns is not None and done > r.deadline_ns}
             served = [r for i, r in enumerate(batch) if i not in result.failed and i not in late]
             if served:

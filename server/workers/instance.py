@@ -34,9 +34,9 @@ import numpy as np
 
 from server.devices import Device
 from server.errors import BatchlineError, EngineError, ExecutionTimeout, OutOfMemory, Unavailable
-from server.scheduler.batcher import BatchResult
 from server.workers.faults import is_out_of_memory
 from server.workers.pipeline import ModelPipeline
+from server.workers.result import BatchResult
 
 logger = logging.getLogger(__name__)
 

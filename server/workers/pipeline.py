@@ -15,8 +15,9 @@ import numpy as np
 from server.config import ModelConfig
 from server.engines.base import Engine
 from server.engines.signature import check_results
+from server.engines.spec import EngineIO
 from server.protocol.datatypes import numpy_dtype
-from server.scheduler.batcher import BatchResult
+from server.workers.result import BatchResult
 
 
 def paddable_inputs(config: ModelConfig, token_pads: dict[str, int]) -> dict[str, float]:
@@ -31,7 +32,7 @@ def paddable_inputs(config: ModelConfig, token_pads: dict[str, int]) -> dict[str
 class ModelPipeline:
     def __init__(self, config: ModelConfig, engine: Engine, pads: dict[str, float]) -> None:
         self.engine = engine
-        self._config = config
+        self._io = EngineIO.from_config(config)
         self._batched = config.batched
         self._pads = pads
         self._tokenize = config.tokenize
@@ -54,7 +55,7 @@ class ModelPipeline:
         results = self.engine.run(merged)
         output_start = time.perf_counter_ns()
         if verify:
-            check_results(self._config, results, len(next(iter(merged.values()))) if self._batched else None)
+            check_results(self._io, results, len(next(iter(merged.values()))) if self._batched else None)
         outputs = {}
         for name, source, dtype in self._outputs:
             array = results[source]

@@ -737,7 +737,7 @@ def test_the_image_venv_lacks_the_extras(tmp_path: Path) -> None:
 
 def test_the_image_serves_torchao_int8_programs(tmp_path: Path) -> None:
     """A torch INT8 build (torchao dynamic) loads and answers with only the image's packages."""
-    from server.quantize import build
+    from server.quantize.api import build
 
     repository = linked_repository(tmp_path / "models", ("digits",))
     built = build(repository, "digits", "torch", "int8", progress=lambda _: None, benchmark=False)

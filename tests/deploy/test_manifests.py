@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from server.cli import build_parser
-from server.config import ServerSettings
+from server.settings import ServerSettings
 from tests.deploy.contract import (
     K8S,
     K8S_VERSIONS,
@@ -279,7 +279,7 @@ def test_the_serving_runtime_runs_batchline_on_the_v2_protocol() -> None:
     assert server["name"] == "kserve-container"
     assert server["command"] == ["batchline"]
     args = cli(server["args"])
-    assert args.command == "serve" and args.host == "0.0.0.0" and args.model_repository == "/mnt/models"
+    assert args.command == "serve" and args.host == "0.0.0.0" and args.model_repository == Path("/mnt/models")
     (port,) = server["ports"]
     assert port["containerPort"] == args.http_port
     assert server["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": args.http_port}

@@ -83,7 +83,7 @@ def test_minilm_one_sentence_equals_its_row_in_a_batch(client, reference_embeddi
 
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
 def test_digits_matches_the_program_run_directly(client, heldout, digits_direct, binary: bool) -> None:
-    images, labels = heldout
+    images, _labels = heldout
     batch = images[:64]
     image = triton.InferInput("image", list(batch.shape), "FP32")
     image.set_data_from_numpy(batch, binary_data=binary)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from server.config import load_model_config
-from server.quantize import build
+from server.quantize.api import build
 from server.quantize.data import load_eval_data
 from server.quantize.quality import cosines, nearest_neighbours
 from tests.integration.conftest import MODELS, linked_repository, running_server

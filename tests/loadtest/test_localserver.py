@@ -13,9 +13,9 @@ from loadtest import localserver
 
 
 def test_a_server_that_exits_is_reported_with_its_log(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match="exited") as failed:
-        with localserver.running_server(tmp_path / "missing", "--no-such-flag", log_path=tmp_path / "log"):
-            pass
+    with (pytest.raises(RuntimeError, match="exited") as failed,
+          localserver.running_server(tmp_path / "missing", "--no-such-flag", log_path=tmp_path / "log")):
+        pass
     assert "--no-such-flag" in str(failed.value)  # the tail of its output
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from server.cli import build_parser, main, settings_from
+from server.cli import build_parser, main
+from server.settings import settings_from
 
 
 def test_flags_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,3 +55,14 @@ def test_every_help_speaks_of_commands_a_user_types(capsys: pytest.CaptureFixtur
         assert text.startswith("usage: " + " ".join(("batchline", *argv))), (argv, text[:80])
         internal = re.search(r"python -m|\b(server|loadtest)\.[a-z_]|issue", text)
         assert internal is None, (argv, internal)
+
+
+def test_bench_without_its_registered_command_says_to_reinstall(monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """`batchline bench` is found among the installed entry points: an install whose metadata
+    predates it says so, instead of a traceback or a wrong hint."""
+    from server import cli
+
+    monkeypatch.setattr(cli, "entry_points", lambda **_: ())
+    assert main(["bench", "engine", "--help"]) == 2
+    assert "reinstall" in caplog.text

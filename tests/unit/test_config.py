@@ -11,12 +11,11 @@ import yaml
 from server.config import (
     InstanceGroup,
     ModelConfig,
-    ServerSettings,
     VersionPolicy,
     load_model_config,
 )
 from server.errors import ConfigError
-from server.protocol.triton_config import triton_model_config
+from server.triton_config import triton_model_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODELS = REPO_ROOT / "models"
@@ -382,7 +381,7 @@ def test_triton_model_config_rendering(tmp_path: Path) -> None:
     )
     rendered = triton_model_config(load_model_config(write_config(tmp_path, document)))
     assert rendered["name"] == "toy"
-    assert rendered["platform"] == "onnxruntime_onnx"
+    assert rendered["platform"] == "onnxruntime_onnx" and rendered["backend"] == "onnxruntime"
     assert rendered["max_batch_size"] == 8
     assert rendered["input"] == [{"name": "text", "data_type": "TYPE_STRING", "dims": [1]}]
     assert rendered["output"] == [{"name": "y", "data_type": "TYPE_FP16", "dims": [-1, 2]}]
@@ -415,41 +414,13 @@ def test_triton_version_policy_rendering() -> None:
     everything = ModelConfig.model_validate({**base, "name": "m", "version_policy": {"all": {}}})
     assert triton_model_config(everything)["version_policy"] == {"all": {}}
     torch = ModelConfig.model_validate({**base, "name": "m", "engine": "torch"})
-    assert triton_model_config(torch)["platform"] == "pytorch_libtorch"
     assert triton_model_config(torch)["parameters"] == {"precision": {"string_value": "fp32"}}
 
 
 def test_triton_config_says_what_a_build_was_built_as() -> None:
     built = ModelConfig.model_validate({**BASE, "name": "m-int8", "engine": "torch",
                                         "build": {"source": "m", "engine": "torch", "precision": "int8"}})
-    parameters = {k: v["string_value"] for k, v in triton_model_config(built)["parameters"].items()}
+    rendered = triton_model_config(built)
+    parameters = {k: v["string_value"] for k, v in rendered["parameters"].items()}
     assert parameters == {"precision": "fp32", "build_source": "m", "build_engine": "torch",
                           "build_precision": "int8", "build_device": "cpu"}
-
-
-# --- ServerSettings --------------------------------------------------------------------
-
-
-def test_server_settings_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("BATCHLINE_HTTP_PORT", "BATCHLINE_MODEL_REPOSITORY", "BATCHLINE_HOST"):
-        monkeypatch.delenv(var, raising=False)
-    settings = ServerSettings()
-    assert settings.http_port == 8000
-    assert settings.model_repository == Path("models")
-    assert settings.host == "127.0.0.1"
-
-
-def test_server_settings_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("BATCHLINE_HTTP_PORT", "9123")
-    monkeypatch.setenv("BATCHLINE_MODEL_REPOSITORY", str(tmp_path))
-    monkeypatch.setenv("BATCHLINE_LOG_LEVEL", "debug")
-    settings = ServerSettings()
-    assert settings.http_port == 9123
-    assert settings.model_repository == tmp_path
-    assert settings.log_level == "debug"
-
-
-def test_server_settings_rejects_bad_port(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BATCHLINE_HTTP_PORT", "70000")
-    with pytest.raises(ValueError):
-        ServerSettings()

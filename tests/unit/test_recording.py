@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from server.config import ModelConfig, RecordTraffic
+from server.layout import RECORDED_FILE
 from server.quantize.data import TensorData, load_eval_data
 from server.quantize.errors import EvalDataUnavailable
-from server.recording import RECORDED_FILE, TrafficRecorder
+from server.recording import TrafficRecorder
 
 
 def config(**changes: Any) -> ModelConfig:
@@ -138,9 +139,44 @@ async def test_a_repository_it_cannot_write_is_said_once_and_serving_goes_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     (tmp_path / "eval").write_text("a file where the folder should be")
-    recorder = TrafficRecorder(RecordTraffic(max_per_second=1000), config(), tmp_path, clock=Clock())
+    clock = Clock()
+    recorder = TrafficRecorder(RecordTraffic(max_per_second=1000), config(), tmp_path, clock=clock)
     recorder.offer(batch(0.0, 1), 1)
     assert not await recorder.write()
+    clock.now += 1.0  # past the rate: the second request is recorded too, and tried again
     recorder.offer(batch(1.0, 1), 1)
+    assert len(recorder.items) == 2 and recorder.changed
     assert not await recorder.write()
     assert sum("cannot write the recorded requests" in r.message for r in caplog.records) == 1
+
+
+def test_the_sample_is_uniform_when_its_bytes_bind(tmp_path: Path) -> None:
+    """Items past the byte bound replace kept ones at random, as past the item bound: the
+    sample is drawn from the whole run, not its first items."""
+    clock = Clock()
+    recorder = TrafficRecorder(RecordTraffic(max_bytes=80, max_per_second=1), config(), tmp_path, clock=clock, seed=0)
+    for i in range(2000):
+        clock.now += 1.0
+        recorder.offer(batch(float(i), 1), 1)
+    assert len(recorder.items) == 10 and recorder.bytes == 80  # 8 bytes an item
+    kept = np.array([item["x"][0] for item in recorder.items])
+    assert kept.mean() == pytest.approx(1000, rel=0.35)
+
+
+async def test_a_sample_that_did_not_change_is_not_written_again(tmp_path: Path) -> None:
+    clock = Clock()
+    recorder = TrafficRecorder(RecordTraffic(max_items=2, max_per_second=1), config(), tmp_path, clock=clock, seed=0)
+    for i in range(2):
+        clock.now += 1.0
+        recorder.offer(batch(float(i), 1), 1)
+    assert await recorder.write()
+    rewritten = 0
+    for i in range(2, 200):  # considered, rarely kept: most writes would find nothing new
+        clock.now += 1.0
+        before = recorder.items[:]
+        recorder.offer(batch(float(i), 1), 1)
+        kept_one = any(a is not b for a, b in zip(before, recorder.items, strict=True))
+        wrote = await recorder.write()
+        assert wrote == kept_one
+        rewritten += wrote
+    assert 0 < rewritten < 20

@@ -4,16 +4,14 @@ version the repository has, or a ModelNotFound (404); never an OSError or a Valu
 from __future__ import annotations
 
 from pathlib import Path
-from typing import get_args
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from server.config import EngineName
 from server.errors import ModelNotFound
-from server.protocol.triton_config import TRITON_PLATFORMS
-from server.repository import ModelRepository, version_number
+from server.layout import version_number
+from server.repository import ModelRepository
 from tests.unit.hypothesis_profile import bounded
 
 
@@ -55,8 +53,3 @@ def test_any_name_and_version_is_found_or_not_found(tmp_path_factory: pytest.Tem
     repository = ModelRepository(tmp_path_factory.getbasetemp() / "no-models-here")
     with pytest.raises(ModelNotFound):
         repository.get(name, version)
-
-
-def test_every_engine_has_a_triton_platform() -> None:
-    """Metadata and /config name the platform of every model: an engine without one is a 500."""
-    assert set(get_args(EngineName)) <= set(TRITON_PLATFORMS)

@@ -12,6 +12,7 @@ import pytest
 
 from server.devices import Device
 from server.engines.onnxruntime import OnnxRuntimeEngine, preload_cuda_libraries
+from server.engines.spec import EngineSpec
 from server.engines.tensorrt import TensorRTEngine
 from tests.unit.engines.test_onnxruntime_cuda import CPU, CUDA, SCALE_NODES, FakeSession, config, ort, scale
 from tests.unit.onnx_models import doubling
@@ -48,14 +49,15 @@ def test_onnxruntime_on_cuda_compiles_per_shape_only_with_the_exhaustive_cudnn_s
 ) -> None:
     """EXHAUSTIVE times every convolution algorithm at each new input shape."""
     cfg = config(onnxruntime={"execution_providers": [CUDA], "cudnn_conv_algo_search": search})
-    assert OnnxRuntimeEngine(cfg, gpu_session, Device("GPU", 0)).compiles_per_shape is compiles
+    engine = OnnxRuntimeEngine(EngineSpec.from_config(cfg, gpu_session), Device("GPU", 0))
+    assert engine.compiles_per_shape is compiles
 
 
 def test_onnxruntime_with_the_tensorrt_provider_compiles_per_shape(gpu_session: Path) -> None:
     cfg = config(onnxruntime={
         "execution_providers": [TENSORRT, CUDA], "tensorrt": {"engine_cache": False, "timing_cache": False},
     })
-    assert OnnxRuntimeEngine(cfg, gpu_session, Device("GPU", 0)).compiles_per_shape
+    assert OnnxRuntimeEngine(EngineSpec.from_config(cfg, gpu_session), Device("GPU", 0)).compiles_per_shape
 
 
 def test_onnxruntime_on_the_cpu_compiles_nothing_per_shape(tmp_path: Path) -> None:
@@ -64,7 +66,8 @@ def test_onnxruntime_on_the_cpu_compiles_nothing_per_shape(tmp_path: Path) -> No
         inputs=[{"name": "x", "datatype": "FP32", "dims": [2]}], outputs=[{"name": "y", "datatype": "FP32", "dims": [2]}],
         onnxruntime={"cudnn_conv_algo_search": "EXHAUSTIVE"},
     )
-    assert not OnnxRuntimeEngine(cfg, doubling(tmp_path / "1"), Device("CPU")).compiles_per_shape
+    engine = OnnxRuntimeEngine(EngineSpec.from_config(cfg, doubling(tmp_path / "1")), Device("CPU"))
+    assert not engine.compiles_per_shape
 
 
 def test_a_tensorrt_plan_compiles_per_shape() -> None:

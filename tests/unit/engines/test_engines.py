@@ -9,10 +9,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from server.config import ModelConfig
+from server.config import ModelConfig, OnnxRuntimeOptions
 from server.devices import Device, visible_gpu_count
 from server.engines import create_engine
 from server.engines.onnxruntime import check_providers, requested_providers
+from server.engines.spec import EngineIO, EngineSpec
 from server.errors import EngineError
 from tests.integration.conftest import require_built_models
 
@@ -31,6 +32,12 @@ def config(**overrides) -> ModelConfig:
     return ModelConfig.model_validate(document)
 
 
+def ort_spec(cfg: ModelConfig, artifact: Path) -> EngineSpec[OnnxRuntimeOptions]:
+    """What the ONNX Runtime engine is given for `cfg`, its artifact at `artifact` (only hashed,
+    for the TensorRT provider's cache folder)."""
+    return EngineSpec(artifact, EngineIO.from_config(cfg), cfg.precision, cfg.onnxruntime)
+
+
 @pytest.fixture
 def doubling_model(tmp_path: Path) -> Path:
     """A one-node ONNX graph y = x + x, written to version folder 1."""
@@ -46,16 +53,16 @@ def doubling_model(tmp_path: Path) -> Path:
 
 def test_cpu_instances_never_ask_for_gpu_providers(tmp_path: Path) -> None:
     cfg = config(onnxruntime={"execution_providers": ["CUDAExecutionProvider", "CPUExecutionProvider"]})
-    assert requested_providers(cfg, Device("CPU"), tmp_path / "m.onnx") == ["CPUExecutionProvider"]
+    assert requested_providers(ort_spec(cfg, tmp_path / "m.onnx"), Device("CPU")) == ["CPUExecutionProvider"]
 
 
 def test_gpu_instances_pin_their_device_and_keep_a_cpu_fallback(artifact: Path) -> None:
-    assert requested_providers(config(), Device("GPU", 1), artifact) == [
+    assert requested_providers(ort_spec(config(), artifact), Device("GPU", 1)) == [
         ("CUDAExecutionProvider", {"device_id": 1, "cudnn_conv_algo_search": "HEURISTIC"}),
         "CPUExecutionProvider",
     ]
     trt = config(onnxruntime={"execution_providers": ["TensorrtExecutionProvider", "CUDAExecutionProvider"]})
-    providers = requested_providers(trt, Device("GPU", 0), artifact)
+    providers = requested_providers(ort_spec(trt, artifact), Device("GPU", 0))
     assert [p[0] if isinstance(p, tuple) else p for p in providers] == [
         "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
     assert providers[0][1]["device_id"] == 0 and providers[1] == (
@@ -72,7 +79,7 @@ def artifact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def trt_options(cfg: ModelConfig, artifact: Path, device: Device | None = None) -> dict:
-    (name, options), *_ = requested_providers(cfg, device or Device("GPU", 1), artifact)
+    (name, options), *_ = requested_providers(ort_spec(cfg, artifact), device or Device("GPU", 1))
     assert name == "TensorrtExecutionProvider"
     return options
 
@@ -104,7 +111,7 @@ def test_the_tensorrt_provider_without_profiles_or_caches(artifact: Path) -> Non
     options = trt_options(derived, artifact, Device("GPU", 0))
     assert "trt_profile_min_shapes" not in options and "trt_engine_cache_path" not in options
     assert not (artifact.parent / "cache").exists()
-    assert requested_providers(derived, Device("CPU"), artifact) == ["CPUExecutionProvider"]
+    assert requested_providers(ort_spec(derived, artifact), Device("CPU")) == ["CPUExecutionProvider"]
 
 
 def test_a_session_that_fell_back_to_the_cpu_is_refused() -> None:

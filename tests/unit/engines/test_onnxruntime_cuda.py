@@ -26,7 +26,9 @@ from server.engines.onnxruntime import (
     requested_providers,
     run_bound,
 )
+from server.engines.spec import EngineSpec
 from server.errors import EngineError
+from tests.unit.engines.test_engines import ort_spec
 
 ort = engine_module.ort
 CUDA = "CUDAExecutionProvider"
@@ -167,12 +169,12 @@ def batch(rows: int) -> np.ndarray:
 
 def test_the_cuda_provider_searches_cudnn_algorithms_by_heuristic_unless_configured(tmp_path: Path) -> None:
     artifact = tmp_path / "model.onnx"
-    assert requested_providers(config(), Device("GPU", 1), artifact) == [
+    assert requested_providers(ort_spec(config(), artifact), Device("GPU", 1)) == [
         (CUDA, {"device_id": 1, "cudnn_conv_algo_search": "HEURISTIC"}), CPU]
     exhaustive = config(onnxruntime={"execution_providers": [CUDA], "cudnn_conv_algo_search": "EXHAUSTIVE"})
-    assert requested_providers(exhaustive, Device("GPU", 0), artifact)[0] == (
+    assert requested_providers(ort_spec(exhaustive, artifact), Device("GPU", 0))[0] == (
         CUDA, {"device_id": 0, "cudnn_conv_algo_search": "EXHAUSTIVE"})
-    assert requested_providers(exhaustive, Device("CPU"), artifact) == [CPU]
+    assert requested_providers(ort_spec(exhaustive, artifact), Device("CPU")) == [CPU]
 
 
 def test_the_tensorrt_provider_gets_no_cudnn_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,7 +182,8 @@ def test_the_tensorrt_provider_gets_no_cudnn_option(tmp_path: Path, monkeypatch:
     (tmp_path / "model.onnx").write_bytes(b"graph")
     trt = config(onnxruntime={"execution_providers": ["TensorrtExecutionProvider", CUDA],
                               "tensorrt": {"engine_cache": False, "timing_cache": False}})
-    (_, trt_options), (_, cuda_options), _ = requested_providers(trt, Device("GPU", 0), tmp_path / "model.onnx")
+    providers = requested_providers(ort_spec(trt, tmp_path / "model.onnx"), Device("GPU", 0))
+    (_, trt_options), (_, cuda_options), _ = providers
     assert "cudnn_conv_algo_search" not in trt_options
     assert cuda_options["cudnn_conv_algo_search"] == "HEURISTIC"
 
@@ -197,15 +200,15 @@ def test_gpu_instances_preload_the_cuda_libraries_once_before_their_session(
     version_dir: Path, fake_sessions: Callable, fresh_preload: list
 ) -> None:
     calls = fake_sessions({CUDA, CPU}, calls=fresh_preload)  # one log: the preload, then the session
-    OnnxRuntimeEngine(config(), version_dir, Device("GPU", 0))
-    OnnxRuntimeEngine(config(), version_dir, Device("GPU", 1))
+    OnnxRuntimeEngine(EngineSpec.from_config(config(), version_dir), Device("GPU", 0))
+    OnnxRuntimeEngine(EngineSpec.from_config(config(), version_dir), Device("GPU", 1))
     assert calls == ["preload_dlls", ("session", (CUDA, CPU)), ("session", (CUDA, CPU))]
 
 
 def test_cpu_instances_never_preload(version_dir: Path, fake_sessions: Callable, fresh_preload: list) -> None:
     gpu_listed = config(onnxruntime={"execution_providers": [CUDA, CPU]})
     calls = fake_sessions({CUDA, CPU}, calls=fresh_preload)
-    OnnxRuntimeEngine(gpu_listed, version_dir, Device("CPU"))
+    OnnxRuntimeEngine(EngineSpec.from_config(gpu_listed, version_dir), Device("CPU"))
     assert calls == [("session", (CPU,))]
 
 
@@ -238,10 +241,10 @@ def test_without_preload_dlls_gpu_instances_import_torch_and_cpu_ones_do_not(
 ) -> None:
     fake_sessions({CUDA, CPU})
     seen = imports(torch_installed=True)
-    OnnxRuntimeEngine(config(), version_dir, Device("CPU"))
+    OnnxRuntimeEngine(EngineSpec.from_config(config(), version_dir), Device("CPU"))
     assert seen == []
-    OnnxRuntimeEngine(config(), version_dir, Device("GPU", 0))
-    OnnxRuntimeEngine(config(), version_dir, Device("GPU", 0))
+    OnnxRuntimeEngine(EngineSpec.from_config(config(), version_dir), Device("GPU", 0))
+    OnnxRuntimeEngine(EngineSpec.from_config(config(), version_dir), Device("GPU", 0))
     assert seen == ["torch"]
     assert preload_cuda_libraries() == "torch"
 
@@ -253,7 +256,7 @@ def test_nothing_to_preload_with_is_logged_and_the_session_decides(
     imports(torch_installed=False)
     with (caplog.at_level(logging.WARNING, logger="server.engines.onnxruntime"),
           pytest.raises(EngineError, match="asked for CUDAExecutionProvider but the session runs on")):
-        OnnxRuntimeEngine(config(), version_dir, Device("GPU", 0))
+        OnnxRuntimeEngine(EngineSpec.from_config(config(), version_dir), Device("GPU", 0))
     assert "CUDA libraries not preloaded for ONNX Runtime: No module named 'torch'" in caplog.text
     assert preload_cuda_libraries() == "none"
 
@@ -275,7 +278,7 @@ def test_gpu_sessions_bind_inputs_from_the_host_and_outputs_on_their_device(
     version_dir: Path, fake_sessions: Callable
 ) -> None:
     calls = fake_sessions({CUDA, CPU})
-    engine = OnnxRuntimeEngine(config(), version_dir, Device("GPU", 1))
+    engine = OnnxRuntimeEngine(EngineSpec.from_config(config(), version_dir), Device("GPU", 1))
     calls.clear()
     for rows in (1, 4):  # every bucket a warm-up runs: a fresh binding for each shape
         x = batch(rows)
@@ -293,14 +296,15 @@ def test_outputs_come_back_by_name_whatever_order_the_graph_declares(
 ) -> None:
     reversed_nodes = ([Node("x")], [Node("twice"), Node("thrice")])
     fake_sessions({CUDA, CPU}, nodes=reversed_nodes)
-    out = OnnxRuntimeEngine(config(), version_dir, Device("GPU", 0)).run({"x": batch(2)})
+    engine = OnnxRuntimeEngine(EngineSpec.from_config(config(), version_dir), Device("GPU", 0))
+    out = engine.run({"x": batch(2)})
     np.testing.assert_array_equal(out["twice"], batch(2) * 2)
     np.testing.assert_array_equal(out["thrice"], batch(2) * 3)
 
 
 def test_cpu_sessions_keep_the_plain_run(version_dir: Path, fake_sessions: Callable) -> None:
     calls = fake_sessions({CUDA, CPU})  # onnxruntime-gpu on a CPU instance
-    engine = OnnxRuntimeEngine(config(), version_dir, Device("CPU"))
+    engine = OnnxRuntimeEngine(EngineSpec.from_config(config(), version_dir), Device("CPU"))
     out = engine.run({"x": batch(3)})
     np.testing.assert_array_equal(out["thrice"], batch(3) * 3)
     assert calls == [("session", (CPU,)), ("run",)]
@@ -320,7 +324,7 @@ def test_graphs_with_tensors_that_cannot_live_on_the_device_keep_the_plain_run(
     version_dir: Path, fake_sessions: Callable, input_type: str, output_type: str
 ) -> None:
     calls = fake_sessions({CUDA, CPU}, nodes=([Node("text", input_type)], [Node("out", output_type)]), compute=echo)
-    engine = OnnxRuntimeEngine(config(), version_dir, Device("GPU", 0))
+    engine = OnnxRuntimeEngine(EngineSpec.from_config(config(), version_dir), Device("GPU", 0))
     sent = np.array([[b"a"], [b"bc"]], dtype=object) if input_type == "tensor(string)" else batch(2)
     out = engine.run({"text": sent})["out"]
     assert calls[-1] == ("run",) and ("io_binding",) not in calls
@@ -333,7 +337,7 @@ def test_a_failed_bound_run_is_an_engine_error(version_dir: Path, fake_sessions:
         raise RuntimeError("CUDA failure 700: an illegal memory access")
 
     fake_sessions({CUDA, CPU}, compute=fail)
-    engine = OnnxRuntimeEngine(config(), version_dir, Device("GPU", 0))
+    engine = OnnxRuntimeEngine(EngineSpec.from_config(config(), version_dir), Device("GPU", 0))
     with pytest.raises(EngineError, match="ONNX Runtime failed: CUDA failure 700"):
         engine.run({"x": batch(1)})
 

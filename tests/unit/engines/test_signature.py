@@ -18,6 +18,7 @@ from server.engines.signature import (
     check_signature,
     engine_inputs,
 )
+from server.engines.spec import EngineIO
 from server.errors import EngineError
 from tests.integration.conftest import MODELS, require_built_models
 from tests.unit.engines.test_engines import digits_config
@@ -36,6 +37,11 @@ def config(**overrides: Any) -> ModelConfig:
     return ModelConfig.model_validate({"name": "double", **DOUBLING_CONFIG, **overrides})
 
 
+def io(**overrides: Any) -> EngineIO:
+    """What the check reads of `config(**overrides)`."""
+    return EngineIO.from_config(config(**overrides))
+
+
 def engine(inputs: list[TensorSignature], outputs: list[TensorSignature], **flags: bool) -> EngineSignature:
     return EngineSignature(tuple(inputs), tuple(outputs), **flags)
 
@@ -45,11 +51,11 @@ Y = TensorSignature("y", "FP32", (None, 2))
 
 
 def test_a_matching_config_passes() -> None:
-    check_signature(config(), engine([X], [Y]))
+    check_signature(io(), engine([X], [Y]))
 
 
 def test_wrong_output_dims_name_the_tensor_the_config_and_the_model() -> None:
-    wrong = config(outputs=[{"name": "y", "datatype": "FP32", "dims": [3]}])
+    wrong = io(outputs=[{"name": "y", "datatype": "FP32", "dims": [3]}])
     with pytest.raises(
         EngineError, match=r"output 'y': the config says FP32 \[-1, 3\], the model has FP32 \[-1, 2\]"
     ):
@@ -57,10 +63,10 @@ def test_wrong_output_dims_name_the_tensor_the_config_and_the_model() -> None:
 
 
 def test_wrong_datatypes_are_refused() -> None:
-    ints = config(outputs=[{"name": "y", "datatype": "INT64", "dims": [2]}])
+    ints = io(outputs=[{"name": "y", "datatype": "INT64", "dims": [2]}])
     with pytest.raises(EngineError, match=r"output 'y': the config says INT64 \[-1, 2\], the model has FP32"):
         check_signature(ints, engine([X], [Y]))
-    halves = config(inputs=[{"name": "x", "datatype": "FP16", "dims": [2]}])
+    halves = io(inputs=[{"name": "x", "datatype": "FP16", "dims": [2]}])
     with pytest.raises(EngineError, match=r"input 'x': the config says FP16"):  # ONNX Runtime casts nothing
         check_signature(halves, engine([X], [Y]))
 
@@ -70,22 +76,22 @@ def test_an_unbatched_model_under_a_batched_config_is_refused() -> None:
     with pytest.raises(
         EngineError, match=r"input 'x': the config says FP32 \[-1, 2\], the model has FP32 \[2\]"
     ):
-        check_signature(config(), engine([whole], [Y]))
+        check_signature(io(), engine([whole], [Y]))
 
 
 def test_a_fixed_batch_needs_a_single_bucket_of_that_size() -> None:
     fixed = engine([TensorSignature("x", "FP32", (4, 2))], [TensorSignature("y", "FP32", (4, 2))])
     with pytest.raises(EngineError, match=r"the model has FP32 \[4, 2\]"):
-        check_signature(config(), fixed)
-    check_signature(config(batch_buckets=[4]), fixed)  # every batch is padded to 4 rows
+        check_signature(io(), fixed)
+    check_signature(io(batch_buckets=[4]), fixed)  # every batch is padded to 4 rows
 
 
 def test_variable_engine_dims_may_be_fixed_by_the_config_not_the_reverse_for_inputs() -> None:
     open_dims = engine(
         [TensorSignature("x", "FP32", (None, None))], [TensorSignature("y", "FP32", (None, None))]
     )
-    check_signature(config(), open_dims)
-    variable = config(
+    check_signature(io(), open_dims)
+    variable = io(
         inputs=[{"name": "x", "datatype": "FP32", "dims": [-1]}],
         outputs=[{"name": "y", "datatype": "FP32", "dims": [-1]}],
     )
@@ -93,28 +99,28 @@ def test_variable_engine_dims_may_be_fixed_by_the_config_not_the_reverse_for_inp
         EngineError, match=r"input 'x': the config says FP32 \[-1, -1\], the model has FP32 \[-1, 2\]"
     ):
         check_signature(variable, engine([X], [Y]))
-    wide_open_output = config(outputs=[{"name": "y", "datatype": "FP32", "dims": [-1]}])
+    wide_open_output = io(outputs=[{"name": "y", "datatype": "FP32", "dims": [-1]}])
     check_signature(wide_open_output, engine([X], [Y]))  # -1 promises clients nothing the model breaks
 
 
 def test_precision_builds_may_give_another_float_type() -> None:
     half = TensorSignature("y", "FP16", (None, 2))
-    check_signature(config(precision="fp16"), engine([X], [half]))  # the pipeline casts outputs to FP32
+    check_signature(io(precision="fp16"), engine([X], [half]))  # the pipeline casts outputs to FP32
     with pytest.raises(EngineError, match="input 'x'"):
-        check_signature(config(), engine([TensorSignature("x", "FP16", (None, 2))], [Y]))
-    check_signature(config(), engine([TensorSignature("x", "FP16", (None, 2))], [Y], casts_float_inputs=True))
+        check_signature(io(), engine([TensorSignature("x", "FP16", (None, 2))], [Y]))
+    check_signature(io(), engine([TensorSignature("x", "FP16", (None, 2))], [Y], casts_float_inputs=True))
     with pytest.raises(EngineError, match="INT64"):  # a cast covers floats only
         check_signature(
-            config(), engine([TensorSignature("x", "INT64", (None, 2))], [Y], casts_float_inputs=True)
+            io(), engine([TensorSignature("x", "INT64", (None, 2))], [Y], casts_float_inputs=True)
         )
 
 
 def test_engine_names_and_extra_engine_tensors() -> None:
-    renamed = config(outputs=[{"name": "doubled", "datatype": "FP32", "dims": [2], "engine_name": "y"}])
+    renamed = io(outputs=[{"name": "doubled", "datatype": "FP32", "dims": [2], "engine_name": "y"}])
     extra_output = TensorSignature("debug", "FP32", (None, 8))
     check_signature(renamed, engine([X], [Y, extra_output]))  # outputs nobody asked for are fine
     with pytest.raises(EngineError, match=r"the model takes input 'mask', which the config does not feed"):
-        check_signature(config(), engine([X, TensorSignature("mask", "INT64", (None, 2))], [Y]))
+        check_signature(io(), engine([X, TensorSignature("mask", "INT64", (None, 2))], [Y]))
     with pytest.raises(
         EngineError,
         match=r"output 'doubled' \(engine name 'y'\): the config says FP32 \[-1, 2\], the model has FP32 \[-1, 3\]",
@@ -123,7 +129,7 @@ def test_engine_names_and_extra_engine_tensors() -> None:
 
 
 def test_every_problem_is_reported_at_once() -> None:
-    wrong = config(
+    wrong = io(
         inputs=[{"name": "x", "datatype": "FP32", "dims": [3]}],
         outputs=[{"name": "y", "datatype": "INT32", "dims": [2]}],
     )
@@ -132,7 +138,7 @@ def test_every_problem_is_reported_at_once() -> None:
 
 
 def test_a_tokenized_text_input_is_checked_as_its_token_tensors() -> None:
-    text = ModelConfig.model_validate(
+    text = EngineIO.from_config(ModelConfig.model_validate(
         {
             "name": "embed",
             "engine": "onnxruntime",
@@ -141,7 +147,7 @@ def test_a_tokenized_text_input_is_checked_as_its_token_tensors() -> None:
             "outputs": [{"name": "embedding", "datatype": "FP32", "dims": [4], "engine_name": "pooled"}],
             "preprocess": {"tokenize": {"input": "text", "token_type_ids": None}},
         }
-    )
+    ))
     assert [(t.engine_name, t.datatype, t.shape) for t in engine_inputs(text)] == [
         ("input_ids", "INT64", (-1, -1)),
         ("attention_mask", "INT64", (-1, -1)),
@@ -166,10 +172,10 @@ def test_positional_engines_match_by_order_and_count() -> None:
         [TensorSignature("out", "FP32", (None, 2))],
         positional=True,
     )
-    check_signature(config(), program)
+    check_signature(io(), program)
     with pytest.raises(EngineError, match=r"output 'y': .* the model has FP32 \[-1, 2\] \(output 'out'\)"):
-        check_signature(config(outputs=[{"name": "y", "datatype": "FP32", "dims": [5]}]), program)
-    two_inputs = config(
+        check_signature(io(outputs=[{"name": "y", "datatype": "FP32", "dims": [5]}]), program)
+    two_inputs = io(
         inputs=[
             {"name": "a", "datatype": "FP32", "dims": [2]},
             {"name": "b", "datatype": "FP32", "dims": [2]},
@@ -182,23 +188,23 @@ def test_positional_engines_match_by_order_and_count() -> None:
 def test_types_without_a_v2_name_are_named_as_the_engine_names_them() -> None:
     fp8 = TensorSignature("y", None, (None, 2), "tensor(float8e4m3fn)")
     with pytest.raises(EngineError, match=r"the model has tensor\(float8e4m3fn\) \[-1, 2\]"):
-        check_signature(config(), engine([X], [fp8]))
+        check_signature(io(), engine([X], [fp8]))
 
 
 def test_results_are_checked_per_item() -> None:
-    check_results(config(), {"y": np.zeros((3, 2), np.float32)}, 3)
-    check_results(config(), {"y": np.zeros((3, 2), np.float16)}, 3)  # cast to FP32 by the pipeline
+    check_results(io(), {"y": np.zeros((3, 2), np.float32)}, 3)
+    check_results(io(), {"y": np.zeros((3, 2), np.float16)}, 3)  # cast to FP32 by the pipeline
     with pytest.raises(
         EngineError,
         match=r"output 'y': the config says FP32 \[-1, 2\], the model returned FP32 \[3, 5\] for a batch of 3",
     ):
-        check_results(config(), {"y": np.zeros((3, 5), np.float32)}, 3)
+        check_results(io(), {"y": np.zeros((3, 5), np.float32)}, 3)
     with pytest.raises(EngineError, match=r"returned FP32 \[1, 2\] for a batch of 3"):  # rows must come back
-        check_results(config(), {"y": np.zeros((1, 2), np.float32)}, 3)
+        check_results(io(), {"y": np.zeros((1, 2), np.float32)}, 3)
     with pytest.raises(EngineError, match="returned INT64"):
-        check_results(config(), {"y": np.zeros((3, 2), np.int64)}, 3)
+        check_results(io(), {"y": np.zeros((3, 2), np.int64)}, 3)
     with pytest.raises(EngineError, match="returned no such output"):
-        check_results(config(), {}, 3)
+        check_results(io(), {}, 3)
 
 
 # --- ONNX Runtime: the session's own types and shapes ------------------------------------------

@@ -11,11 +11,13 @@ import pytest
 from server.config import BuildSpec, ModelConfig
 from server.devices import Device
 from server.engines import create_engine
+from server.engines.digests import record_digests
 from server.engines.profiles import optimization_profiles
+from server.engines.registry import ENGINES
 from server.engines.signature import check_signature
+from server.engines.spec import EngineIO
 from server.engines.tensorrt import ProfileRange, choose_profile, numpy_dtype, plan_signature
 from server.errors import EngineError
-from server.protocol.triton_config import triton_model_config
 from server.quantize.variant import derive_config
 
 
@@ -37,9 +39,8 @@ def config(**overrides) -> ModelConfig:
 
 def ranges_of(cfg: ModelConfig) -> list[ProfileRange]:
     """The batch ranges the builder gives its profiles, as the engine reads them back."""
-    return [
-        ProfileRange(i, p.shapes["image"][0][0], p.shapes["image"][2][0]) for i, p in enumerate(optimization_profiles(cfg))
-    ]
+    profiles = optimization_profiles(EngineIO.from_config(cfg))
+    return [ProfileRange(i, p.shapes["image"][0][0], p.shapes["image"][2][0]) for i, p in enumerate(profiles)]
 
 
 @pytest.mark.parametrize(("batch", "profile"), [(1, 0), (2, 1), (8, 1), (9, 2), (64, 2)])
@@ -62,22 +63,29 @@ def test_tensor_types_map_to_numpy() -> None:
         numpy_dtype("FP8")
 
 
+def plan_folder(folder: Path) -> Path:
+    """A version folder holding a plan, with its digest recorded: the engine gets past its artifact."""
+    (folder / "model.plan").write_bytes(b"PLAN")
+    record_digests(folder)
+    return folder
+
+
 def test_the_engine_refuses_a_cpu_instance(tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="runs on a GPU"):
-        create_engine(config(), tmp_path, Device("CPU"))
+        create_engine(config(), plan_folder(tmp_path), Device("CPU"))
 
 
 def test_the_engine_says_when_tensorrt_is_missing(tmp_path: Path) -> None:
     """Without TensorRT the engine says so at load. With it, the import check passes and what
-    fails next (here: no CUDA device, or no plan in an empty folder) is named instead."""
+    fails next (here: no CUDA device, or a plan that is not one) is named instead."""
     try:
         import tensorrt  # noqa: F401
     except ImportError:
         with pytest.raises(EngineError, match="TensorRT is not installed"):
-            create_engine(config(), tmp_path, Device("GPU", 0))
+            create_engine(config(), plan_folder(tmp_path), Device("GPU", 0))
         return
     with pytest.raises(EngineError) as raised:
-        create_engine(config(), tmp_path, Device("GPU", 0))
+        create_engine(config(), plan_folder(tmp_path), Device("GPU", 0))
     assert "not installed" not in str(raised.value)
 
 
@@ -89,7 +97,7 @@ def test_a_tensorrt_variant_is_placed_on_gpus_and_shown_as_a_plan() -> None:
     derived = derive_config(base, name="digits-tensorrt-fp16", engine="tensorrt", precision="fp16",
                             model_filename="model.plan", spec=spec)
     assert [(g["count"], g["kind"]) for g in derived["instance_group"]] == [(2, "GPU")]
-    assert triton_model_config(ModelConfig.model_validate(derived))["platform"] == "tensorrt_plan"
+    assert ENGINES[ModelConfig.model_validate(derived).engine].triton_platform == "tensorrt_plan"
 
 
 class Mode(Enum):  # stands in for tensorrt.TensorIOMode
@@ -136,19 +144,19 @@ def test_a_plans_signature_is_read_from_its_tensors() -> None:
     signature = plan_signature(digits_plan())
     assert [(t.name, t.datatype, t.shape) for t in signature.inputs] == [("image", "FP32", (None, 1, 8, 8))]
     assert [(t.name, t.datatype, t.shape) for t in signature.outputs] == [("probabilities", "FP32", (None, 10))]
-    check_signature(config(), signature)
+    check_signature(EngineIO.from_config(config()), signature)
 
 
 def test_an_fp16_plan_with_half_outputs_serves_an_fp32_config() -> None:
-    check_signature(config(), plan_signature(digits_plan(output=DataType.HALF)))
+    check_signature(EngineIO.from_config(config()), plan_signature(digits_plan(output=DataType.HALF)))
 
 
 def test_a_config_that_misdescribes_the_plan_is_refused() -> None:
     with pytest.raises(EngineError, match=r"output 'probabilities': the config says FP32 \[-1, 10\], the model has FP32 \[-1, 3\]"):
-        check_signature(config(), plan_signature(digits_plan(output_shape=(-1, 3))))
+        check_signature(EngineIO.from_config(config()), plan_signature(digits_plan(output_shape=(-1, 3))))
     with pytest.raises(EngineError, match=r"the model has INT4 \[-1, 10\]"):  # no v2 name: TensorRT's own
-        check_signature(config(), plan_signature(digits_plan(output=DataType.INT4)))
+        check_signature(EngineIO.from_config(config()), plan_signature(digits_plan(output=DataType.INT4)))
     tokens = FakePlan([("input_ids", Mode.INPUT, DataType.INT64, (-1, -1)),
                        ("probabilities", Mode.OUTPUT, DataType.FLOAT, (-1, 10))])
     with pytest.raises(EngineError, match="input 'image': the model has no input 'image'"):
-        check_signature(config(), plan_signature(tokens))
+        check_signature(EngineIO.from_config(config()), plan_signature(tokens))

@@ -25,6 +25,7 @@ import torch
 from server.devices import Device
 from server.engines import create_engine, tensorrt
 from server.engines.digests import record_digests
+from server.engines.spec import EngineSpec
 from server.engines.tensorrt import TensorRTEngine
 from server.errors import EngineError, InvalidInput
 from tests.unit.engines.test_tensorrt_engine import FakePlan, Mode, config
@@ -278,7 +279,7 @@ def test_a_failed_load_releases_what_it_made_in_order(monkeypatch: pytest.Monkey
                                                        tmp_path: Path) -> None:
     fake = install(monkeypatch, RunnablePlan(output=DataType.INT4))
     with pytest.raises(EngineError, match="INT4"):
-        TensorRTEngine(config(), version_dir(tmp_path), Device("GPU", 0))
+        TensorRTEngine(EngineSpec.from_config(config(), version_dir(tmp_path)), Device("GPU", 0))
     assert fake.released == ["context", "engine", "runtime"]
 
 

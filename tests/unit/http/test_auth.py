@@ -12,10 +12,10 @@ from typing import Any
 import orjson
 import pytest
 
-from server.cli import build_parser, main, settings_from
-from server.config import ServerSettings
+from server.cli import build_parser, main
 from server.http import auth
 from server.http.auth import Access, AccessGate, AccessPolicy, SettingsError, access_of, is_loopback
+from server.settings import ServerSettings, settings_from
 
 ADMIN = "admin-0123456789abcdef"
 INFERENCE = "inference-0123456789abcdef"

@@ -24,9 +24,8 @@ from server.protocol.binary import (
     tensor_to_bytes,
 )
 from server.protocol.datatypes import numpy_dtype
+from tests.unit.protocol.kinds import FLOATS, INTEGERS
 
-NUMERIC = ["UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"]
-FLOATS = ["FP16", "FP32", "FP64", "BF16"]
 SHAPES = [[2, 3], [6], [1, 2, 3], [], [0], [3, 0, 2]]
 
 
@@ -46,7 +45,7 @@ def sample(datatype: str, shape: list[int]) -> np.ndarray:
             b"x" * 300,
         ]
         values = [pool[i % len(pool)] for i in range(count)]
-    elif datatype in NUMERIC:
+    elif datatype in INTEGERS:
         info = np.iinfo(dtype)
         pool = [info.min, info.max, 0, 1, info.max // 3, info.min // 5 if info.min else 7]
         values = [pool[i % len(pool)] for i in range(count)]
@@ -76,7 +75,7 @@ def assert_same_tensor(actual: np.ndarray, expected: np.ndarray) -> None:
 
 # ---- round trips and compatibility -------------------------------------------------
 
-ALL = ["BOOL", *NUMERIC, *FLOATS, "BYTES"]
+ALL = ["BOOL", *INTEGERS, *FLOATS, "BYTES"]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -94,13 +93,13 @@ def test_encoding_matches_tritonclient_byte_for_byte(datatype: str, shape: list[
     assert tensor_to_bytes(array, datatype) == triton_wire_bytes(array, datatype)
 
 
-@pytest.mark.parametrize("datatype", ["BOOL", *NUMERIC, *FLOATS])
+@pytest.mark.parametrize("datatype", ["BOOL", *INTEGERS, *FLOATS])
 def test_fixed_size_encoding_is_numpy_tobytes(datatype: str) -> None:
     array = sample(datatype, [4, 5])
     assert tensor_to_bytes(array, datatype) == array.tobytes()
 
 
-@pytest.mark.parametrize("datatype", ["BOOL", *NUMERIC, *FLOATS])
+@pytest.mark.parametrize("datatype", ["BOOL", *INTEGERS, *FLOATS])
 def test_decodes_what_tritonclient_sends(datatype: str) -> None:
     array = sample(datatype, [3, 4])
     decoded = tensor_from_bytes(triton_wire_bytes(array, datatype), datatype, [3, 4], "t")
@@ -305,7 +304,7 @@ def test_split_body_rejects_non_integer_header_length(header_length: object) -> 
         split_body(b"{}", header_length)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("datatype", ["BOOL", *NUMERIC, *FLOATS])
+@pytest.mark.parametrize("datatype", ["BOOL", *INTEGERS, *FLOATS])
 @pytest.mark.parametrize("delta", [-1, 1, -4, 8])
 def test_fixed_size_rejects_a_size_mismatch(datatype: str, delta: int) -> None:
     raw = tensor_to_bytes(sample(datatype, [2, 3]), datatype)

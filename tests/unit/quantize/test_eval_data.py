@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from server.config import BuildGate, ModelConfig
-from server.quantize.data import INPUTS_FILE, LABELS_FILE, MAX_CALIBRATION, TensorData, load_eval_data
+from server.layout import INPUTS_FILE, LABELS_FILE
+from server.quantize.data import MAX_CALIBRATION, TensorData, load_eval_data
 from server.quantize.errors import BuildError, EvalDataUnavailable
 from server.quantize.quality import checks, judge, kind_of, tensor_metrics
 

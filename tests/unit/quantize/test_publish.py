@@ -17,6 +17,7 @@ from onnx import TensorProto, helper
 
 from server.config import load_model_config
 from server.engines.digests import RECORD, read_digests
+from server.layout import version_numbers
 from server.quantize import variant
 from server.repository import ModelRepository
 from tests.unit.onnx_models import BATCH, save
@@ -54,7 +55,7 @@ def served(folder: Path) -> tuple[str, list[int]] | None:
     if not (folder / "config.yaml").is_file():
         return None
     loaded = load_model_config(folder / "config.yaml")
-    versions = loaded.version_policy.select(variant.versions_on_disk(folder))
+    versions = loaded.version_policy.select(version_numbers(folder))
     for version in versions:  # the artifact each selected version serves must be the config's
         built = (folder / str(version) / "build.json").read_text()
         assert loaded.inputs[0].datatype in built, f"config {loaded.inputs[0].datatype} with version {version}"
@@ -155,7 +156,7 @@ def test_a_crash_before_the_commit_leaves_a_version_nothing_serves(old_state: Pa
     with pytest.raises(Crash):
         publish(old_state, "FP16")
     faults(None, lambda: None)
-    assert variant.versions_on_disk(old_state) == [1, 2, 3] and variant.served_versions(old_state) == [2]
+    assert version_numbers(old_state) == [1, 2, 3] and variant.served_versions(old_state) == [2]
     assert served(old_state) == ("FP32", [2])
     assert publish(old_state, "FP16") == 4 and served(old_state) == ("FP16", [4])
 

@@ -13,7 +13,10 @@ import yaml
 from server.cli import main as cli_main
 from server.config import load_model_config
 from server.errors import EngineError
-from server.quantize import BuildError, build, ensure_built, report
+from server.quantize.api import build
+from server.quantize.ensure import ensure_built
+from server.quantize.errors import BuildError
+from server.quantize.reporting import report
 from tests.unit.quantize.broken import break_calibration
 
 
@@ -233,3 +236,21 @@ def test_cli_exit_codes(
     break_calibration(monkeypatch, "zeros")
     assert cli_main(["build", "digits", "--engine", "onnxruntime", "--precision", "int8", "--name", "cli-broken",
                      "--no-benchmark", *repo]) == 1
+
+
+def test_a_torch_rebuild_keeps_its_sources_batch_range_whatever_its_other_dims_allow() -> None:
+    """The batch dim's own bound, not the tightest of every dynamic dim (a sequence capped at
+    16 must not cap the batch at 16); a static source gets the builders' default."""
+    import torch
+
+    from server.quantize.torch_builds import MAX_BATCH, _batch_limit
+
+    class Sum(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.sum(-1)
+
+    example = (torch.ones(4, 8),)
+    batch, sequence = torch.export.Dim("batch", min=1, max=1024), torch.export.Dim("sequence", min=2, max=16)
+    assert _batch_limit(torch.export.export(Sum(), example, dynamic_shapes=({0: batch, 1: sequence},))) == 1024
+    assert _batch_limit(torch.export.export(Sum(), example, dynamic_shapes=({0: torch.export.Dim("b", max=64)},))) == 64
+    assert _batch_limit(torch.export.export(Sum(), example)) == MAX_BATCH

@@ -11,8 +11,9 @@ import pytest
 
 from server import devices, gpu
 from server.devices import Device, visible_gpu_count
-from server.quantize import BuildError, build
+from server.quantize.api import build
 from server.quantize.bench import _gpu_memory_mb
+from server.quantize.errors import BuildError
 from server.quantize.runner import build_device
 
 
@@ -284,7 +285,9 @@ def test_the_model_config_names_where_a_version_runs(monkeypatch: pytest.MonkeyP
         f"onnxruntime {metadata.version('onnxruntime')} [CUDAExecutionProvider, CPUExecutionProvider]")
     torch = [instance(Device("CPU"), "torch", [f"torch {metadata.version('torch')}"])]
     assert model._placement(torch, {}, "") == f"cpu; torch {metadata.version('torch')}"  # type: ignore[arg-type]
-    monkeypatch.setattr(model, "tensorrt_version", lambda: "10.9.0.34")
+    # TensorRT's wheel installed under one of its names: that name and its version
+    monkeypatch.setattr(model, "installed_versions",
+                        lambda names: {n: "10.9.0.34" if n == "tensorrt-cu13" else None for n in names})
     trt = [instance(Device("GPU", 0), "tensorrt", [])]
     assert model._placement(trt, gpus, "driver 580.65.06, CUDA 13.0") == (  # type: ignore[arg-type]
-        "cuda:0 NVIDIA H200 sm90; driver 580.65.06, CUDA 13.0; tensorrt 10.9.0.34")
+        "cuda:0 NVIDIA H200 sm90; driver 580.65.06, CUDA 13.0; tensorrt-cu13 10.9.0.34")

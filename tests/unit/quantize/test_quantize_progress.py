@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TypeVar
 
-from server.quantize import build
+from server.quantize.api import build
 from server.quantize.progress import bars
 
 T = TypeVar("T")

@@ -14,7 +14,7 @@ import yaml
 from server.config import load_model_config
 from server.engines.digests import record_digests
 from server.errors import EngineError
-from server.quantize import build
+from server.quantize.api import build
 from server.quantize.ensure import ensure_built
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
 from server.config import ModelConfig
 from server.engines.profiles import optimization_profiles
+from server.engines.spec import EngineIO
 from server.errors import EngineError
 from server.quantize import tensorrt
 from server.quantize.errors import BuildError
@@ -26,15 +28,19 @@ TEXT = {
 }
 
 
+def io_of(config: dict) -> EngineIO:
+    return EngineIO.from_config(ModelConfig.model_validate(config))
+
+
 def test_one_profile_per_batch_bucket() -> None:
-    profiles = optimization_profiles(ModelConfig.model_validate(IMAGE))
+    profiles = optimization_profiles(io_of(IMAGE))
     assert [p.batch for p in profiles] == [1, 8, 64]
     assert profiles[1].shapes["image"] == ((2, 1, 8, 8), (8, 1, 8, 8), (8, 1, 8, 8))
     assert profiles[2].shapes["image"][0][0] == 9
 
 
 def test_text_profiles_cover_the_sequence_window() -> None:
-    profiles = optimization_profiles(ModelConfig.model_validate(TEXT))
+    profiles = optimization_profiles(io_of(TEXT))
     assert [p.batch for p in profiles] == [1, 2, 4, 8, 16, 32]  # the batch ladder without buckets
     assert set(profiles[0].shapes) == {"input_ids", "attention_mask", "token_type_ids"}
     assert profiles[-1].shapes["input_ids"] == ((17, 1), (32, 64), (32, 256))
@@ -43,13 +49,13 @@ def test_text_profiles_cover_the_sequence_window() -> None:
 def test_unbounded_variable_dim_is_refused() -> None:
     config = dict(IMAGE, inputs=[{"name": "image", "datatype": "FP32", "dims": [1, -1, 8]}])
     with pytest.raises(EngineError, match="no known bound"):
-        optimization_profiles(ModelConfig.model_validate(config))
+        optimization_profiles(io_of(config))
 
 
 def test_engine_cache_key_depends_on_gpu_and_version() -> None:
-    profiles = optimization_profiles(ModelConfig.model_validate(IMAGE))
-    base = dict(gpu_name="NVIDIA H100", compute_capability=(9, 0), tensorrt_version="10.3.0",
-                source_digest="abc", precision="fp16", profiles=profiles)
+    profiles = optimization_profiles(io_of(IMAGE))
+    base = {"gpu_name": "NVIDIA H100", "compute_capability": (9, 0), "tensorrt_version": "10.3.0",
+                "source_digest": "abc", "precision": "fp16", "profiles": profiles}
     key = tensorrt.engine_cache_key(**base)
     assert key == tensorrt.engine_cache_key(**base)
     for change in ({"gpu_name": "NVIDIA L4"}, {"compute_capability": (8, 9)}, {"tensorrt_version": "10.4.0"},
@@ -130,7 +136,7 @@ def fake_tensorrt(calls: list[tuple]) -> tuple[type, type]:
 
             def create_optimization_profile(self):
                 class Profile:
-                    shapes: dict = {}
+                    shapes: ClassVar[dict] = {}
 
                     def __init__(self):
                         self.shapes = {}
@@ -225,7 +231,7 @@ def test_the_tensorrt_cache_root_is_configurable(monkeypatch: pytest.MonkeyPatch
 def test_ort_gets_one_profile_spanning_the_buckets() -> None:
     from server.engines.profiles import provider_shapes
 
-    shapes = provider_shapes(ModelConfig.model_validate(TEXT))
+    shapes = provider_shapes(io_of(TEXT))
     assert shapes["trt_profile_min_shapes"] == "input_ids:1x1,attention_mask:1x1,token_type_ids:1x1"
     assert shapes["trt_profile_opt_shapes"] == "input_ids:32x64,attention_mask:32x64,token_type_ids:32x64"
     assert shapes["trt_profile_max_shapes"] == "input_ids:32x256,attention_mask:32x256,token_type_ids:32x256"

@@ -9,6 +9,7 @@ import yaml
 
 from server.config import BuildSpec, load_model_config
 from server.engines.digests import file_digest
+from server.layout import version_numbers
 from server.quantize import variant
 from server.quantize.cache import cache_key
 from server.quantize.cli import parse_option
@@ -50,7 +51,7 @@ def test_publish_numbers_versions_and_writes_a_loadable_config(tmp_path: Path) -
             with variant.staging(folder) as stage:
                 (stage / "model.onnx").write_bytes(b"x")
                 assert variant.publish(folder, stage, derived, "digits") == expected
-    assert variant.versions_on_disk(folder) == [1, 2]
+    assert version_numbers(folder) == [1, 2]
     assert not [p for p in folder.iterdir() if p.name.startswith(".build-")]
     config = load_model_config(folder / "config.yaml")
     assert config.build == SPEC and config.precision == "int8"
@@ -71,7 +72,7 @@ def test_rejected_builds_are_not_versions(tmp_path: Path) -> None:
     with variant.locked(folder), variant.staging(folder) as stage:
         (stage / "build.json").write_text("{}")
         kept = variant.reject(folder, stage, "f" * 64)
-    assert kept.is_dir() and variant.versions_on_disk(folder) == []
+    assert kept.is_dir() and version_numbers(folder) == []
     assert not (folder / "config.yaml").exists()
 
 
@@ -84,8 +85,8 @@ def test_derived_config_must_validate() -> None:
 def test_cache_key_covers_every_input(tmp_path: Path) -> None:
     artifact = tmp_path / "m.onnx"
     artifact.write_bytes(b"weights")
-    base = dict(source_digest=file_digest(artifact), source_config=SOURCE, engine="onnxruntime", precision="int8",
-                device="cpu", options={"per_channel": True}, data_fingerprint="d", versions={"onnxruntime": "1.0"})
+    base = {"source_digest": file_digest(artifact), "source_config": SOURCE, "engine": "onnxruntime", "precision": "int8",
+                "device": "cpu", "options": {"per_channel": True}, "data_fingerprint": "d", "versions": {"onnxruntime": "1.0"}}
     key = cache_key(**base)
     assert key == cache_key(**base)
     artifact.write_bytes(b"weightz")

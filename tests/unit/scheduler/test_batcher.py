@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from server.errors import DeadlineExceeded, EngineError, QueueFull
-from server.scheduler.batcher import Batcher, BatchResult, QueueSettings
+from server.scheduler.batcher import Batcher, QueueSettings
 from server.scheduler.policy import BatchPolicy
 from server.scheduler.request import InferenceRequest
 from server.stats import ModelStatistics
+from server.workers.result import BatchResult
 
 LIVE: list[FakeInstance] = []
 

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from server.errors import ExecutionTimeout, OutOfMemory, Unavailable
-from server.scheduler.batcher import Batcher, BatchResult, BatchRunner, QueueSettings
+from server.scheduler.batcher import Batcher, BatchRunner, QueueSettings
 from server.scheduler.policy import BatchPolicy
 from server.scheduler.request import InferenceRequest
 from server.stats import ModelStatistics
+from server.workers.result import BatchResult
 
 Outcome = Callable[[list[dict[str, np.ndarray]]], BatchResult]
 

@@ -23,7 +23,7 @@ def built_minilm() -> None:
 class RowSums(Engine):
     """Sums each row over its non-batch dims; records the shapes it was given."""
 
-    def __init__(self, config=None, version_dir=None, device=None) -> None:
+    def __init__(self) -> None:
         self.seen: list[dict[str, tuple[int, ...]]] = []
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -15,13 +15,13 @@ import pytest
 from server.config import ModelConfig
 from server.devices import Device
 from server.engines import create_engine
-from server.engines.base import artifact_path
 from server.engines.digests import RECORD, read_digests, record_digests, verify_artifact
+from server.engines.spec import EngineSpec
 from server.errors import EngineError
 from server.repository import ModelRepository
 from tests.unit.onnx_models import DOUBLING_CONFIG, doubling, write_model
 
-MODELS = Path(__file__).resolve().parents[2] / "models"
+MODELS = Path(__file__).resolve().parents[3] / "models"
 TORCH_CONFIG = {
     "name": "digits", "engine": "torch", "max_batch_size": 4,
     "inputs": [{"name": "image", "datatype": "FP32", "dims": [1, 8, 8]}],
@@ -102,15 +102,16 @@ def test_a_swapped_torch_program_is_refused_before_torch_reads_it(tmp_path: Path
     assert opened == []
 
 
-def test_a_tensorrt_plan_is_checked_where_every_engine_resolves_its_artifact(tmp_path: Path) -> None:
-    """The tensorrt engine needs a GPU to get further; it resolves its plan through artifact_path."""
+def test_a_tensorrt_plan_is_checked_where_every_engine_gets_its_artifact(tmp_path: Path) -> None:
+    """The tensorrt engine needs a GPU to get further; its plan is checked as it becomes the
+    engine's spec, before any engine is made, as every engine's artifact is."""
     config = ModelConfig.model_validate({**TORCH_CONFIG, "engine": "tensorrt"})
     (tmp_path / "model.plan").write_bytes(b"PLAN")
     record_digests(tmp_path)
-    assert artifact_path(config, tmp_path, "model.plan") == tmp_path / "model.plan"
+    assert EngineSpec.from_config(config, tmp_path).artifact == tmp_path / "model.plan"
     (tmp_path / "model.plan").write_bytes(b"PLAX")
     with pytest.raises(EngineError, match="model.plan does not match its recorded sha256"):
-        artifact_path(config, tmp_path, "model.plan")
+        create_engine(config, tmp_path, Device("CPU"))
 
 
 def test_no_record_loads_with_a_warning_naming_how_to_record_one(tmp_path: Path,
@@ -179,7 +180,7 @@ async def test_a_swapped_artifact_leaves_its_model_unavailable_and_others_servin
 
 
 def test_an_assembled_repository_carries_the_records_and_refuses_a_damaged_copy(tmp_path: Path) -> None:
-    assemble = Path(__file__).resolve().parents[2] / "deploy" / "docker" / "assemble-repository.sh"
+    assemble = Path(__file__).resolve().parents[3] / "deploy" / "docker" / "assemble-repository.sh"
     source = tmp_path / "source"
     record_digests(write_model(source, "double", DOUBLING_CONFIG, doubling) / "1")
     write_model(source, "mine", DOUBLING_CONFIG, doubling)  # copied in by hand, no record

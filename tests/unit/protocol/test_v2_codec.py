@@ -21,9 +21,7 @@ from server.protocol.v2 import (
     encode_response,
     json_tensor,
 )
-
-INTEGERS = ["UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"]
-FLOATS = ["FP16", "FP32", "FP64", "BF16"]
+from tests.unit.protocol.kinds import FLOATS, INTEGERS
 
 NUMPY = {
     "UINT8": np.uint8,
@@ -241,7 +239,7 @@ def test_header_length_with_json_only_body() -> None:
 
 
 def test_binary_without_header_length_is_rejected() -> None:
-    body, header_length = client_body([client_input("x", sample("FP32", [2]), "FP32", binary=True)])
+    body, _header_length = client_body([client_input("x", sample("FP32", [2]), "FP32", binary=True)])
     with pytest.raises(InvalidInput):
         decode_request(body)
 

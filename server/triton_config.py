@@ -6,14 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from server.config import ModelConfig, TensorConfig
-
-# Triton's platform for each engine: what /config and the model metadata both say
-TRITON_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch", "tensorrt": "tensorrt_plan"}
-
-
-def triton_platform(engine: str) -> str:
-    """The platform Triton names for models of `engine`, in its config and its metadata alike."""
-    return TRITON_PLATFORMS[engine]
+from server.engines.registry import ENGINES
 
 
 def triton_data_type(datatype: str) -> str:
@@ -25,9 +18,10 @@ def _tensor(tensor: TensorConfig) -> dict[str, Any]:
 
 
 def triton_model_config(config: ModelConfig, placement: str = "") -> dict[str, Any]:
-    """Triton's model config document; `placement` (where the served version runs: devices, GPU
-    model, driver, CUDA, engine library) goes in its parameters map, which Triton's clients, HTTP
-    and gRPC alike, read as they are (v2 model metadata has no place for it)."""
+    """Triton's model config document, its platform the engine's in the registry. `placement` (where
+    the served version runs: devices, GPU model, driver, CUDA, engine library) goes in its
+    parameters map, which Triton's clients, HTTP and gRPC alike, read as they are (v2 model
+    metadata has no place for it)."""
     policy = config.version_policy
     if policy.all is not None:
         version_policy: dict[str, Any] = {"all": {}}
@@ -37,7 +31,7 @@ def triton_model_config(config: ModelConfig, placement: str = "") -> dict[str, A
         version_policy = {"latest": {"num_versions": policy.latest.num_versions if policy.latest else 1}}
     document: dict[str, Any] = {
         "name": config.name,
-        "platform": triton_platform(config.engine),
+        "platform": ENGINES[config.engine].triton_platform,
         "backend": config.engine,
         "max_batch_size": config.max_batch_size,
         "input": [_tensor(t) for t in config.inputs],
