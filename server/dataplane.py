@@ -21,6 +21,7 @@ from server.model import ModelVersion
 from server.repository import ModelRepository
 from server.scheduler.admission import check_declared
 from server.scheduler.request import RequestRecord
+from server.shared_memory import SystemSharedMemory
 from server.triton_config import triton_model_config
 
 Output = tuple[str, str, np.ndarray]  # name, datatype, array
@@ -33,11 +34,16 @@ EXTENSIONS = [
     "model_repository",
     "statistics",
 ]
+SHARED_MEMORY_EXTENSION = "system_shared_memory"  # listed when clients may register regions
 
 
 class DataPlane:
-    def __init__(self, repository: ModelRepository, heap: HeapPolicy | None = None) -> None:
+    def __init__(
+        self, repository: ModelRepository, heap: HeapPolicy | None = None,
+        shared_memory: SystemSharedMemory | None = None,
+    ) -> None:
         self.repository = repository
+        self.shared_memory = shared_memory or SystemSharedMemory()  # clients' regions, off unless allowed
         self._heap = heap  # settled after models load or unload; None: the collector is left as it is
         self._startup: asyncio.Task[None] | None = None
         self.stopping = False  # a stop was asked for: not ready, no new inference; what is in flight finishes
@@ -66,9 +72,9 @@ class DataPlane:
             self._startup.cancel()
         await self.repository.unload_all()
 
-    @staticmethod
-    def server_metadata() -> dict[str, Any]:
-        return {"name": "batchline", "version": __version__, "extensions": EXTENSIONS}
+    def server_metadata(self) -> dict[str, Any]:
+        extensions = [*EXTENSIONS, SHARED_MEMORY_EXTENSION] if self.shared_memory.allowed else EXTENSIONS
+        return {"name": "batchline", "version": __version__, "extensions": extensions}
 
     def server_live(self) -> bool:
         """False once a model lost every instance to a hung engine: only a restart frees them."""

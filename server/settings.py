@@ -85,6 +85,11 @@ class ServerSettings(RepositorySettings):
         description="bytes of infer bodies held at once (the declared Content-Length, else --max-body-bytes), "
         "over every front end together; past it 429 + Retry-After before the body is read; request memory stays "
         "near 3x this")
+    allow_client_shm: bool = Field(
+        default=False,
+        description="let clients register system shared-memory regions and pass tensors through them (Triton's "
+        "--allow-client-shm): same-host clients then skip copying tensors through HTTP or gRPC, and any client "
+        "that may infer can make the server read and write the shared-memory objects (/dev/shm) it can open")
     model_control: bool = Field(
         default=False,
         description="allow POST /v2/repository/models/NAME/load and /unload (Triton's --model-control-mode=explicit); "

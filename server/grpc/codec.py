@@ -11,7 +11,8 @@ Raw numbers become arrays without a copy (np.frombuffer). Answers always go back
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,9 @@ from server.errors import InvalidInput, Unsupported
 from server.grpc.protos import grpc_service_pb2 as pb
 from server.protocol.binary import tensor_from_bytes, tensor_to_bytes
 from server.protocol.datatypes import BYTES, MAX_DIMS, numpy_dtype
+from server.protocol.shared_memory import BYTE_SIZE, REGION, RegionRef, region_ref
+
+Windows = Callable[[RegionRef, str], memoryview]  # a shared-memory reference -> its bytes, bounds-checked
 
 Output = tuple[str, str, np.ndarray]  # name, datatype, array
 
@@ -49,6 +53,8 @@ class DeclaredRequest:
     parameters: dict[str, Any]
     outputs: list[str] | None  # None: every output
     decode_cost: int  # elements of typed contents plus bytes of raw BYTES: what decoding walks
+    in_shared_memory: dict[str, RegionRef] = field(default_factory=dict)  # inputs read from shared memory
+    to_shared_memory: dict[str, RegionRef] = field(default_factory=dict)  # outputs written there
 
 
 def held_bytes(request: pb.ModelInferRequest) -> int:
@@ -72,13 +78,17 @@ def declare(request: pb.ModelInferRequest) -> DeclaredRequest:
     InvalidInput for a request whose parts do not fit together."""
     if not request.inputs:
         raise InvalidInput("'inputs' must hold at least one tensor")
+    regions = {tensor.name: ref for tensor in request.inputs
+               if (ref := region_ref(plain_parameters(tensor.parameters), f"input '{tensor.name}'")) is not None}
     raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidInput(f"the request has {len(request.inputs)} inputs but {len(raw)} raw_input_contents; "
-                           "give one per input, in the order of the inputs")
+    carried = len(request.inputs) - len(regions)  # the inputs whose values travel in the request
+    if raw and len(raw) != carried:
+        raise InvalidInput(f"the request has {carried} inputs outside shared memory but {len(raw)} "
+                           "raw_input_contents; give one per such input, in the order of the inputs")
     declared: dict[str, tuple[str, list[int]]] = {}
     cost = 0
-    for index, tensor in enumerate(request.inputs):
+    raw_index = 0
+    for tensor in request.inputs:
         name = tensor.name
         if not name:
             raise InvalidInput("an input has no name")
@@ -89,36 +99,52 @@ def declare(request: pb.ModelInferRequest) -> DeclaredRequest:
         shape = list(tensor.shape)
         if any(d < 0 for d in shape):
             raise InvalidInput(f"input '{name}': shape must hold non-negative integers, got {shape}")
-        if "shared_memory_region" in tensor.parameters:
-            raise Unsupported("shared-memory tensors are not supported by this server")
         has_contents = tensor.HasField("contents")
-        if raw and has_contents:
+        if name in regions:
+            if has_contents:
+                raise InvalidInput(f"input '{name}' is in shared memory: give it no contents")
+            cost += regions[name].byte_size if tensor.datatype == BYTES else 0
+        elif raw and has_contents:
             raise InvalidInput(f"input '{name}' has both contents and raw_input_contents")
-        if raw:
-            cost += len(raw[index]) if tensor.datatype == BYTES else 0
+        elif raw:
+            cost += len(raw[raw_index]) if tensor.datatype == BYTES else 0
+            raw_index += 1
         else:
             cost += math.prod(shape) if has_contents else 0
         declared[name] = (tensor.datatype, shape)
     outputs = None
+    targets: dict[str, RegionRef] = {}
     if request.outputs:
         outputs = []
         for output in request.outputs:
             if "classification" in output.parameters:
                 raise Unsupported("the classification extension is not supported by this server")
-            if "shared_memory_region" in output.parameters:
-                raise Unsupported("shared-memory tensors are not supported by this server")
+            ref = region_ref(plain_parameters(output.parameters), f"output '{output.name}'")
+            if ref is not None:
+                targets[output.name] = ref
             outputs.append(output.name)
-    return DeclaredRequest(declared, plain_parameters(request.parameters), outputs, cost)
+    return DeclaredRequest(declared, plain_parameters(request.parameters), outputs, cost, regions, targets)
 
 
-def decode_inputs(request: pb.ModelInferRequest) -> dict[str, tuple[str, np.ndarray]]:
-    """The input arrays, shaped as declared (call `declare` first: it checked how the parts fit)."""
+def decode_inputs(
+    request: pb.ModelInferRequest, in_shared_memory: Mapping[str, RegionRef] | None = None,
+    windows: Windows | None = None,
+) -> dict[str, tuple[str, np.ndarray]]:
+    """The input arrays, shaped as declared (call `declare` first: it checked how the parts fit);
+    those `in_shared_memory` read through `windows`."""
     raw = request.raw_input_contents
+    raw_index = 0
     inputs: dict[str, tuple[str, np.ndarray]] = {}
-    for index, tensor in enumerate(request.inputs):
+    for tensor in request.inputs:
         shape = list(tensor.shape)
-        if raw:
-            array = tensor_from_bytes(raw[index], tensor.datatype, shape, tensor.name)
+        ref = in_shared_memory.get(tensor.name) if in_shared_memory else None
+        if ref is not None:
+            if windows is None:
+                raise Unsupported("shared-memory tensors are not supported by this server")
+            array = tensor_from_bytes(windows(ref, f"input '{tensor.name}'"), tensor.datatype, shape, tensor.name)
+        elif raw:
+            array = tensor_from_bytes(raw[raw_index], tensor.datatype, shape, tensor.name)
+            raw_index += 1
         else:
             array = _from_contents(tensor, shape)
         inputs[tensor.name] = (tensor.datatype, array)
@@ -165,12 +191,22 @@ def plain_parameters(parameters: Any) -> dict[str, Any]:
 
 
 def encode_response(
-    model_name: str, model_version: int, request_id: str, outputs: list[Output]
+    model_name: str, model_version: int, request_id: str, outputs: list[Output],
+    in_shared_memory: Mapping[str, tuple[str, int]] | None = None,
 ) -> pb.ModelInferResponse:
-    """The answer, every tensor in raw_output_contents (BYTES length-prefixed)."""
+    """The answer, every tensor in raw_output_contents (BYTES length-prefixed) but those named in
+    `in_shared_memory` (name -> region, bytes written): written there already, they carry their
+    region and size, and an empty entry in raw_output_contents, so that clients, which find an
+    output's contents at its own index, read every other output where it is."""
     response = pb.ModelInferResponse(model_name=model_name, model_version=str(model_version), id=request_id)
     for name, datatype, array in outputs:
-        response.outputs.add(name=name, datatype=datatype, shape=array.shape)
-        response.raw_output_contents.append(tensor_to_bytes(array, datatype))
+        tensor = response.outputs.add(name=name, datatype=datatype, shape=array.shape)
+        placed = in_shared_memory.get(name) if in_shared_memory else None
+        if placed is None:
+            response.raw_output_contents.append(tensor_to_bytes(array, datatype))
+        else:
+            tensor.parameters[REGION].string_param = placed[0]
+            tensor.parameters[BYTE_SIZE].int64_param = placed[1]
+            response.raw_output_contents.append(b"")
     return response
 

@@ -34,6 +34,7 @@ from server.grpc.protos import grpc_service_pb2_grpc as pb_grpc
 from server.grpc.protos import model_config_pb2
 from server.inflight import InFlight
 from server.scheduler.request import RequestRecord
+from server.shared_memory import Target, write_outputs
 
 T = TypeVar("T")
 
@@ -131,14 +132,36 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # -- what this server does not do ------------------------------------------------------------
 
-    async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _unimplemented(context, "shared-memory tensors are")
+    # -- system shared memory ----------------------------------------------------------------
 
-    async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _unimplemented(context, "shared-memory tensors are")
+    async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest,
+                                       context: grpc.aio.ServicerContext) -> Any:
+        def status() -> pb.SystemSharedMemoryStatusResponse:
+            response = pb.SystemSharedMemoryStatusResponse()
+            for region in self._plane.shared_memory.status(request.name or None):
+                response.regions[region["name"]].CopyFrom(
+                    pb.SystemSharedMemoryStatusResponse.RegionStatus(**region))
+            return response
 
-    async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _unimplemented(context, "shared-memory tensors are")
+        return await self._call(context, "SystemSharedMemoryStatus", status)
+
+    async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest,
+                                         context: grpc.aio.ServicerContext) -> Any:
+        def register() -> pb.SystemSharedMemoryRegisterResponse:
+            self._plane.shared_memory.register(request.name, request.key, request.offset, request.byte_size)
+            return pb.SystemSharedMemoryRegisterResponse()
+
+        return await self._call(context, "SystemSharedMemoryRegister", register)
+
+    async def SystemSharedMemoryUnregister(self, request: pb.SystemSharedMemoryUnregisterRequest,
+                                           context: grpc.aio.ServicerContext) -> Any:
+        def unregister() -> pb.SystemSharedMemoryUnregisterResponse:
+            self._plane.shared_memory.unregister(request.name or None)
+            return pb.SystemSharedMemoryUnregisterResponse()
+
+        return await self._call(context, "SystemSharedMemoryUnregister", unregister)
+
+    # -- what this server does not do ------------------------------------------------------------
 
     async def CudaSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await _unimplemented(context, "CUDA shared-memory tensors are")
@@ -274,15 +297,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             declared = codec.declare(request)
             self._plane.check_inputs(model, declared.declared)
             parameters = with_deadline(declared.parameters, time_remaining)
+            windows = self._plane.shared_memory.window
             if declared.decode_cost > INLINE_DECODE_COST:
-                inputs = await asyncio.to_thread(codec.decode_inputs, request)
+                inputs = await asyncio.to_thread(codec.decode_inputs, request, declared.in_shared_memory, windows)
             else:
-                inputs = codec.decode_inputs(request)
+                inputs = codec.decode_inputs(request, declared.in_shared_memory, windows)
+            targets = {name: (ref.region, windows(ref, f"output '{name}'"))  # checked before any compute
+                       for name, ref in declared.to_shared_memory.items()}
             outputs = await self._plane.infer(model, inputs, parameters, declared.outputs, record, received_ns)
             if sum(array.nbytes for _, _, array in outputs) > OFFLOAD_ENCODE_BYTES:
-                return await asyncio.to_thread(codec.encode_response, request.model_name, model.version,
-                                               request.id, outputs)
-            return codec.encode_response(request.model_name, model.version, request.id, outputs)
+                return await asyncio.to_thread(_answer, request.model_name, model.version, request.id, outputs,
+                                               targets)
+            return _answer(request.model_name, model.version, request.id, outputs, targets)
         finally:
             self.in_flight -= 1
             self._flight.give_back(held)
@@ -328,6 +354,13 @@ class _Stream:
     def cancel_running(self) -> None:
         for task in list(self.running):
             task.cancel()
+
+
+def _answer(
+    model_name: str, version: int, request_id: str, outputs: list[codec.Output], targets: dict[str, Target],
+) -> pb.ModelInferResponse:
+    """Write the outputs asked for in shared memory there, then encode the answer."""
+    return codec.encode_response(model_name, version, request_id, outputs, write_outputs(outputs, targets))
 
 
 def with_deadline(parameters: dict[str, Any], time_remaining: float | None) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from server.http.errors import error_response, install_error_handlers
 from server.http.extensions import EXTENSIONS
 from server.http.infer import FastInferApp, InferEndpoint
 from server.http.openapi import openapi_document
+from server.http.shared_memory import shared_memory_router
 from server.inflight import InFlight
 from server.metrics import CONTENT_TYPE, exposition
 from server.protocol.v2 import json_object
@@ -122,6 +123,7 @@ def create_app(
         return _json({})
 
     app.include_router(v2)
+    app.include_router(shared_memory_router(plane))
     for extension in EXTENSIONS:  # OpenAI's /v1, for embedding models
         app.include_router(extension.router(plane, max_body_bytes, access_log or AccessLog(), flight))
 

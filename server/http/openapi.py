@@ -48,6 +48,7 @@ _INFER_ERRORS = {
     " (it was not run), or its batch ran past the model's execution_timeout_seconds",
 }
 
+_SHM_OFF = "The server takes no client shared memory (start it with --allow-client-shm)"
 _CONTROL_TOO_LARGE = f"The body is larger than the control plane accepts ({CONTROL_BODY_BYTES >> 10} KiB)"
 
 ERROR_STATUSES: dict[str, dict[int, str]] = {
@@ -75,6 +76,15 @@ ERROR_STATUSES: dict[str, dict[int, str]] = {
     },
     "POST /v2/repository/models/{model}/unload": _CONTROL | {404: _NO_MODEL, 413: _CONTROL_TOO_LARGE},
     "GET /metrics": {},
+    "GET /v2/systemsharedmemory/status": _TOKEN | {400: _SHM_OFF},
+    "GET /v2/systemsharedmemory/region/{name}/status": _TOKEN | {400: f"{_SHM_OFF}, or no region of this name"},
+    "POST /v2/systemsharedmemory/region/{name}/register": _TOKEN | {
+        400: f"{_SHM_OFF}; or the name is taken, the key names no shared-memory object, or the region does not fit "
+             "in it",
+        413: _CONTROL_TOO_LARGE,
+    },
+    "POST /v2/systemsharedmemory/unregister": _TOKEN | {400: _SHM_OFF, 413: _CONTROL_TOO_LARGE},
+    "POST /v2/systemsharedmemory/region/{name}/unregister": _TOKEN | {400: _SHM_OFF, 413: _CONTROL_TOO_LARGE},
     f"POST {INFER}": _TOKEN | _INFER_ERRORS | {404: _NO_MODEL, 503: _NOT_READY},
     f"POST {VERSION_INFER}": _TOKEN | _INFER_ERRORS | {404: _NO_VERSION, 503: _VERSION_NOT_READY},
     **{route: _TOKEN | dict(statuses) for extension in EXTENSIONS for route, statuses in extension.error_statuses.items()},
@@ -93,7 +103,9 @@ _TENSOR_PROPERTIES: dict[str, Any] = {
     "datatype": {"type": "string", "enum": list(DATATYPES)},
     "parameters": {
         "type": "object",
-        "description": "binary_data_size: the tensor is binary, this many bytes after the JSON header",
+        "description": "binary_data_size: the tensor is binary, this many bytes after the JSON header; "
+        "shared_memory_region, shared_memory_byte_size (and shared_memory_offset): the tensor is in that "
+        "registered shared-memory region",
     },
 }
 

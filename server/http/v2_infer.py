@@ -18,6 +18,7 @@ from server.dataplane import DataPlane, Output
 from server.errors import BatchlineError, QueueFull
 from server.protocol.v2 import DecodedRequest, ParsedRequest, build_tensors, encode_response, parse_request
 from server.scheduler.request import RequestRecord
+from server.shared_memory import Target, write_outputs
 
 # Measured worst cases inline (orjson, one core): 16 KiB of JSON, nested or many tiny strings,
 # ~1 ms to parse and build; 64 KiB of JSON outputs ~0.5 ms to encode; 1 MiB of binary outputs,
@@ -54,25 +55,37 @@ async def infer_v2(
     if record is not None:
         record.request_id = parsed.id
     plane.check_inputs(model, {d.name: (d.datatype, d.shape) for d in parsed.inputs})
+    windows = plane.shared_memory.window
     if parsed.decode_bytes > INLINE_DECODE_BYTES:
-        decoded = await asyncio.to_thread(build_tensors, parsed)
+        decoded = await asyncio.to_thread(build_tensors, parsed, windows)
     else:
-        decoded = build_tensors(parsed)
+        decoded = build_tensors(parsed, windows)
     wanted = decoded.outputs
+    targets = {o.name: (o.region.region, windows(o.region, f"output '{o.name}'"))
+               for o in wanted or () if o.region is not None}  # checked before any compute
     outputs = await plane.infer(
         model, decoded.inputs, decoded.parameters, None if wanted is None else [o.name for o in wanted], record,
         received_ns,
     )
     tensors = with_binary_flags(outputs, decoded)
     json_bytes = binary_bytes = 0
-    for _, _, array, as_binary in tensors:
-        if as_binary:
+    for output, _, array, as_binary in tensors:
+        if as_binary or output in targets:
             binary_bytes += array.nbytes
         else:
             json_bytes += array.nbytes
     if json_bytes > INLINE_ENCODE_JSON_BYTES or binary_bytes > OFFLOAD_BYTES:
-        return await asyncio.to_thread(encode_response, name, model.version, decoded.id, tensors)
-    return encode_response(name, model.version, decoded.id, tensors)
+        return await asyncio.to_thread(_answer, name, model.version, decoded.id, tensors, targets)
+    return _answer(name, model.version, decoded.id, tensors, targets)
+
+
+def _answer(
+    name: str, version: int, request_id: str | None, tensors: list[tuple[str, str, np.ndarray, bool]],
+    targets: dict[str, Target],
+) -> tuple[bytes, int | None]:
+    """Write the outputs asked for in shared memory there, then encode the answer."""
+    written = write_outputs((tensor[:3] for tensor in tensors), targets)
+    return encode_response(name, version, request_id, tensors, written)
 
 
 def with_binary_flags(outputs: list[Output], request: DecodedRequest) -> list[tuple[str, str, np.ndarray, bool]]:

@@ -7,6 +7,7 @@ flat or nested; Triton's binary tensor extension is read and written here too.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,12 +18,16 @@ import orjson
 from server.errors import InvalidInput, Unsupported
 from server.protocol.binary import BinaryCursor, split_body, tensor_from_bytes, tensor_to_bytes
 from server.protocol.datatypes import MAX_DIMS, numpy_dtype
+from server.protocol.shared_memory import BYTE_SIZE, REGION, RegionRef, region_ref
+
+Windows = Callable[[RegionRef, str], memoryview]  # a shared-memory reference -> its bytes, bounds-checked
 
 
 @dataclass
 class RequestedOutput:
     name: str
     binary: bool | None  # None: follow the request's binary_data_output
+    region: RegionRef | None = None  # written into the client's shared memory, not the answer
 
 
 @dataclass
@@ -37,13 +42,15 @@ class DecodedRequest:
 @dataclass(slots=True)
 class DeclaredInput:
     """One input as the header declares it, before any per-element work: `data` is the JSON
-    data as parsed, or None when the tensor's bytes are `binary` (a view of the body)."""
+    data as parsed, or None when the tensor's bytes are `binary` (a view of the body) or lie in
+    the client's shared memory (`region`)."""
 
     name: str
     datatype: str
     shape: list[int]
     data: object
     binary: memoryview | None
+    region: RegionRef | None = None
 
 
 @dataclass(slots=True)
@@ -88,8 +95,11 @@ def parse_request(body: bytes, header_length: int | None = None) -> ParsedReques
         if declared.name in names:
             raise InvalidInput(f"input '{declared.name}' is given more than once")
         names.add(declared.name)
-        if declared.binary is not None and declared.datatype == "BYTES":
-            decode_bytes += len(declared.binary)  # read element by element; numbers are zero-copy
+        if declared.datatype == "BYTES":  # read element by element; numbers are zero-copy
+            if declared.binary is not None:
+                decode_bytes += len(declared.binary)
+            elif declared.region is not None:
+                decode_bytes += declared.region.byte_size
         inputs.append(declared)
     cursor.finish()
     return ParsedRequest(
@@ -102,11 +112,17 @@ def parse_request(body: bytes, header_length: int | None = None) -> ParsedReques
     )
 
 
-def build_tensors(parsed: ParsedRequest) -> DecodedRequest:
-    """The numpy arrays of a parsed request: the per-element work, proportional to its data."""
+def build_tensors(parsed: ParsedRequest, windows: Windows | None = None) -> DecodedRequest:
+    """The numpy arrays of a parsed request: the per-element work, proportional to its data.
+    `windows` finds the bytes of inputs in shared memory (None: the server takes none)."""
     inputs: dict[str, tuple[str, np.ndarray]] = {}
     for declared in parsed.inputs:
-        if declared.binary is not None:
+        if declared.region is not None:
+            if windows is None:
+                raise Unsupported("shared-memory tensors are not supported by this server")
+            raw = windows(declared.region, f"input '{declared.name}'")
+            array = tensor_from_bytes(raw, declared.datatype, declared.shape, declared.name)
+        elif declared.binary is not None:
             array = tensor_from_bytes(declared.binary, declared.datatype, declared.shape, declared.name)
         else:
             array = json_tensor(declared.data, declared.datatype, declared.shape, declared.name)
@@ -136,8 +152,6 @@ def _parameters(value: object, where: str) -> dict[str, Any]:
         return {}
     if not isinstance(value, dict):
         raise InvalidInput(f"'parameters' of the {where} must be an object")
-    if "shared_memory_region" in value:
-        raise Unsupported("shared-memory tensors are not supported by this server")
     return value
 
 
@@ -157,6 +171,11 @@ def _declared_input(raw: object, cursor: BinaryCursor) -> DeclaredInput:
         raise InvalidInput(f"input '{name}': 'shape' has {len(shape)} dimensions; at most {MAX_DIMS} are allowed")
     parameters = _parameters(raw.get("parameters"), f"input '{name}'")
     size = parameters.get("binary_data_size")
+    region = region_ref(parameters, f"input '{name}'")
+    if region is not None:
+        if "data" in raw or size is not None:
+            raise InvalidInput(f"input '{name}' is in shared memory: give it no 'data' and no 'binary_data_size'")
+        return DeclaredInput(name, datatype, shape, None, None, region)
     if size is not None:
         if "data" in raw:
             raise InvalidInput(f"input '{name}' has both 'data' and 'binary_data_size'")
@@ -265,7 +284,8 @@ def _requested_outputs(value: object) -> list[RequestedOutput] | None:
         if parameters.get("classification"):
             raise Unsupported("the classification extension is not supported by this server")
         binary = parameters.get("binary_data")
-        requested.append(RequestedOutput(raw["name"], None if binary is None else bool(binary)))
+        region = region_ref(parameters, f"output '{raw['name']}'")
+        requested.append(RequestedOutput(raw["name"], None if binary is None else bool(binary), region))
     return requested
 
 
@@ -274,16 +294,21 @@ def encode_response(
     model_version: int,
     request_id: str | None,
     outputs: list[tuple[str, str, np.ndarray, bool]],
+    in_shared_memory: Mapping[str, tuple[str, int]] | None = None,
 ) -> tuple[bytes, int | None]:
     """The response body and, when any output is binary, the JSON header's length.
 
-    `outputs` holds (name, datatype, array, as_binary) in response order.
+    `outputs` holds (name, datatype, array, as_binary) in response order; those named in
+    `in_shared_memory` (name -> region, bytes written) were written there and carry no data.
     """
     tensors: list[dict[str, Any]] = []
     blobs: list[bytes] = []
     for name, datatype, array, as_binary in outputs:
         tensor: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
-        if as_binary:
+        placed = in_shared_memory.get(name) if in_shared_memory else None
+        if placed is not None:
+            tensor["parameters"] = {REGION: placed[0], BYTE_SIZE: placed[1]}
+        elif as_binary:
             blob = tensor_to_bytes(array, datatype)
             tensor["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)

@@ -37,6 +37,7 @@ SAMPLES: dict[str, tuple[list[str], Any]] = {
     "max_body_bytes": (["1024"], 1024),
     "max_in_flight": (["8"], 8),
     "max_in_flight_bytes": (["4096"], 4096),
+    "allow_client_shm": ([], True),
     "model_control": ([], True),
     "admin_token_file": (["/run/admin"], Path("/run/admin")),
     "inference_token_file": (["/run/inference"], Path("/run/inference")),

@@ -13,6 +13,7 @@ from tritonclient.grpc import service_pb2
 from server.errors import InvalidInput, Unsupported
 from server.grpc import codec
 from server.grpc.protos import grpc_service_pb2 as pb
+from server.protocol.shared_memory import RegionRef
 
 
 def _request(*inputs: triton.InferInput, raw: bool, outputs: list[str] | None = None, **parameters: object) -> pb.ModelInferRequest:
@@ -154,15 +155,47 @@ def test_raw_bytes_tensors_need_their_length_prefixes() -> None:
         codec.decode_inputs(request)
 
 
-def test_shared_memory_and_classification_are_refused_as_unsupported() -> None:
-    request = _request(_raw("x", ARRAYS["FP32"], "FP32"), raw=True)
-    request.inputs[0].parameters["shared_memory_region"].string_param = "r"
-    with pytest.raises(Unsupported):
-        codec.declare(request)
+def test_classification_is_refused_as_unsupported() -> None:
     request = _request(_raw("x", ARRAYS["FP32"], "FP32"), raw=True)
     request.outputs.add(name="y").parameters["classification"].int64_param = 3
     with pytest.raises(Unsupported):
         codec.declare(request)
+
+
+def test_shared_memory_inputs_take_no_raw_contents_and_outputs_keep_their_index() -> None:
+    """tritonclient sends raw contents only for the inputs outside shared memory, and reads an
+    output's contents at the output's own index."""
+    region = bytearray(32)
+    region[8:24] = ARRAYS["FP32"].tobytes()
+    in_shm = triton.InferInput("x", list(ARRAYS["FP32"].shape), "FP32")
+    in_shm.set_shared_memory("r0", ARRAYS["FP32"].nbytes, offset=8)
+    raw = triton.InferInput("n", [2], "INT32")
+    raw.set_data_from_numpy(np.array([3, 4], np.int32))
+    wanted = triton.InferRequestedOutput("y")
+    wanted.set_shared_memory("r1", 64)
+    request = service_pb2.ModelInferRequest()
+    request.model_name = "m"
+    for tensor in (in_shm, raw):
+        request.inputs.extend([tensor._get_tensor()])
+        if tensor._get_content() is not None:
+            request.raw_input_contents.append(tensor._get_content())
+    request.outputs.extend([wanted._get_tensor()])
+    ours = pb.ModelInferRequest.FromString(request.SerializeToString())
+    declared = codec.declare(ours)
+    assert declared.in_shared_memory == {"x": RegionRef("r0", ARRAYS["FP32"].nbytes, 8)}
+    assert declared.to_shared_memory == {"y": RegionRef("r1", 64)}
+    inputs = codec.decode_inputs(ours, declared.in_shared_memory,
+                                 lambda ref, what: memoryview(region)[ref.offset:ref.offset + ref.byte_size])
+    assert inputs["x"][1].tolist() == ARRAYS["FP32"].tolist() and inputs["n"][1].tolist() == [3, 4]
+    with pytest.raises(Unsupported):
+        codec.decode_inputs(ours, declared.in_shared_memory)  # no windows: the server takes none
+
+    outputs = [("y", "FP32", np.ones(2, np.float32)), ("z", "INT32", np.array([7], np.int32))]
+    response = codec.encode_response("m", 1, "", outputs, {"y": ("r1", 8)})
+    result = triton.InferResult(service_pb2.ModelInferResponse.FromString(response.SerializeToString()))
+    assert result.as_numpy("z").tolist() == [7]  # found at its own index past the output in shared memory
+    shared = result.get_output("y").parameters
+    assert (shared["shared_memory_region"].string_param, shared["shared_memory_byte_size"].int64_param) == ("r1", 8)
 
 
 def test_the_response_is_what_tritonclient_reads() -> None:

@@ -33,6 +33,7 @@ from server.http.app import create_app
 from server.http.auth import Access, AccessPolicy, access_of
 from server.http.infer import CONTROL_BODY_BYTES, HEADER_LENGTH
 from server.repository import ModelRepository
+from server.shared_memory import SystemSharedMemory
 from tests.integration.conftest import MODELS, require_built_models
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -57,6 +58,14 @@ def infer_body(**parameters: object) -> bytes:
 
 
 EMBEDDINGS = "/v1/embeddings"
+REGISTER = "/v2/systemsharedmemory/region/probe/register"
+SHM_OBJECT = "batchline-probe-images"  # a file in the app's shared-memory folder: 256 zero bytes, one image
+
+
+def shm_image(byte_size: int) -> dict[str, object]:
+    return {"name": "image", "shape": [1, 1, 8, 8], "datatype": "FP32",
+            "parameters": {"shared_memory_region": "probe", "shared_memory_byte_size": byte_size}}
+
 
 
 def embeddings_body(model: str = "minilm", **fields: object) -> bytes:
@@ -159,6 +168,23 @@ PROBES = [
     Probe("POST", "/v2/models/digits/versions/9/infer", 404, infer_body()),
     Probe("POST", "/v2/models/idle/infer", 503, infer_body()),
     Probe("POST", "/v2/models/digits/versions/2/infer", 503, infer_body()),
+    # system shared memory: regions of the object in the app's shared-memory folder (see `served`)
+    Probe("GET", "/v2/systemsharedmemory/status", 200),
+    Probe("POST", REGISTER, 200, orjson.dumps({"key": f"/{SHM_OBJECT}", "offset": 0, "byte_size": 256})),
+    Probe("POST", REGISTER, 400, orjson.dumps({"key": f"/{SHM_OBJECT}", "byte_size": 8}), "a name taken"),
+    Probe("POST", "/v2/systemsharedmemory/region/other/register", 400,
+          orjson.dumps({"key": "/none", "byte_size": 8}), "no such object"),
+    Probe("POST", "/v2/systemsharedmemory/region/other/register", 400, b"{}", "no key"),
+    Probe("GET", "/v2/systemsharedmemory/region/probe/status", 200),
+    Probe("GET", "/v2/systemsharedmemory/region/nope/status", 400),
+    Probe("POST", "/v2/models/digits/infer", 200, orjson.dumps({"inputs": [shm_image(256)]}), "the image in shared memory"),
+    Probe("POST", "/v2/models/digits/infer", 400, orjson.dumps({"inputs": [shm_image(512)]}), "past its region"),
+    Probe("POST", "/v2/systemsharedmemory/region/probe/unregister", 200),
+    Probe("POST", "/v2/systemsharedmemory/unregister", 200),
+    *(
+        Probe("POST", path, 413, orjson.dumps({"padding": "x" * CONTROL_BODY_BYTES}), "a body over the control limit")
+        for path in (REGISTER, "/v2/systemsharedmemory/region/probe/unregister", "/v2/systemsharedmemory/unregister")
+    ),
 ]
 
 # The gate: every route but the open ones refuses a request without its token (each probe that
@@ -198,6 +224,11 @@ REFUSED = [
 READINESS = {("GET", "/v2/health/ready", status) for status in (200, 503)} | {("GET", "/v2/health/live", 503)}
 ON_A_BUSY_OR_FAILING_MODEL = {("POST", route, status) for route in (INFER, VERSION_INFER) for status in (429, 500, 504)}
 CONTROL_OFF_OR_FOREIGN_HOST = {("POST", LOAD, 403), ("POST", UNLOAD, 403)}
+SHARED_MEMORY_ROUTES = [("GET", "/v2/systemsharedmemory/status"), ("GET", "/v2/systemsharedmemory/region/{name}/status"),
+                        ("POST", "/v2/systemsharedmemory/region/{name}/register"),
+                        ("POST", "/v2/systemsharedmemory/unregister"),
+                        ("POST", "/v2/systemsharedmemory/region/{name}/unregister")]
+SHARED_MEMORY_OFF = {(method, route, 400) for method, route in SHARED_MEMORY_ROUTES}
 ON_A_BUSY_OR_FAILING_EMBEDDINGS_MODEL = {("POST", EMBEDDINGS, status) for status in (429, 500, 504)}
 
 
@@ -244,7 +275,10 @@ def repository(root: Path) -> Path:
 async def served(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[httpx.AsyncClient, DataPlane]]:
     """The app as `batchline serve` builds it, serving digits, with a small body limit, model
     control on and both tokens set. The client sends the inference token unless told otherwise."""
-    plane = DataPlane(ModelRepository(repository(tmp_path_factory.mktemp("statuses") / "models")))
+    shm_folder = tmp_path_factory.mktemp("shm")
+    (shm_folder / SHM_OBJECT).write_bytes(bytes(256))
+    plane = DataPlane(ModelRepository(repository(tmp_path_factory.mktemp("statuses") / "models")),
+                      shared_memory=SystemSharedMemory(allowed=True, folder=str(shm_folder)))
     app = create_app(plane, max_body_bytes=MAX_BODY_BYTES, metrics=CollectorRegistry(), access=ACCESS)
     async with started(plane, ["digits", "minilm"]), client_of(app, dict(AS_CLIENT)) as client:
         assert plane.model_ready("digits", "1"), plane.repository.versions("digits")[0].reason
@@ -509,6 +543,19 @@ async def test_an_engine_that_fails_fails_its_embeddings_with_500(
     assert response.json()["error"]["type"] == "server_error"
 
 
+async def test_shared_memory_routes_answer_400_while_clients_may_not_register(tmp_path: Path,
+                                                                            document: dict[str, Any]) -> None:
+    plane = DataPlane(ModelRepository(tmp_path))  # the default: no client shared memory
+    app = create_app(plane, max_body_bytes=MAX_BODY_BYTES, metrics=CollectorRegistry(), access=ACCESS)
+    async with client_of(app, dict(AS_CLIENT)) as client:
+        for method, route in SHARED_MEMORY_ROUTES:
+            path = route.replace("{name}", "r")
+            body = orjson.dumps({"key": "/r", "byte_size": 8}) if path.endswith("register") else b""
+            response = await client.request(method, path, content=body)
+            check(document, method, path, response, 400)
+            assert "--allow-client-shm" in response.json()["error"]
+
+
 async def test_every_status_the_document_declares_is_provoked_above(document: dict[str, Any]) -> None:
     declared = {
         (method.upper(), route, int(status))
@@ -519,5 +566,6 @@ async def test_every_status_the_document_declares_is_provoked_above(document: di
     probes = PROBES + OPEN_WITHOUT_A_TOKEN + REFUSED
     provoked = {(p.method, route_of(document, p.method, p.path), p.status) for p in probes}
     provoked |= READINESS | ON_A_BUSY_OR_FAILING_MODEL | CONTROL_OFF_OR_FOREIGN_HOST | ON_A_BUSY_OR_FAILING_EMBEDDINGS_MODEL
+    provoked |= SHARED_MEMORY_OFF
     assert sorted(declared - provoked) == [], "declared, but no test sends it: add a probe"
     assert sorted(provoked - declared) == []

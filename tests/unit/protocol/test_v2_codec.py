@@ -13,13 +13,16 @@ import tritonclient.http as triton_http
 from tritonclient.http._utils import _get_inference_request
 
 from server.errors import InvalidInput, Unsupported
+from server.protocol.shared_memory import RegionRef
 from server.protocol.v2 import (
     DecodedRequest,
     RequestedOutput,
+    build_tensors,
     decode_request,
     encode_error,
     encode_response,
     json_tensor,
+    parse_request,
 )
 from tests.unit.protocol.kinds import FLOATS, INTEGERS
 
@@ -375,41 +378,63 @@ def test_header_length_beyond_body() -> None:
         decode_request(body, len(body) + 1)
 
 
-@pytest.mark.parametrize(
-    "document",
-    [
-        {
-            "inputs": [
-                {
-                    "name": "x",
-                    "datatype": "FP32",
-                    "shape": [1],
-                    "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 4},
-                }
-            ]
-        },
-        {
-            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}],
-            "outputs": [{"name": "y", "parameters": {"shared_memory_region": "r"}}],
-        },
-        {
-            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}],
-            "outputs": [{"name": "y", "parameters": {"classification": 3}}],
-        },
-    ],
-    ids=["input-shm", "output-shm", "classification"],
-)
-def test_unsupported_extensions(document: dict[str, Any]) -> None:
+def test_unsupported_extensions() -> None:
+    document = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}],
+        "outputs": [{"name": "y", "parameters": {"classification": 3}}],
+    }
     with pytest.raises(Unsupported):
         decode_request(orjson.dumps(document))
 
 
-def test_client_shared_memory_input_unsupported() -> None:
+def test_client_shared_memory_tensors_are_read_through_the_servers_windows() -> None:
+    """tritonclient's shared-memory parameters name the region; the server's windows give the bytes."""
+    region = bytearray(64)
+    region[16:32] = np.arange(4, dtype=np.float32).tobytes()
     tensor = triton_http.InferInput("x", [4], "FP32")
-    tensor.set_shared_memory("region0", 16)
-    body, header_length = client_body([tensor])
-    with pytest.raises(Unsupported):
-        decode_request(body, header_length)
+    tensor.set_shared_memory("region0", 16, offset=16)
+    wanted = triton_http.InferRequestedOutput("y")
+    wanted.set_shared_memory("region1", 40)
+    body, header_length = client_body([tensor], outputs=[wanted])
+    parsed = parse_request(body, header_length)
+    assert parsed.inputs[0].region == RegionRef("region0", 16, 16)
+    assert parsed.outputs is not None and parsed.outputs[0].region == RegionRef("region1", 40)
+    seen: list[tuple[RegionRef, str]] = []
+
+    def windows(ref: RegionRef, what: str) -> memoryview:
+        seen.append((ref, what))
+        return memoryview(region)[ref.offset:ref.offset + ref.byte_size]
+
+    decoded = build_tensors(parsed, windows)
+    assert decoded.inputs["x"][1].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert seen == [(RegionRef("region0", 16, 16), "input 'x'")]
+    with pytest.raises(Unsupported, match="shared-memory"):
+        build_tensors(parsed)  # no windows: the server takes no shared memory
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        {"data": [1.0]},
+        {"parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 4, "binary_data_size": 4}},
+        {"parameters": {"shared_memory_region": "r"}},
+    ],
+    ids=["data-too", "binary-too", "no-size"],
+)
+def test_a_shared_memory_input_is_that_alone(tensor: dict[str, Any]) -> None:
+    raw = {"name": "x", "datatype": "FP32", "shape": [1],
+           "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 4}} | tensor
+    with pytest.raises(InvalidInput, match="input 'x'"):
+        decode_request(orjson.dumps({"inputs": [raw]}))
+
+
+def test_outputs_in_shared_memory_carry_their_region_and_size_in_place_of_data() -> None:
+    outputs = [("y", "FP32", np.ones((1, 2), np.float32), False), ("z", "FP32", np.zeros(1, np.float32), True)]
+    body, header_length = encode_response("m", 1, None, outputs, {"y": ("region1", 8)})
+    result = triton_http.InferResult.from_response_body(body, header_length=header_length)
+    assert result.get_output("y") == {"name": "y", "datatype": "FP32", "shape": [1, 2], "parameters": {
+        "shared_memory_region": "region1", "shared_memory_byte_size": 8}}
+    assert result.as_numpy("z").tolist() == [0.0]
 
 
 def test_client_classification_unsupported() -> None:

@@ -1,0 +1,39 @@
+"""The parameters that put a tensor in a client's shared memory instead of the request (Triton's
+shared-memory extension), read the same way from HTTP's JSON and gRPC's parameter maps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from server.errors import InvalidInput
+
+REGION = "shared_memory_region"
+BYTE_SIZE = "shared_memory_byte_size"
+OFFSET = "shared_memory_offset"
+
+
+@dataclass(frozen=True, slots=True)
+class RegionRef:
+    """Where one tensor lies: `byte_size` bytes at `offset` into the region called `region`."""
+
+    region: str
+    byte_size: int
+    offset: int = 0
+
+
+def region_ref(parameters: dict[str, Any], where: str) -> RegionRef | None:
+    """The shared-memory reference in a tensor's parameters (None: the tensor has none); the
+    same three parameters over HTTP and gRPC."""
+    if REGION not in parameters and BYTE_SIZE not in parameters and OFFSET not in parameters:
+        return None
+    region = parameters.get(REGION)
+    if not isinstance(region, str) or not region:
+        raise InvalidInput(f"{where}: '{REGION}' must name a registered region, with '{BYTE_SIZE}' beside it")
+    byte_size = parameters.get(BYTE_SIZE)
+    offset = parameters.get(OFFSET, 0)
+    if type(byte_size) is not int or byte_size < 0:
+        raise InvalidInput(f"{where}: '{BYTE_SIZE}' must be a non-negative integer beside '{REGION}'")
+    if type(offset) is not int or offset < 0:
+        raise InvalidInput(f"{where}: '{OFFSET}' must be a non-negative integer")
+    return RegionRef(region, byte_size, offset)
