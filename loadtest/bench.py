@@ -56,7 +56,7 @@ The HTTP modes but shm never start a server: start it yourself, e.g. pinned to C
 """
 
 ENGINE_HELP = """The engine alone, called directly: no HTTP, no queue. The model folder is read as the
-server reads it (its config, its latest version, its artifact). digits: the server's own engine for
+server reads it (its config, its latest version, its artifact). digits and mlp: the server's own engine for
 that config (torch or ONNX Runtime), pinned to --threads as `--engine-threads` pins it.
 minilm: its own ONNX Runtime session (CPUExecutionProvider, --threads intra-op threads) + tokenizers
 (truncation at the config's max_length, padding to the longest text of the batch, or with

@@ -5,7 +5,7 @@ The server can never beat its engine, so this is the bar the HTTP numbers are re
           `tokenizers` Tokenizer of tokenizer.json, truncation 256, padding to the batch's
           longest text (or, --length-sorted, batches of neighbouring lengths); tokenization is
           timed with the run. Its own session, since batch formation is what is measured.
-  digits: the server's own engine for the folder's config (server/engines: torch in any
+  digits, mlp: the server's own engine for the folder's config (server/engines: torch in any
           precision, or an ONNX Runtime variant), called directly with the given threads.
 A folder is read as the server reads it: its config.yaml, its highest version folder and the
 config's model_filename (so built precision variants, loadtest/variants.py, load too).
@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from loadtest import mlp
 from loadtest.payloads import SENTENCES, digits_images
 from server.config import ModelConfig, load_model_config
 from server.engines.registry import artifact_file
@@ -150,11 +151,21 @@ def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False) ->
     return prepare
 
 
-def _image_batches(images: np.ndarray, batch_size: int) -> list[np.ndarray]:
-    return [np.ascontiguousarray(images[(np.arange(batch_size) + b * batch_size) % len(images)]) for b in range(8)]
+def _batches(samples: np.ndarray, batch_size: int) -> list[np.ndarray]:
+    return [np.ascontiguousarray(samples[(np.arange(batch_size) + b * batch_size) % len(samples)]) for b in range(8)]
 
 
 def image_loader(model_dir: Path, threads: int, length_sorted: bool = False) -> Loader:
+    """digits' held-out images through the server's own engine for the model."""
+    return _server_engine_loader(model_dir, threads, digits_images(model_dir.parent))
+
+
+def mlp_loader(model_dir: Path, threads: int, length_sorted: bool = False) -> Loader:
+    """The MLP benchmark's inputs (loadtest/mlp.py) through the server's own engine for the model."""
+    return _server_engine_loader(model_dir, threads, mlp.items(1024, 0))
+
+
+def _server_engine_loader(model_dir: Path, threads: int, samples: np.ndarray) -> Loader:
     """The server's own engine for the model's config (torch, any precision, or ONNX Runtime),
     with `threads` threads, called directly: exactly what an instance runs, minus the server."""
     from server.devices import Device
@@ -165,10 +176,9 @@ def image_loader(model_dir: Path, threads: int, length_sorted: bool = False) -> 
     config = with_threads(files.config, threads)  # as a build's timing pins them
     engine = create_engine(config, files.version_dir, Device("CPU"))
     name = config.inputs[0].source_name
-    images = digits_images(model_dir.parent)
 
     def prepare(batch_size: int) -> Runner:
-        batches = _image_batches(images, batch_size)
+        batches = _batches(samples, batch_size)
 
         def run(index: int) -> None:
             engine.run({name: batches[index % len(batches)]})
@@ -183,6 +193,7 @@ LOADERS: dict[tuple[str, str], Callable[[Path, int, bool], Loader]] = {
     ("minilm", "onnxruntime"): minilm_loader,
     ("digits", "torch"): image_loader,
     ("digits", "onnxruntime"): image_loader,
+    ("mlp", "onnxruntime"): mlp_loader,
 }
 
 

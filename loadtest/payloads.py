@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loadtest import mlp
 from server.layout import FIRST_VERSION, version_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +77,7 @@ SENTENCES: tuple[str, ...] = (
 SPECS: dict[str, tuple[str, str, str, int]] = {
     "digits": ("image", "FP32", "probabilities", 10),
     "minilm": ("text", "BYTES", "embedding", 384),
+    "mlp": ("x", "FP32", "scores", 10),  # the per-request cost benchmark's model (loadtest/mlp.py)
 }
 
 
@@ -107,6 +109,8 @@ def items_for(model: str, items: int, offset: int, repository: Path = MODELS) ->
         images = digits_images(repository)
         index = (np.arange(items) + offset) % len(images)
         return images[index]
+    if model == "mlp":
+        return mlp.items(items, offset)
     if model == "minilm":
         texts = [SENTENCES[(offset + i) % len(SENTENCES)] for i in range(items)]
         return np.array(texts, dtype=object).reshape(items, 1)
