@@ -22,6 +22,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from server.asgi.disconnect import DISCONNECT_EXTENSION, disconnect_callbacks
 from server.errors import BatchlineError, QueueFull
 from server.http.auth import AccessGate
 from server.http.infer import BUSY, BUSY_BODY, INFER_PATH, FastInferApp, InferEndpoint, Scope
@@ -91,6 +92,7 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             # path waits for the socket to drain, and pauses reading meanwhile.
             refusal = None if self.flow.write_paused else door.refusal(cycle.scope)
             if refusal is None:
+                cycle.scope.setdefault("extensions", {})[DISCONNECT_EXTENSION] = []  # see connection_lost
                 super()._start_asgi_task(cycle, app)
                 return
             body, retry_after, close = refusal
@@ -109,6 +111,17 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             # As if the response completed later, as it does through the app: by then the parser
             # has seen the rest of this chunk, and a request that followed owns the connection.
             self.loop.call_soon(self._refused, cycle)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            """Tell the requests of this connection that wait on their work that the client left
+            (server/asgi/disconnect.py): they are dropped at once, with no task per request
+            watching for it."""
+            cycles = {id(c): c for c in (self.cycle, self._last_started) if c is not None}
+            super().connection_lost(exc)
+            for cycle in cycles.values():
+                if not cycle.response_complete:
+                    for client_left in list(disconnect_callbacks(cycle.scope) or ()):
+                        client_left()
 
         def _refused(self, cycle: RequestResponseCycle) -> None:
             if self._last_started is cycle:

@@ -41,6 +41,7 @@ class HttpFrontEnd:
             log_level=log_level,
             http=door_protocol(door) if door is not None else "httptools",
             lifespan="off",
+            proxy_headers=False,  # X-Forwarded-*: an ASGI layer per request for the access log's address alone
             access_log=False,  # the server's own access log (--access-log) covers infer calls
             timeout_graceful_shutdown=int(grace_s),
         ))

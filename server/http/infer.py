@@ -81,7 +81,7 @@ class InferEndpoint:
             return
         try:
             record = RequestRecord() if self._access_log.enabled else None
-            status = await self._respond(headers, receive, send, model, version, record, started)
+            status = await self._respond(scope, headers, receive, send, model, version, record, started)
         finally:
             flight.give_back(reserved)
         if record is not None:
@@ -115,6 +115,7 @@ class InferEndpoint:
 
     async def _respond(
         self,
+        scope: Scope,
         headers: dict[bytes, bytes],
         receive: Receive,
         send: Send,
@@ -133,7 +134,8 @@ class InferEndpoint:
         except Exception as exc:  # noqa: BLE001 - every failure is answered in v2's shape, an unknown one as 500
             return await _send(send, *error_parts(exc))
         outcome = await unless_client_leaves(
-            receive, lambda: v2_infer.infer_v2(self.plane, model, version, body, header_length, record, received_ns)
+            receive, lambda: v2_infer.infer_v2(self.plane, model, version, body, header_length, record, received_ns),
+            scope,
         )
         if outcome is None:
             return CLIENT_CLOSED  # the client left; its request was dropped, nobody to answer

@@ -77,7 +77,7 @@ def openai_router(
                 parsed = await _parsed(request, max_body_bytes)
                 model = parsed.model
                 outcome = await unless_client_leaves(
-                    request.receive, lambda: _embeddings(plane, parsed, record, started))
+                    request.receive, lambda: _embeddings(plane, parsed, record, started), request.scope)
                 if outcome is None:
                     outcome = Cancelled("the client disconnected before its embeddings were computed")
                 response = outcome if isinstance(outcome, Response) else error_response(outcome)
