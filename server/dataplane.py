@@ -155,11 +155,11 @@ class DataPlane:
         return model
 
     @staticmethod
-    def check_inputs(model: ModelVersion, declared: dict[str, tuple[str, list[int]]]) -> None:
+    def check_inputs(model: ModelVersion, declared: dict[str, tuple[str, list[int]]]) -> int:
         """Names, datatypes, shapes and the batch size (400), from what the request declares:
-        a front end calls this before it builds any tensor."""
+        a front end calls this before it builds any tensor. The batch size, for `infer`."""
         try:
-            check_declared(model.config, declared)
+            return check_declared(model.config, declared)
         except InvalidInput:
             model.stats.count_failure("invalid")
             raise
@@ -172,14 +172,17 @@ class DataPlane:
         outputs: list[str] | None = None,
         record: RequestRecord | None = None,
         received_ns: int | None = None,
+        checked_batch_size: int | None = None,
     ) -> list[Output]:
         """Run one call on `model` (from `admit`): its inputs as named arrays and its parameters
         (priority, timeout and what the model's admission reads) in; the `outputs` asked for
         (None: all), checked before any compute, out in that order. Requests from every front
         end share the model's queue and batches. `received_ns` (perf_counter_ns) is when the
-        front end took the request in: its `timeout` counts from there, not from admission."""
+        front end took the request in: its `timeout` counts from there, not from admission.
+        `checked_batch_size`: what `check_inputs` said of these inputs' declared shapes (the
+        arrays were built to them), so they are not checked twice."""
         selection = output_tensors(model.config, outputs)
-        results = await model.infer(inputs, parameters, record, received_ns)
+        results = await model.infer(inputs, parameters, record, received_ns, checked_batch_size)
         return [(name, datatype, results[name]) for name, datatype in selection]
 
 

@@ -336,16 +336,19 @@ class ModelVersion:
         parameters: dict[str, Any] | None = None,
         record: RequestRecord | None = None,
         received_ns: int | None = None,
+        checked_batch_size: int | None = None,
     ) -> dict[str, np.ndarray]:
         """Admit, queue and await one request's outputs (API names); `record` collects its times.
         Its clock (durations, the `timeout` deadline) starts at `received_ns`, when its front end
-        took it in (None: now)."""
+        took it in (None: now). `checked_batch_size`: the front end checked the inputs' names,
+        datatypes and shapes already (None: admission checks them)."""
         if self._batcher is None or self._admission is None or not self.ready:
             raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready")
         started = received_ns or time.perf_counter_ns()
         self.stats.pending += 1
         try:
-            return await self._admit_and_wait(self._batcher, self._admission, inputs, parameters or {}, record, started)
+            return await self._admit_and_wait(self._batcher, self._admission, inputs, parameters or {}, record, started,
+                                              checked_batch_size)
         finally:
             self.stats.pending -= 1
 
@@ -357,11 +360,12 @@ class ModelVersion:
         parameters: dict[str, Any],
         record: RequestRecord | None,
         received_ns: int,
+        checked_batch_size: int | None,
     ) -> dict[str, np.ndarray]:
         self._admitting += 1
         self._admitted.clear()
         try:
-            admitted = await admission.admit(inputs, parameters, received_ns)
+            admitted = await admission.admit(inputs, parameters, received_ns, checked_batch_size)
         except InvalidInput:
             self.stats.count_failure("invalid")
             raise

@@ -295,7 +295,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             if record is not None:
                 record.model_version = model.version
             declared = codec.declare(request)
-            self._plane.check_inputs(model, declared.declared)
+            batch_size = self._plane.check_inputs(model, declared.declared)
             parameters = with_deadline(declared.parameters, time_remaining)
             windows = self._plane.shared_memory.window
             if declared.decode_cost > INLINE_DECODE_COST:
@@ -304,7 +304,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 inputs = codec.decode_inputs(request, declared.in_shared_memory, windows)
             targets = {name: (ref.region, windows(ref, f"output '{name}'"))  # checked before any compute
                        for name, ref in declared.to_shared_memory.items()}
-            outputs = await self._plane.infer(model, inputs, parameters, declared.outputs, record, received_ns)
+            outputs = await self._plane.infer(model, inputs, parameters, declared.outputs, record, received_ns,
+                                              batch_size)
             if sum(array.nbytes for _, _, array in outputs) > OFFLOAD_ENCODE_BYTES:
                 return await asyncio.to_thread(_answer, request.model_name, model.version, request.id, outputs,
                                                targets)

@@ -54,7 +54,7 @@ async def infer_v2(
         parsed = parse_request(body, header_length)
     if record is not None:
         record.request_id = parsed.id
-    plane.check_inputs(model, {d.name: (d.datatype, d.shape) for d in parsed.inputs})
+    batch_size = plane.check_inputs(model, {d.name: (d.datatype, d.shape) for d in parsed.inputs})
     windows = plane.shared_memory.window
     if parsed.decode_bytes > INLINE_DECODE_BYTES:
         decoded = await asyncio.to_thread(build_tensors, parsed, windows)
@@ -65,7 +65,7 @@ async def infer_v2(
                for o in wanted or () if o.region is not None}  # checked before any compute
     outputs = await plane.infer(
         model, decoded.inputs, decoded.parameters, None if wanted is None else [o.name for o in wanted], record,
-        received_ns,
+        received_ns, batch_size,
     )
     tensors = with_binary_flags(outputs, decoded)
     json_bytes = binary_bytes = 0

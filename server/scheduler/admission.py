@@ -184,13 +184,15 @@ class Admission:
         self._timeout_override = policy.allow_timeout_override if policy else True
 
     async def admit(
-        self, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any], received_ns: int | None = None
+        self, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any], received_ns: int | None = None,
+        checked_batch_size: int | None = None,
     ) -> Admitted:
         """Cheap checks first (options, shapes, batch size, bytes per item), then the per-item
         work (UTF-8, tokenizing) inline when small, on a worker thread when not. A `timeout`
-        counts from `received_ns` (when the front end took the request in; None: now)."""
+        counts from `received_ns` (when the front end took the request in; None: now).
+        `checked_batch_size`: what check_declared found for these inputs' shapes (None: check)."""
         priority, deadline_ns = self._options(parameters, received_ns)
-        batch_size = _checked(self._config, inputs)
+        batch_size = _checked(self._config, inputs) if checked_batch_size is None else checked_batch_size
         if bytes_items(self._config, inputs) > INLINE_ITEMS:
             return await asyncio.to_thread(self._prepared, inputs, batch_size, priority, deadline_ns, True)
         if check_item_bytes(self._config, inputs) > INLINE_TEXT_BYTES:

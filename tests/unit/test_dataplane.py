@@ -32,7 +32,7 @@ class StubModel:
     def __init__(self) -> None:
         self.calls = 0
 
-    async def infer(self, inputs, parameters, record=None, received_ns=None):
+    async def infer(self, inputs, parameters, record=None, received_ns=None, checked_batch_size=None):
         self.calls += 1
         return {"y": inputs["x"][1] * 2}
 

@@ -139,7 +139,8 @@ class Model:
         self.calls = 0
 
     async def infer(
-        self, inputs: Any, parameters: Any, record: Any = None, received_ns: Any = None
+        self, inputs: Any, parameters: Any, record: Any = None, received_ns: Any = None,
+        checked_batch_size: Any = None,
     ) -> dict[str, np.ndarray]:
         self.calls += 1
         return {"embedding": np.zeros((1, 2), np.float32)}

@@ -158,11 +158,12 @@ async def test_a_request_in_admission_when_the_swap_comes_is_still_answered(
     entered, proceed = asyncio.Event(), asyncio.Event()
     real_admit = Admission.admit
 
-    async def slow_admit(self: Admission, inputs: dict, parameters: dict, received_ns: int | None = None):  # type: ignore[no-untyped-def]
+    async def slow_admit(self: Admission, inputs: dict, parameters: dict, received_ns: int | None = None,  # type: ignore[no-untyped-def]
+                         checked_batch_size: int | None = None):
         if float(inputs["x"][1][0][0]) == 5.0:
             entered.set()
             await proceed.wait()
-        return await real_admit(self, inputs, parameters, received_ns)
+        return await real_admit(self, inputs, parameters, received_ns, checked_batch_size)
 
     monkeypatch.setattr(Admission, "admit", slow_admit)
     old = repository.get("double")

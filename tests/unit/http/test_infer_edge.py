@@ -307,7 +307,8 @@ class ResultAsClientLeaves:
         return self
 
     async def infer(
-        self, inputs: dict[str, Any], parameters: Any, record: Any = None, received_ns: Any = None
+        self, inputs: dict[str, Any], parameters: Any, record: Any = None, received_ns: Any = None,
+        checked_batch_size: Any = None,
     ) -> dict[str, np.ndarray]:
         await eventually(lambda: self.exchange.receive_calls == 2, "the endpoint watches the connection")
         self.exchange.disconnect()
@@ -340,7 +341,8 @@ class NeverAnswers:
         return self
 
     async def infer(
-        self, inputs: dict[str, Any], parameters: Any, record: Any = None, received_ns: Any = None
+        self, inputs: dict[str, Any], parameters: Any, record: Any = None, received_ns: Any = None,
+        checked_batch_size: Any = None,
     ) -> dict[str, np.ndarray]:
         self.entered.set()
         await asyncio.Event().wait()
