@@ -62,8 +62,11 @@ class SystemSharedMemory:
     """The regions clients registered, by name. Thread-safe: front ends and worker threads
     (which decode big requests) look regions up while control calls change the table."""
 
-    def __init__(self, allowed: bool = False, folder: str = SHM_FOLDER) -> None:
+    def __init__(self, allowed: bool = False, max_input_bytes: int = 64 << 20, folder: str = SHM_FOLDER) -> None:
+        """`max_input_bytes`: the most one input may take from a region (the server's body limit:
+        a request's tensors are copied into its batch, whichever way they came)."""
         self.allowed = allowed
+        self.max_input_bytes = max_input_bytes
         self._folder = folder
         self._regions: dict[str, Region] = {}
         self._lock = threading.Lock()
@@ -83,9 +86,11 @@ class SystemSharedMemory:
             if len(self._regions) >= MAX_REGIONS:
                 raise InvalidInput(f"{MAX_REGIONS} shared-memory regions are registered already; unregister some")
         view = self._map(key, offset, byte_size)
-        with self._lock:
-            if name in self._regions:  # registered by a concurrent call meanwhile
+        with self._lock:  # again: a concurrent call may have registered meanwhile
+            if name in self._regions:
                 raise InvalidInput(f"shared-memory region '{name}' is already registered; unregister it first")
+            if len(self._regions) >= MAX_REGIONS:
+                raise InvalidInput(f"{MAX_REGIONS} shared-memory regions are registered already; unregister some")
             self._regions[name] = Region(name, key, offset, byte_size, view)
 
     def _map(self, key: str, offset: int, byte_size: int) -> memoryview:
@@ -104,7 +109,10 @@ class SystemSharedMemory:
                 raise InvalidInput(f"shared-memory object '{key}' holds {info.st_size} bytes; a region of "
                                    f"{byte_size} bytes at offset {offset} does not fit in it")
             start = offset - offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
-            mapping = mmap.mmap(descriptor, offset + byte_size - start, offset=start)
+            try:
+                mapping = mmap.mmap(descriptor, offset + byte_size - start, offset=start)
+            except OSError as exc:  # e.g. the process's limit on mappings
+                raise InvalidInput(f"cannot map shared-memory object '{key}': {exc.strerror}") from None
         finally:
             os.close(descriptor)  # the mapping stays valid without it
         return memoryview(mapping)[offset - start:]
@@ -126,8 +134,21 @@ class SystemSharedMemory:
                 return [region.status() for region in self._regions.values()]
             return [self._get(name).status()]
 
-    def window(self, ref: RegionRef, what: str) -> memoryview:
-        """The bytes a tensor's reference names, bounds-checked; the view keeps the region mapped."""
+    def input_window(self, ref: RegionRef, what: str) -> memoryview:
+        """The bytes an input's reference names, bounds-checked and read-only (an engine that
+        worked in place on its input would change the client's memory); the view keeps the
+        region mapped."""
+        if ref.byte_size > self.max_input_bytes:
+            self._require_allowed()
+            raise InvalidInput(f"{what}: {ref.byte_size} bytes of shared memory is over the server's limit of "
+                               f"{self.max_input_bytes} bytes for one input (--max-body-bytes)")
+        return self._window(ref, what).toreadonly()
+
+    def output_window(self, ref: RegionRef, what: str) -> memoryview:
+        """The bytes an output's reference names, bounds-checked and writable."""
+        return self._window(ref, what)
+
+    def _window(self, ref: RegionRef, what: str) -> memoryview:
         self._require_allowed()
         with self._lock:
             region = self._get(ref.region)
@@ -149,23 +170,20 @@ Target = tuple[str, memoryview]  # an output's region name and its window there
 
 def write_outputs(outputs: Iterable[tuple[str, str, np.ndarray]], targets: Mapping[str, Target]) -> dict[str, tuple[str, int]]:
     """Write each output (name, datatype, array) that has a target into its window: name ->
-    (region, bytes written), what the answer says of it in place of its data."""
-    written: dict[str, tuple[str, int]] = {}
-    for name, datatype, array in outputs:
-        if name in targets:
-            region, window = targets[name]
-            written[name] = (region, write_output(window, array, datatype, name))
-    return written
+    (region, bytes written), what the answer says of it in place of its data. Every output is
+    checked to fit before any is written: a 400 leaves the client's memory as it was."""
+    placed = [(name, targets[name], _as_bytes(array, datatype)) for name, datatype, array in outputs if name in targets]
+    for name, (_, window), data in placed:
+        if data.size > window.nbytes:
+            raise InvalidInput(f"output '{name}' is {data.size} bytes; its shared-memory window holds {window.nbytes}")
+    for _, (_, window), data in placed:
+        np.frombuffer(window, dtype=np.uint8, count=data.size)[:] = data
+    return {name: (region, int(data.size)) for name, (region, _), data in placed}
 
 
-def write_output(window: memoryview, array: np.ndarray, datatype: str, name: str) -> int:
-    """Write an output into its window (row-major; BYTES length-prefixed, as binary tensors
-    are); the bytes written. An output larger than its window is a 400, nothing written."""
+def _as_bytes(array: np.ndarray, datatype: str) -> np.ndarray:
+    """An output's bytes as binary tensors lay them out (row-major; BYTES length-prefixed): a
+    view of the array where its layout already is that, so writing it is the one copy."""
     if datatype == BYTES:
-        data = np.frombuffer(tensor_to_bytes(array, datatype), dtype=np.uint8)
-    else:  # one copy, straight into the window
-        data = np.ascontiguousarray(array, dtype=numpy_dtype(datatype)).reshape(-1).view(np.uint8)
-    if data.size > window.nbytes:
-        raise InvalidInput(f"output '{name}' is {data.size} bytes; its shared-memory window holds {window.nbytes}")
-    np.frombuffer(window, dtype=np.uint8, count=data.size)[:] = data
-    return int(data.size)
+        return np.frombuffer(tensor_to_bytes(array, datatype), dtype=np.uint8)
+    return np.ascontiguousarray(array, dtype=numpy_dtype(datatype)).reshape(-1).view(np.uint8)

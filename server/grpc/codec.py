@@ -11,7 +11,7 @@ Raw numbers become arrays without a copy (np.frombuffer). Answers always go back
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +21,7 @@ from server.errors import InvalidInput, Unsupported
 from server.grpc.protos import grpc_service_pb2 as pb
 from server.protocol.binary import tensor_from_bytes, tensor_to_bytes
 from server.protocol.datatypes import BYTES, MAX_DIMS, numpy_dtype
-from server.protocol.shared_memory import BYTE_SIZE, REGION, RegionRef, region_ref
-
-Windows = Callable[[RegionRef, str], memoryview]  # a shared-memory reference -> its bytes, bounds-checked
+from server.protocol.shared_memory import BYTE_SIZE, REGION, NOT_TAKEN, RegionRef, Windows, region_ref
 
 Output = tuple[str, str, np.ndarray]  # name, datatype, array
 
@@ -119,6 +117,8 @@ def declare(request: pb.ModelInferRequest) -> DeclaredRequest:
         for output in request.outputs:
             if "classification" in output.parameters:
                 raise Unsupported("the classification extension is not supported by this server")
+            if output.name in outputs:
+                raise InvalidInput(f"output '{output.name}' is asked for more than once")
             ref = region_ref(plain_parameters(output.parameters), f"output '{output.name}'")
             if ref is not None:
                 targets[output.name] = ref
@@ -140,7 +140,7 @@ def decode_inputs(
         ref = in_shared_memory.get(tensor.name) if in_shared_memory else None
         if ref is not None:
             if windows is None:
-                raise Unsupported("shared-memory tensors are not supported by this server")
+                raise Unsupported(NOT_TAKEN)
             array = tensor_from_bytes(windows(ref, f"input '{tensor.name}'"), tensor.datatype, shape, tensor.name)
         elif raw:
             array = tensor_from_bytes(raw[raw_index], tensor.datatype, shape, tensor.name)

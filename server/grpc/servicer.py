@@ -297,12 +297,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             declared = codec.declare(request)
             batch_size = self._plane.check_inputs(model, declared.declared)
             parameters = with_deadline(declared.parameters, time_remaining)
-            windows = self._plane.shared_memory.window
+            regions = self._plane.shared_memory
             if declared.decode_cost > INLINE_DECODE_COST:
-                inputs = await asyncio.to_thread(codec.decode_inputs, request, declared.in_shared_memory, windows)
+                inputs = await asyncio.to_thread(codec.decode_inputs, request, declared.in_shared_memory,
+                                                 regions.input_window)
             else:
-                inputs = codec.decode_inputs(request, declared.in_shared_memory, windows)
-            targets = {name: (ref.region, windows(ref, f"output '{name}'"))  # checked before any compute
+                inputs = codec.decode_inputs(request, declared.in_shared_memory, regions.input_window)
+            targets = {name: (ref.region, regions.output_window(ref, f"output '{name}'"))  # before any compute
                        for name, ref in declared.to_shared_memory.items()}
             outputs = await self._plane.infer(model, inputs, parameters, declared.outputs, record, received_ns,
                                               batch_size)

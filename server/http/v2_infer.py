@@ -55,13 +55,13 @@ async def infer_v2(
     if record is not None:
         record.request_id = parsed.id
     batch_size = plane.check_inputs(model, {d.name: (d.datatype, d.shape) for d in parsed.inputs})
-    windows = plane.shared_memory.window
+    regions = plane.shared_memory
     if parsed.decode_bytes > INLINE_DECODE_BYTES:
-        decoded = await asyncio.to_thread(build_tensors, parsed, windows)
+        decoded = await asyncio.to_thread(build_tensors, parsed, regions.input_window)
     else:
-        decoded = build_tensors(parsed, windows)
+        decoded = build_tensors(parsed, regions.input_window)
     wanted = decoded.outputs
-    targets = {o.name: (o.region.region, windows(o.region, f"output '{o.name}'"))
+    targets = {o.name: (o.region.region, regions.output_window(o.region, f"output '{o.name}'"))
                for o in wanted or () if o.region is not None}  # checked before any compute
     outputs = await plane.infer(
         model, decoded.inputs, decoded.parameters, None if wanted is None else [o.name for o in wanted], record,

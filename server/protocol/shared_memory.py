@@ -3,11 +3,13 @@ shared-memory extension), read the same way from HTTP's JSON and gRPC's paramete
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from server.errors import InvalidInput
 
+NOT_TAKEN = "this caller takes no shared-memory tensors"
 REGION = "shared_memory_region"
 BYTE_SIZE = "shared_memory_byte_size"
 OFFSET = "shared_memory_offset"
@@ -20,6 +22,9 @@ class RegionRef:
     region: str
     byte_size: int
     offset: int = 0
+
+
+Windows = Callable[[RegionRef, str], memoryview]  # a reference -> its bytes, bounds-checked, from the server's regions
 
 
 def region_ref(parameters: dict[str, Any], where: str) -> RegionRef | None:

@@ -7,7 +7,7 @@ flat or nested; Triton's binary tensor extension is read and written here too.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +18,7 @@ import orjson
 from server.errors import InvalidInput, Unsupported
 from server.protocol.binary import BinaryCursor, split_body, tensor_from_bytes, tensor_to_bytes
 from server.protocol.datatypes import MAX_DIMS, numpy_dtype
-from server.protocol.shared_memory import BYTE_SIZE, REGION, RegionRef, region_ref
-
-Windows = Callable[[RegionRef, str], memoryview]  # a shared-memory reference -> its bytes, bounds-checked
+from server.protocol.shared_memory import BYTE_SIZE, REGION, NOT_TAKEN, RegionRef, Windows, region_ref
 
 
 @dataclass
@@ -119,7 +117,7 @@ def build_tensors(parsed: ParsedRequest, windows: Windows | None = None) -> Deco
     for declared in parsed.inputs:
         if declared.region is not None:
             if windows is None:
-                raise Unsupported("shared-memory tensors are not supported by this server")
+                raise Unsupported(NOT_TAKEN)
             raw = windows(declared.region, f"input '{declared.name}'")
             array = tensor_from_bytes(raw, declared.datatype, declared.shape, declared.name)
         elif declared.binary is not None:
@@ -283,6 +281,8 @@ def _requested_outputs(value: object) -> list[RequestedOutput] | None:
         parameters = _parameters(raw.get("parameters"), f"output '{raw['name']}'")
         if parameters.get("classification"):
             raise Unsupported("the classification extension is not supported by this server")
+        if any(r.name == raw["name"] for r in requested):
+            raise InvalidInput(f"output '{raw['name']}' is asked for more than once")
         binary = parameters.get("binary_data")
         region = region_ref(parameters, f"output '{raw['name']}'")
         requested.append(RequestedOutput(raw["name"], None if binary is None else bool(binary), region))

@@ -13,7 +13,7 @@ import pytest
 from server import shared_memory
 from server.errors import InvalidInput, Unsupported
 from server.protocol.shared_memory import RegionRef, region_ref
-from server.shared_memory import SystemSharedMemory, write_output, write_outputs
+from server.shared_memory import SystemSharedMemory, write_outputs
 
 
 def _object(folder: Path, key: str, data: bytes) -> None:
@@ -22,7 +22,7 @@ def _object(folder: Path, key: str, data: bytes) -> None:
 
 @pytest.fixture
 def regions(tmp_path: Path) -> SystemSharedMemory:
-    return SystemSharedMemory(allowed=True, folder=str(tmp_path))
+    return SystemSharedMemory(allowed=True, max_input_bytes=1 << 20, folder=str(tmp_path))
 
 
 def test_a_region_is_registered_read_written_and_unregistered(regions: SystemSharedMemory, tmp_path: Path) -> None:
@@ -30,14 +30,14 @@ def test_a_region_is_registered_read_written_and_unregistered(regions: SystemSha
     regions.register("in", "/input0", offset=16, byte_size=32)
     assert regions.status(None) == [{"name": "in", "key": "/input0", "offset": 16, "byte_size": 32}]
     assert regions.status("in") == regions.status(None)
-    assert bytes(regions.window(RegionRef("in", 8, offset=4), "input 'x'")) == bytes(range(20, 28))
-    window = regions.window(RegionRef("in", 4), "output 'y'")
+    assert bytes(regions.input_window(RegionRef("in", 8, offset=4), "input 'x'")) == bytes(range(20, 28))
+    window = regions.output_window(RegionRef("in", 4), "output 'y'")
     window[:] = b"\xff\xff\xff\xff"
     assert (tmp_path / "input0").read_bytes()[16:20] == b"\xff\xff\xff\xff"  # written into the client's object
     regions.unregister("in")
     assert regions.status(None) == []
     with pytest.raises(InvalidInput, match="no shared-memory region 'in'"):
-        regions.window(RegionRef("in", 4), "input 'x'")
+        regions.input_window(RegionRef("in", 4), "input 'x'")
     regions.unregister("in")  # again: not an error, as in Triton
 
 
@@ -45,28 +45,43 @@ def test_a_region_past_a_page_boundary_maps_from_its_own_offset(regions: SystemS
     data = np.arange(5000, dtype=np.uint32).tobytes()
     _object(tmp_path, "big", data)
     regions.register("r", "big", offset=4 * 4100 + 4, byte_size=16)
-    assert np.frombuffer(regions.window(RegionRef("r", 16), "x"), np.uint32).tolist() == [4101, 4102, 4103, 4104]
+    assert np.frombuffer(regions.input_window(RegionRef("r", 16), "x"), np.uint32).tolist() == [4101, 4102, 4103, 4104]
 
 
 def test_unregistering_leaves_a_held_window_readable_and_writable(regions: SystemSharedMemory, tmp_path: Path) -> None:
     _object(tmp_path, "obj", np.arange(4, dtype=np.float32).tobytes())
     regions.register("r", "obj", 0, 16)
-    array = np.frombuffer(regions.window(RegionRef("r", 16), "input 'x'"), np.float32)  # a request's input
-    out = regions.window(RegionRef("r", 16), "output 'y'")  # a request's output target
+    array = np.frombuffer(regions.input_window(RegionRef("r", 16), "input 'x'"), np.float32)  # a request's input
+    out = regions.output_window(RegionRef("r", 16), "output 'y'")  # a request's output target
     regions.unregister(None)
     assert array.tolist() == [0.0, 1.0, 2.0, 3.0]
-    assert write_output(out, np.full(4, 7, np.float32), "FP32", "y") == 16
+    assert write_outputs([("y", "FP32", np.full(4, 7, np.float32))], {"y": ("r", out)}) == {"y": ("r", 16)}
     assert np.frombuffer((tmp_path / "obj").read_bytes(), np.float32).tolist() == [7.0] * 4
     with pytest.raises(InvalidInput, match="no shared-memory region"):
-        regions.window(RegionRef("r", 16), "input 'x'")
+        regions.input_window(RegionRef("r", 16), "input 'x'")
+
+
+def test_an_input_is_read_only_to_the_server_and_capped_at_the_body_limit(
+        regions: SystemSharedMemory, tmp_path: Path) -> None:
+    _object(tmp_path, "obj", bytes(2 << 20))
+    regions.register("r", "obj", 0, 2 << 20)
+    array = np.frombuffer(regions.input_window(RegionRef("r", 16), "input 'x'"), np.float32)
+    assert not array.flags.writeable  # an engine working in place would change the client's memory
+    with pytest.raises(ValueError):
+        array[0] = 1.0
+    with pytest.raises(InvalidInput, match="input 'x': 2097152 bytes of shared memory is over the server's limit"):
+        regions.input_window(RegionRef("r", 2 << 20), "input 'x'")
+    assert regions.output_window(RegionRef("r", 2 << 20), "output 'y'").nbytes == 2 << 20  # outputs: the region's
 
 
 def test_references_past_the_region_are_refused(regions: SystemSharedMemory, tmp_path: Path) -> None:
     _object(tmp_path, "obj", bytes(64))
     regions.register("r", "obj", 0, 32)
     with pytest.raises(InvalidInput, match="input 'x': 8 bytes at offset 28 run past the end of shared-memory region 'r'"):
-        regions.window(RegionRef("r", 8, offset=28), "input 'x'")
-    assert regions.window(RegionRef("r", 4, offset=28), "input 'x'").nbytes == 4
+        regions.input_window(RegionRef("r", 8, offset=28), "input 'x'")
+    assert regions.input_window(RegionRef("r", 4, offset=28), "input 'x'").nbytes == 4
+    with pytest.raises(InvalidInput, match="output 'y': 8 bytes at offset 28 run past"):
+        regions.output_window(RegionRef("r", 8, offset=28), "output 'y'")
 
 
 @pytest.mark.parametrize(
@@ -125,7 +140,9 @@ def test_nothing_is_taken_unless_allowed(tmp_path: Path) -> None:
     _object(tmp_path, "obj", bytes(64))
     regions = SystemSharedMemory(allowed=False, folder=str(tmp_path))
     for call in (lambda: regions.register("r", "obj", 0, 8), lambda: regions.status(None),
-                 lambda: regions.unregister(None), lambda: regions.window(RegionRef("r", 8), "input 'x'")):
+                 lambda: regions.unregister(None), lambda: regions.input_window(RegionRef("r", 8), "input 'x'"),
+                 lambda: regions.input_window(RegionRef("r", 1 << 30), "input 'x'"),
+                 lambda: regions.output_window(RegionRef("r", 8), "output 'y'")):
         with pytest.raises(Unsupported, match="--allow-client-shm"):
             call()
 
@@ -133,18 +150,24 @@ def test_nothing_is_taken_unless_allowed(tmp_path: Path) -> None:
 def test_outputs_are_written_as_binary_tensors_and_never_past_their_window() -> None:
     target = bytearray(16)
     window = memoryview(target)
-    assert write_output(window, np.array([[1.5, 2.5]], ml_dtypes.bfloat16), "BF16", "y") == 4
+    assert write_outputs([("y", "BF16", np.array([[1.5, 2.5]], ml_dtypes.bfloat16))], {"y": ("r", window)}) == {
+        "y": ("r", 4)}
     assert np.frombuffer(target[:4], ml_dtypes.bfloat16).tolist() == [1.5, 2.5]
-    assert write_output(window, np.array([b"ab", b"c"], dtype=object), "BYTES", "t") == 4 + 2 + 4 + 1
+    assert write_outputs([("t", "BYTES", np.array([b"ab", b"c"], dtype=object))], {"t": ("r", window)}) == {
+        "t": ("r", 4 + 2 + 4 + 1)}
     assert bytes(target[:11]) == b"\x02\x00\x00\x00ab\x01\x00\x00\x00c"
-    before = bytes(target)
-    with pytest.raises(InvalidInput, match="output 'y' is 20 bytes; its shared-memory window holds 16"):
-        write_output(window, np.zeros(5, np.float32), "FP32", "y")
-    assert bytes(target) == before  # nothing written
     written = write_outputs([("y", "INT32", np.array([3], np.int32)), ("z", "INT32", np.array([4], np.int32))],
                             {"z": ("region", window)})
     assert written == {"z": ("region", 4)}
     assert bytes(target[:4]) == b"\x04\x00\x00\x00"
+
+
+def test_an_output_that_does_not_fit_leaves_every_window_as_it_was() -> None:
+    first, second = bytearray(16), bytearray(16)
+    outputs = [("y", "FP32", np.ones(4, np.float32)), ("z", "FP32", np.zeros(5, np.float32))]
+    with pytest.raises(InvalidInput, match="output 'z' is 20 bytes; its shared-memory window holds 16"):
+        write_outputs(outputs, {"y": ("a", memoryview(first)), "z": ("b", memoryview(second))})
+    assert first == bytearray(16) and second == bytearray(16)  # not even the output that fitted
 
 
 @pytest.mark.parametrize(

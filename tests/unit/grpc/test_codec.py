@@ -221,3 +221,11 @@ def test_held_bytes_counts_what_a_request_carries_not_what_it_declares() -> None
     only_raw.inputs.add(name="r", datatype="FP16", shape=[4])
     only_raw.raw_input_contents.append(b"\0" * 8)
     assert codec.held_bytes(only_raw) == 8
+
+
+def test_an_output_asked_for_twice_is_refused() -> None:
+    request = _request(_raw("x", ARRAYS["FP32"], "FP32"), raw=True)
+    request.outputs.add(name="y")
+    request.outputs.add(name="y")
+    with pytest.raises(InvalidInput, match="output 'y' is asked for more than once"):
+        codec.declare(request)

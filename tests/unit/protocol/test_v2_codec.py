@@ -589,3 +589,11 @@ def test_encode_error() -> None:
 def test_decoded_request_defaults() -> None:
     request = DecodedRequest(id=None, parameters={}, inputs={}, outputs=None)
     assert request.binary_output is False
+
+
+def test_an_output_asked_for_twice_is_refused() -> None:
+    document = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}],
+                "outputs": [{"name": "y"}, {"name": "y", "parameters": {"shared_memory_region": "r",
+                                                                        "shared_memory_byte_size": 4}}]}
+    with pytest.raises(InvalidInput, match="output 'y' is asked for more than once"):
+        decode_request(orjson.dumps(document))
