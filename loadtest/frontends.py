@@ -161,15 +161,7 @@ def preflight_http(url: str, front_end: str, request: payloads.InferRequest, tim
     if front_end != "openai":
         runs.preflight(url, request, timeout)
         return
-    http = urllib.request.Request(url.rstrip("/") + request.path, data=request.body, headers=request.headers,
-                                  method="POST")
-    try:
-        with urllib.request.urlopen(http, timeout=timeout) as reply:
-            status, body = reply.status, reply.read()
-    except urllib.error.HTTPError as exc:
-        status, body = exc.code, exc.read()
-    except OSError as exc:
-        raise SystemExit(f"bench: no server at {url} ({exc}); start one first (see --help)") from exc
+    status, _, body = runs.post(url, request.path, request.body, request.headers, timeout)
     problem = check_openai_response(request.model, request.items, status, body)
     if problem:
         raise SystemExit(f"bench: {url}{request.path} answers {request.model} wrongly: {problem}")

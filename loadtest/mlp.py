@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import yaml
+
+from loadtest.localmodels import onnx_bytes, write_onnx_model
 
 NAME = "mlp"
 WIDTH = 256
@@ -25,7 +26,6 @@ WINDOW_US = 2000
 
 
 def mlp_onnx(seed: int = 0) -> bytes:
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
@@ -46,27 +46,20 @@ def mlp_onnx(seed: int = 0) -> bytes:
     graph = helper.make_graph(nodes, NAME, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", WIDTH])],
                               [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", CLASSES])],
                               initializer=initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    return model.SerializeToString()
+    return onnx_bytes(graph)
 
 
 def write_mlp_model(root: Path) -> Path:
     """`root/mlp`: its config and version 1."""
-    folder = root / NAME
-    (folder / "1").mkdir(parents=True, exist_ok=True)
-    (folder / "1" / "model.onnx").write_bytes(mlp_onnx())
     config = {
-        "name": NAME, "engine": "onnxruntime", "max_batch_size": MAX_BATCH,
+        "name": NAME, "max_batch_size": MAX_BATCH,
         "inputs": [{"name": "x", "datatype": "FP32", "dims": [WIDTH]}],
         "outputs": [{"name": "scores", "datatype": "FP32", "dims": [CLASSES]}],
         "dynamic_batching": {"max_queue_delay_microseconds": WINDOW_US},
         "onnxruntime": {"intra_op_num_threads": 1, "inter_op_num_threads": 1},
         "warmup": {"batch_sizes": [1, MAX_BATCH]},
     }
-    (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    return folder
+    return write_onnx_model(root, config, mlp_onnx())
 
 
 def items(count: int, offset: int) -> np.ndarray:

@@ -86,17 +86,22 @@ def server_info(url: str, timeout: float = 5.0) -> dict[str, Any] | None:
         return None
 
 
-def preflight(url: str, request: payloads.InferRequest, timeout: float) -> None:
-    """One request, its reply checked, before any load: a sweep against a wrong server is void."""
-    http = urllib.request.Request(url.rstrip("/") + request.path, data=request.body,
-                                  headers=request.headers, method="POST")
+def post(url: str, path: str, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int, dict[str, str], bytes]:
+    """POST `body` and read the answer, whatever its status: (status, headers, body). SystemExit
+    when no server answers."""
+    http = urllib.request.Request(url.rstrip("/") + path, data=body, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(http, timeout=timeout) as reply:
-            status, headers, body = reply.status, dict(reply.headers), reply.read()
+            return reply.status, dict(reply.headers), reply.read()
     except urllib.error.HTTPError as exc:
-        status, headers, body = exc.code, dict(exc.headers), exc.read()
+        return exc.code, dict(exc.headers), exc.read()
     except OSError as exc:
         raise SystemExit(f"bench: no server at {url} ({exc}); start one first (see --help)") from exc
+
+
+def preflight(url: str, request: payloads.InferRequest, timeout: float) -> None:
+    """One request, its reply checked, before any load: a sweep against a wrong server is void."""
+    status, headers, body = post(url, request.path, request.body, request.headers, timeout)
     problem = payloads.check_response(request.model, request.items, status, headers, body)
     if problem:
         raise SystemExit(f"bench: {url}{request.path} answers {request.model} wrongly: {problem}")

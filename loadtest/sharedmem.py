@@ -20,16 +20,14 @@ import json
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from loadtest import localserver, report, runs, wrk
+from loadtest.localmodels import onnx_bytes, write_onnx_model
 from loadtest.payloads import InferRequest
 from server.protocol.binary import tensor_to_bytes
 
@@ -51,7 +49,6 @@ req/s, images/s, p50/p99 latency and errors, and the ratio shm/binary per level.
 def image_model_onnx(seed: int = 0) -> bytes:
     """Conv 3->16 (7x7, stride 4) -> ReLU -> global average pool -> dense 16->1000: random
     weights, since only the bytes moved matter here."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
@@ -72,27 +69,20 @@ def image_model_onnx(seed: int = 0) -> bytes:
             numpy_helper.from_array(np.zeros(CLASSES, np.float32), "b"),
         ],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    return model.SerializeToString()
+    return onnx_bytes(graph)
 
 
 def write_image_model(root: Path) -> Path:
     """`root/image224`: its config and version 1."""
-    folder = root / MODEL
-    (folder / "1").mkdir(parents=True, exist_ok=True)
-    (folder / "1" / "model.onnx").write_bytes(image_model_onnx())
     config = {
-        "name": MODEL, "engine": "onnxruntime", "max_batch_size": 8,
+        "name": MODEL, "max_batch_size": 8,
         "inputs": [{"name": "image", "datatype": "FP32", "dims": list(SHAPE)}],
         "outputs": [{"name": "scores", "datatype": "FP32", "dims": [CLASSES]}],
         "dynamic_batching": {"max_queue_delay_microseconds": 0},
         "onnxruntime": {"intra_op_num_threads": 1, "inter_op_num_threads": 1},
         "warmup": {"batch_sizes": [1]},
     }
-    (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    return folder
+    return write_onnx_model(root, config, image_model_onnx())
 
 
 def requests(image: np.ndarray) -> dict[str, InferRequest]:
@@ -112,15 +102,6 @@ def requests(image: np.ndarray) -> dict[str, InferRequest]:
     return {"binary": binary, "shm": InferRequest(MODEL, 1, False, path, shm, {"Content-Type": "application/json"})}
 
 
-def _post(url: str, path: str, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int, dict[str, str], bytes]:
-    call = urllib.request.Request(url + path, data=body, headers=headers, method="POST")
-    try:
-        with urllib.request.urlopen(call, timeout=timeout) as reply:
-            return reply.status, dict(reply.headers), reply.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), exc.read()
-
-
 def scores_of(status: int, headers: dict[str, str], body: bytes) -> np.ndarray:
     """The scores of a binary answer; SystemExit with the server's words for anything else."""
     if status != 200:
@@ -131,7 +112,7 @@ def scores_of(status: int, headers: dict[str, str], body: bytes) -> np.ndarray:
 
 def preflight(url: str, prepared: dict[str, InferRequest], timeout: float) -> None:
     """Both ways answer the same scores for the same image before any load."""
-    answers = {way: scores_of(*_post(url, r.path, r.body, r.headers, timeout)) for way, r in prepared.items()}
+    answers = {way: scores_of(*runs.post(url, r.path, r.body, r.headers, timeout)) for way, r in prepared.items()}
     if answers["binary"].shape != (CLASSES,) or not np.array_equal(answers["binary"], answers["shm"]):
         raise SystemExit("bench shm: the two ways answered different scores for the same image")
 
@@ -200,7 +181,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
                                             "--allow-grpc", "false", log_path=Path(folder) / "server.log",
                                             cpu=args.server_cpu) as url:
                 register = json.dumps({"key": "/" + region.name, "offset": 0, "byte_size": image.nbytes}).encode()
-                status, _, body = _post(url, f"/v2/systemsharedmemory/region/{REGION}/register", register,
+                status, _, body = runs.post(url, f"/v2/systemsharedmemory/region/{REGION}/register", register,
                                         {"Content-Type": "application/json"}, args.timeout)
                 if status != 200:
                     raise SystemExit(f"bench shm: registering the region failed ({status}): {body[:300]!r}")

@@ -362,7 +362,8 @@ def _answer(
     model_name: str, version: int, request_id: str, outputs: list[codec.Output], targets: dict[str, Target],
 ) -> pb.ModelInferResponse:
     """Write the outputs asked for in shared memory there, then encode the answer."""
-    return codec.encode_response(model_name, version, request_id, outputs, write_outputs(outputs, targets))
+    written = write_outputs(outputs, targets) if targets else None
+    return codec.encode_response(model_name, version, request_id, outputs, written)
 
 
 def with_deadline(parameters: dict[str, Any], time_remaining: float | None) -> dict[str, Any]:

@@ -84,7 +84,7 @@ def _answer(
     targets: dict[str, Target],
 ) -> tuple[bytes, int | None]:
     """Write the outputs asked for in shared memory there, then encode the answer."""
-    written = write_outputs((tensor[:3] for tensor in tensors), targets)
+    written = write_outputs([tensor[:3] for tensor in tensors], targets) if targets else None
     return encode_response(name, version, request_id, tensors, written)
 
 

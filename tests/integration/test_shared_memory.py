@@ -19,6 +19,7 @@ import tritonclient.http as th
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
+from server.grpc.codec import plain_parameters
 from tests.integration.conftest import linked_repository
 from tests.integration.test_grpc import Served, serving
 from tests.integration.test_lifecycle import SLOW, WAIT_S, Call, gauge, wait_until
@@ -84,9 +85,7 @@ def test_inputs_and_outputs_go_through_shared_memory(served: Served, regions: di
         wanted.set_shared_memory(f"{protocol}-out", 2 * 10 * 4)
         result = client.infer("digits", [tensor], outputs=[wanted])
         output = result.get_output("probabilities")
-        parameters = output["parameters"] if protocol == "http" else {
-            key: value.WhichOneof("parameter_choice") and getattr(value, value.WhichOneof("parameter_choice"))
-            for key, value in output.parameters.items()}
+        parameters = output["parameters"] if protocol == "http" else plain_parameters(output.parameters)
         assert parameters == {"shared_memory_region": f"{protocol}-out", "shared_memory_byte_size": 80}
         answer = shm.get_contents_as_numpy(outputs, np.float32, [2, 10])
         np.testing.assert_allclose(answer, _expected(served, images), rtol=1e-6)

@@ -19,8 +19,8 @@ async def _never_receives() -> dict[str, Any]:
     raise AssertionError("unreachable")
 
 
-async def test_the_servers_callback_drops_the_work_and_is_removed_after() -> None:
-    scope: dict[str, Any] = {"extensions": {DISCONNECT_EXTENSION: []}}
+async def _waiting(scope: dict[str, Any]) -> asyncio.Future[Any]:
+    """A call whose work has started and waits forever, with the server's callback list in `scope`."""
     started = asyncio.Event()
 
     async def work() -> str:
@@ -30,6 +30,12 @@ async def test_the_servers_callback_drops_the_work_and_is_removed_after() -> Non
 
     call = asyncio.ensure_future(unless_client_leaves(_never_receives, work, scope))
     await started.wait()
+    return call
+
+
+async def test_the_servers_callback_drops_the_work_and_is_removed_after() -> None:
+    scope: dict[str, Any] = {"extensions": {DISCONNECT_EXTENSION: []}}
+    call = await _waiting(scope)
     (client_left,) = disconnect_callbacks(scope) or []
     client_left()  # what the protocol does on connection_lost
     assert await call is None
@@ -50,16 +56,7 @@ async def test_a_callback_after_the_answer_changes_nothing() -> None:
 
 
 async def test_a_cancel_that_is_not_the_client_leaving_answers_unavailable() -> None:
-    scope: dict[str, Any] = {"extensions": {DISCONNECT_EXTENSION: []}}
-    started = asyncio.Event()
-
-    async def work() -> str:
-        started.set()
-        await asyncio.Event().wait()
-        return "never"
-
-    call = asyncio.ensure_future(unless_client_leaves(_never_receives, work, scope))
-    await started.wait()
+    call = await _waiting({"extensions": {DISCONNECT_EXTENSION: []}})
     call.cancel()  # uvicorn's grace period ran out
     assert isinstance(await call, Unavailable)
 
