@@ -16,6 +16,7 @@ from loadtest import (
     builds,
     capacity,
     compare,
+    fanout,
     frontends,
     overload,
     payloads,
@@ -47,10 +48,12 @@ DESCRIPTION = """Benchmarks for Batchline. Modes:
             req/s, items/s, p50/p99 latency and errors side by side (wrk, h2load)
   shm       an image model (3x224x224 FP32) it starts itself: the image in system shared
             memory vs in the body as a binary tensor, in one run
+  fanout    one GPU stand-in fed by one server process, by --http-workers N, and by N whole
+            servers on one port, in one run: req/s, mean batch size, CPU per request
 
 Each run writes MODE.json (the record: machine, command line, parameters, every level),
 MODE.md (a table) and MODE.png (a plot, with matplotlib) into --out.
-The HTTP modes but shm never start a server: start it yourself, e.g. pinned to CPU 0:
+The HTTP modes but shm and fanout never start a server: start it yourself, e.g. pinned to CPU 0:
   taskset -c 0 batchline serve --http-port 8000
   batchline bench closed --url http://127.0.0.1:8000 --generator-cpu 1 --out out/closed
 """
@@ -135,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     batching.add_argument("--url-on", required=True, help="base URL of the server with batching")
     batching.add_argument("--url-off", required=True, help="base URL of the server without batching")
     batching.add_argument("--duration", type=float, default=10.0, help="seconds per concurrency level")
-    for module in (capacity, compare, batchsize, precision, builds, overload, frontends, sharedmem):
+    for module in (capacity, compare, batchsize, precision, builds, overload, frontends, sharedmem, fanout):
         module.add_parser(modes, parents)
     return parser
 
@@ -303,7 +306,7 @@ def run_open(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
 MODES = {"engine": run_engine, "closed": run_closed, "open": run_open, "batching": run_batching,
          "capacity": capacity.run, "compare": compare.run, "batchsize": batchsize.run, "precision": precision.run,
          "builds": builds.run, "overload": overload.run,
-         "frontends": frontends.run, "shm": sharedmem.run}
+         "frontends": frontends.run, "shm": sharedmem.run, "fanout": fanout.run}
 
 
 def main(argv: list[str] | None = None) -> int:

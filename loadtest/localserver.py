@@ -16,6 +16,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +41,12 @@ def stop(process: subprocess.Popen, timeout_s: float = 30) -> None:
         process.wait()
 
 
+@dataclass(frozen=True)
+class StartedServer:
+    url: str
+    process: subprocess.Popen
+
+
 @contextmanager
 def running_server(
     repository: Path, *extra: str, log_path: Path, cpu: int | None = None,
@@ -48,22 +55,35 @@ def running_server(
     """Serve `repository` (with `extra` flags of `batchline serve`, pinned to `cpu` if given) on
     127.0.0.1, on the port the system picks; yield its base URL once `wait_path` answers 200;
     stop it. Output goes to `log_path`, whose tail a failure to start quotes."""
+    with started_server(repository, *extra, log_path=log_path, cpu=cpu, wait_path=wait_path,
+                        startup_timeout_s=startup_timeout_s) as server:
+        yield server.url
+
+
+@contextmanager
+def started_server(
+    repository: Path, *extra: str, log_path: Path, cpu: int | None = None,
+    wait_path: str = "/v2/health/ready", startup_timeout_s: float = 300,
+    launcher: tuple[str, ...] = ("-m", "server.cli", "serve"), port: int = 0,
+    environment: dict[str, str] | None = None,
+) -> Iterator[StartedServer]:
+    """`running_server`, with its process: started by `launcher` (python's arguments before the
+    flags), on `port` (0: the one the system picks), with `environment` added to this one's."""
     with tempfile.TemporaryDirectory(prefix="batchline-port-") as folder:
         port_file = Path(folder) / "port"
-        command = [sys.executable, "-m", "server.cli", "serve", "--model-repository", str(repository),
-                   "--host", "127.0.0.1", "--http-port", "0", "--port-file", str(port_file),
+        command = [sys.executable, *launcher, "--model-repository", str(repository),
+                   "--host", "127.0.0.1", "--http-port", str(port), "--port-file", str(port_file),
                    "--grpc-port", "0", *extra]  # gRPC on a free port too (--grpc-port-file in extra learns it)
         if cpu is not None:
             command = ["taskset", "-c", str(cpu), *command]
         with open(log_path, "w") as log:
             process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                       env={**os.environ, "PYTHONUNBUFFERED": "1", **(environment or {})})
             try:
                 deadline = time.monotonic() + startup_timeout_s
-                port = bound_port(port_file, process, log_path, deadline)
-                url = f"http://127.0.0.1:{port}"
+                url = f"http://127.0.0.1:{bound_port(port_file, process, log_path, deadline)}"
                 _wait(url + wait_path, process, log_path, deadline)
-                yield url
+                yield StartedServer(url, process)
             finally:
                 stop(process)
 

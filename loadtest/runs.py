@@ -86,10 +86,16 @@ def server_info(url: str, timeout: float = 5.0) -> dict[str, Any] | None:
         return None
 
 
-def post(url: str, path: str, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int, dict[str, str], bytes]:
-    """POST `body` and read the answer, whatever its status: (status, headers, body). SystemExit
-    when no server answers."""
-    http = urllib.request.Request(url.rstrip("/") + path, data=body, headers=headers, method="POST")
+def get(url: str, path: str, timeout: float) -> tuple[int, dict[str, str], bytes]:
+    """GET `path`, as `post` does."""
+    return post(url, path, None, {}, timeout)
+
+
+def post(url: str, path: str, body: bytes | None, headers: dict[str, str], timeout: float) -> tuple[int, dict[str, str], bytes]:
+    """POST `body` (None: GET) and read the answer, whatever its status: (status, headers, body).
+    SystemExit when no server answers."""
+    http = urllib.request.Request(url.rstrip("/") + path, data=body, headers=headers,
+                                  method="GET" if body is None else "POST")
     try:
         with urllib.request.urlopen(http, timeout=timeout) as reply:
             return reply.status, dict(reply.headers), reply.read()

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import sys
+import tempfile
 import threading
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -39,10 +41,11 @@ def _serve(args: argparse.Namespace) -> int:
     from server.http.app import create_app
     from server.http.auth import AccessPolicy, SettingsError
     from server.http.frontend import HttpFrontEnd
+    from server.http.workers import HttpWorkers, reserve_port
     from server.inflight import InFlight
     from server.metrics import build_registry
     from server.repository import ModelRepository
-    from server.server import Server, StartFailed
+    from server.server import FrontEnd, Server, StartFailed
     from server.shared_memory import SystemSharedMemory
 
     try:
@@ -57,7 +60,8 @@ def _serve(args: argparse.Namespace) -> int:
     flight = InFlight(settings.max_in_flight, settings.max_in_flight_bytes)  # every front end's
     app = create_app(plane, settings.max_body_bytes, metrics, AccessLog(settings.access_log), access, flight)
     try:
-        listener = _listen(settings.host, settings.http_port)
+        listener = (_listen(settings.host, settings.http_port) if settings.http_workers == 1
+                    else reserve_port(settings.host, settings.http_port))
     except OSError as exc:
         logging.getLogger(__name__).error("cannot listen on %s port %d: %s", settings.host, settings.http_port, exc)
         return 1
@@ -70,14 +74,27 @@ def _serve(args: argparse.Namespace) -> int:
                      name="describe-devices", daemon=True).start()
     if settings.port_file is not None:
         _write_port_file(settings.port_file, port)
-    server = Server(plane, [HttpFrontEnd(app, listener, settings.log_level),
-                            *grpc_frontends(settings, plane, access, flight, _write_port_file)], settings.models)
-    try:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(server.run())
-    except StartFailed as exc:
-        logging.getLogger(__name__).error("not serving: %s", exc)
-        return 3
+    with contextlib.ExitStack() as cleanup:
+        if settings.http_workers == 1:
+            http: list[FrontEnd] = [HttpFrontEnd(app, listener, settings.log_level)]
+        else:  # the app listens on a private socket, for the front-end processes to forward to
+            private = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="batchline-"))
+            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            upstream.bind(os.path.join(private, "app.sock"))
+            upstream.listen(2048)
+            http = [HttpFrontEnd(app, upstream, settings.log_level),
+                    HttpWorkers(settings, plane, port, settings.http_workers, upstream.getsockname(),
+                                os.path.join(private, "link.sock"))]
+        server = Server(plane, [*http, *grpc_frontends(settings, plane, access, flight, _write_port_file)],
+                        settings.models)
+        try:
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                runner.run(server.run())
+        except StartFailed as exc:
+            logging.getLogger(__name__).error("not serving: %s", exc)
+            return 3
+        finally:
+            listener.close()
     return 0  # a clean stop: a container's orchestrator reads anything else as a fault
 
 

@@ -55,6 +55,11 @@ class ServerSettings(RepositorySettings):
         default=None,
         description="once the HTTP socket is bound, write its port number to FILE (replaced whole, never half "
         "written): how a caller learns the port of --http-port 0; poll /v2/health/live before sending")
+    http_workers: Annotated[int, Flag(metavar="N")] = Field(
+        default=1, ge=1, le=64,
+        description="HTTP front-end processes sharing --http-port (1: HTTP is served by the server process "
+        "itself). Past 1, N processes parse and encode HTTP on their own cores while batches still form across "
+        "all of them in the server process, which keeps the models; gRPC stays in the server process")
     allow_grpc: bool = Field(
         default=True, description="serve gRPC beside HTTP, as Triton's --allow-grpc (false: HTTP only)")
     grpc_port: Annotated[int, Flag(metavar="PORT")] = Field(

@@ -57,11 +57,14 @@ class Door:
             return None
         headers = dict(scope["headers"])
         close = headers.get(_EXPECT, b"").lower() == b"100-continue"
+        plane = self._endpoint.plane
         if not self._endpoint.flight.has_room(self._endpoint.reservation(headers)):
             body, retry_after = BUSY_BODY, "1"
+        elif plane is None:
+            return None  # the queues are in the server process: it refuses there
         else:
             try:
-                self._endpoint.plane.admit(match["model"], match["version"])
+                plane.admit(match["model"], match["version"])
             except QueueFull as exc:
                 body, retry_after = self._queue_full_body(exc), exc.retry_after
             except BatchlineError:

@@ -33,11 +33,14 @@ class HttpFrontEnd:
     def __init__(self, app: ASGIApp, listener: socket.socket, log_level: str = "info", grace_s: float = GRACE_S) -> None:
         self._listener = listener
         door = Door.of(app)  # refusals answered before an ASGI task exists
-        host, port = listener.getsockname()[:2]
+        if listener.family == socket.AF_UNIX:  # the server process's own app, behind its front ends
+            place: dict[str, object] = {"uds": listener.getsockname()}
+        else:
+            host, port = listener.getsockname()[:2]
+            place = {"host": host, "port": port}  # for uvicorn's "running on" line; it serves `listener`
         self._uvicorn = _Uvicorn(uvicorn.Config(
             app,
-            host=host,
-            port=port,  # for uvicorn's "running on" line; it serves `listener`
+            **place,  # type: ignore[arg-type]
             log_level=log_level,
             http=door_protocol(door) if door is not None else "httptools",
             lifespan="off",

@@ -13,6 +13,7 @@ answered with `connection: close`, as it may never send the body).
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import time
 import zlib
@@ -58,15 +59,29 @@ _CONTENT_ENCODING = b"content-encoding"
 CONTROL_BODY_BYTES = 64 << 10
 
 
+# One infer call's answer from its body: (model, version, body, Inference-Header-Content-Length,
+# access log record, when its head arrived) -> (response body, its binary header length or None).
+Answer = Callable[[str, str | None, bytes, int | None, RequestRecord | None, int], Awaitable[tuple[bytes, int | None]]]
+
+
 class InferEndpoint:
+    """The infer route over `plane`; or, in a front-end process (`--http-workers`), with no
+    plane of its own, over `answer`, which sends each call to the server process."""
+
     def __init__(
         self,
-        plane: DataPlane,
+        plane: DataPlane | None,
         max_body_bytes: int,
         access_log: AccessLog | None = None,
         flight: InFlight | None = None,
+        answer: Answer | None = None,
     ) -> None:
-        self.plane = plane
+        self.plane = plane  # None: no queues here to refuse at the door from
+        if answer is None:
+            if plane is None:
+                raise ValueError("an infer endpoint needs a data plane or an answer")
+            answer = functools.partial(v2_infer.infer_v2, plane)
+        self._answer = answer
         self._limit = max_body_bytes
         self._access_log = access_log or AccessLog()
         self.flight = flight or InFlight()  # shared with the server's other front ends
@@ -134,7 +149,7 @@ class InferEndpoint:
         except Exception as exc:  # noqa: BLE001 - every failure is answered in v2's shape, an unknown one as 500
             return await _send(send, *error_parts(exc))
         outcome = await unless_client_leaves(
-            receive, lambda: v2_infer.infer_v2(self.plane, model, version, body, header_length, record, received_ns),
+            receive, lambda: self._answer(model, version, body, header_length, record, received_ns),
             scope,
         )
         if outcome is None:

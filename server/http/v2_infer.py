@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 
 import numpy as np
 
 from server.dataplane import DataPlane, Output
 from server.errors import BatchlineError, QueueFull
+from server.link import LinkClient
 from server.protocol.v2 import DecodedRequest, ParsedRequest, build_tensors, encode_response, parse_request
 from server.scheduler.request import RequestRecord
 from server.shared_memory import Target, write_outputs
@@ -48,10 +50,7 @@ async def infer_v2(
         raise
     if record is not None:
         record.model_version = model.version
-    if len(body) > INLINE_DECODE_BYTES:
-        parsed = await asyncio.to_thread(_parse_without_gc, body, header_length)
-    else:
-        parsed = parse_request(body, header_length)
+    parsed = await _parsed(body, header_length)
     if record is not None:
         record.request_id = parsed.id
     batch_size = plane.check_inputs(model, {d.name: (d.datatype, d.shape) for d in parsed.inputs})
@@ -67,6 +66,47 @@ async def infer_v2(
         model, decoded.inputs, decoded.parameters, None if wanted is None else [o.name for o in wanted], record,
         received_ns, batch_size,
     )
+    return await _encoded(name, model.version, decoded, outputs, targets)
+
+
+async def infer_v2_remote(
+    link: LinkClient,
+    name: str,
+    version: str | None,
+    body: bytes,
+    header_length: int | None,
+    record: RequestRecord | None = None,
+    received_ns: int | None = None,
+) -> tuple[bytes, int | None]:
+    """`infer_v2` in a front-end process (`--http-workers`): the body is parsed and the answer
+    encoded here, the call runs in the server process. A call that names the client's shared
+    memory goes there whole: the regions are registered there."""
+    received = time.perf_counter_ns() if received_ns is None else received_ns
+    parsed = await _parsed(body, header_length)
+    if any(d.region is not None for d in parsed.inputs) or any(o.region is not None for o in parsed.outputs or ()):
+        return await link.infer_raw(name, version, body, header_length, record, received)
+    if record is not None:
+        record.request_id = parsed.id
+    if parsed.decode_bytes > INLINE_DECODE_BYTES:
+        decoded = await asyncio.to_thread(build_tensors, parsed)
+    else:
+        decoded = build_tensors(parsed)
+    wanted = decoded.outputs
+    served, outputs = await link.infer(
+        name, version, [(n, datatype, array) for n, (datatype, array) in decoded.inputs.items()], decoded.parameters,
+        None if wanted is None else [o.name for o in wanted], record, received)
+    return await _encoded(name, served, decoded, outputs, {})
+
+
+async def _parsed(body: bytes, header_length: int | None) -> ParsedRequest:
+    if len(body) > INLINE_DECODE_BYTES:
+        return await asyncio.to_thread(_parse_without_gc, body, header_length)
+    return parse_request(body, header_length)
+
+
+async def _encoded(
+    name: str, version: int, decoded: DecodedRequest, outputs: list[Output], targets: dict[str, Target],
+) -> tuple[bytes, int | None]:
     tensors = with_binary_flags(outputs, decoded)
     json_bytes = binary_bytes = 0
     for output, _, array, as_binary in tensors:
@@ -75,8 +115,8 @@ async def infer_v2(
         else:
             json_bytes += array.nbytes
     if json_bytes > INLINE_ENCODE_JSON_BYTES or binary_bytes > OFFLOAD_BYTES:
-        return await asyncio.to_thread(_answer, name, model.version, decoded.id, tensors, targets)
-    return _answer(name, model.version, decoded.id, tensors, targets)
+        return await asyncio.to_thread(_answer, name, version, decoded.id, tensors, targets)
+    return _answer(name, version, decoded.id, tensors, targets)
 
 
 def _answer(

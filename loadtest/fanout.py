@@ -1,0 +1,264 @@
+"""`bench fanout`: how many cores feed one device. One server process, `--http-workers N`, and N
+whole servers sharing the port, each against the same GPU stand-in, in one run.
+
+  single    one server process: HTTP, batching and the device on one event loop
+  workers   `--http-workers N`: N front-end processes parse and encode; one server process
+            batches across all of them and owns the device
+  replicas  N whole servers on one port (SO_REUSEPORT), each with its own batcher and its own
+            copy of the model, taking turns on the one device
+
+The model is the 256-float MLP (loadtest/mlp.py); its device is the stand-in (loadtest/standin.py):
+a batch holds one device for --fixed-us + --item-us per row of wall time, as a GPU kernel does,
+and spends no CPU, so the cores measured are the server's alone. wrk sends one static JSON body
+(its cheapest path: the load generator takes as little of the machine as it can); its latency
+percentiles are wrk's own. Each row also says the mean batch size the device saw and the CPU
+each part spent per request (from /proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loadtest import localserver, report, runs
+from loadtest.mlp import write_mlp_model
+
+LAYOUTS = ("single", "workers", "replicas")
+MODEL = "mlp"
+CLOCK_TICKS = 100  # /proc's utime and stime are in these per second (USER_HZ)
+
+HELP = """Measures one server process, --http-workers N and N whole servers on one port, closed loop
+with wrk at each --concurrency, against a GPU stand-in whose batches cost wall time, not CPU
+(--fixed-us + --item-us per row). Reports req/s, p50/p99, the mean batch size, the CPU each
+process spent per request, and each layout's rate against the single process's."""
+
+
+def add_parser(modes: Any, parents: runs.Parents) -> None:
+    parser = modes.add_parser("fanout", help="one device fed by 1 or N processes (--http-workers vs N servers)",
+                              description=HELP, formatter_class=runs.Formatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder for fanout.json, fanout.md and fanout.png")
+    parser.add_argument("--note", default="", help="free text stored in the report")
+    parser.add_argument("--workers", type=int, default=2, help="N: front-end processes, and whole servers")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    parser.add_argument("--concurrency", type=runs.ints, default=[64, 256], help="comma-separated connections")
+    parser.add_argument("--duration", type=runs.positive, default=10.0, help="seconds per level")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each layout's levels")
+    parser.add_argument("--fixed-us", type=float, default=1000.0, help="the stand-in device's cost per batch")
+    parser.add_argument("--item-us", type=float, default=10.0, help="the stand-in device's cost per row")
+    parser.add_argument("--wrk-threads", type=int, default=2, help="wrk's threads")
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
+    runs.require_wrk()
+    layouts = [layout for layout in args.layouts.split(",") if layout]
+    unknown = sorted(set(layouts) - set(LAYOUTS))
+    if unknown:
+        raise SystemExit(f"bench fanout: unknown layouts {unknown} (of {', '.join(LAYOUTS)})")
+    parameters = {"model": "mlp (256 FP32 in, 10 out, max batch 64, 2 ms window)", "workers": args.workers,
+                  "layouts": layouts, "concurrency": args.concurrency, "duration_s": args.duration,
+                  "warmup_s": args.warmup, "fixed_us": args.fixed_us, "item_us": args.item_us,
+                  "wrk_threads": args.wrk_threads}
+    record = runs.record(args, argv, parameters)
+    levels: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="batchline-fanout-") as folder:
+        root = Path(folder)
+        repository = root / "models"
+        write_mlp_model(repository)
+        script = root / "body.lua"
+        script.write_text(static_body_script())
+        environment = {"STANDIN_FIXED_US": str(args.fixed_us), "STANDIN_ITEM_US": str(args.item_us),
+                       "STANDIN_DEVICE_LOCK": str(root / "device.lock")}
+        for layout in layouts:
+            with servers(layout, args.workers, repository, root, environment) as (url, stats_of, pids):
+                target = f"{url}/v2/models/{MODEL}/infer"
+                if args.warmup > 0:
+                    wrk(target, script, max(args.concurrency), args.warmup, args.wrk_threads)
+                for connections in args.concurrency:
+                    before = stats_of(), cpu_ticks(pids())
+                    level = wrk(target, script, connections, args.duration, args.wrk_threads)
+                    after = stats_of(), cpu_ticks(pids())
+                    level |= {"layout": layout, "processes": len(after[1])}
+                    level |= measured_costs(before, after)
+                    levels.append(level)
+                    print(f"  {layout} c={connections}: {level['req_s']:,.0f} req/s, p50 {level['p50_ms']:.2f} ms, "
+                          f"p99 {level['p99_ms']:.2f} ms, mean batch {level['mean_batch']:.1f}", file=sys.stderr)
+    record["results"] = levels
+    record["headline"] = {f"{level['layout']}@{level['concurrency']}_req_s": level["req_s"] for level in levels}
+    record["notes"] += [
+        f"N = {args.workers}; the device: {args.fixed_us:g} us per batch + {args.item_us:g} us per row, one batch at a "
+        "time across every process",
+        "x single: req/s over the single process's at the same concurrency, in this run",
+        "CPU us/request: CPU time of every server process (user + system) over the level, per request served; "
+        "front ends: the --http-workers processes together",
+        "latency: wrk's own percentiles (--latency)",
+    ]
+    return report.write(args.out, "fanout", record, HEADERS, table_rows(levels), plot=lambda path: plot(path, levels))
+
+
+def static_body_script() -> str:
+    """A wrk script that only sets the request: wrk then calls no Lua per request."""
+    rng = np.random.default_rng(0)
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256],
+                                   "data": [round(float(v), 4) for v in rng.uniform(-1, 1, 256)]}]})
+    return (f'wrk.method = "POST"\nwrk.body = {json.dumps(body)}\n'
+            'wrk.headers["Content-Type"] = "application/json"\n')
+
+
+Stats = dict[str, int]
+
+
+@contextlib.contextmanager
+def servers(layout: str, workers: int, repository: Path, root: Path,
+            environment: dict[str, str]) -> Iterator[tuple[str, Any, Any]]:
+    """The layout's server(s), started under the stand-in: (base URL, a function reading the
+    model's statistics summed over servers, a function listing the server processes' pids)."""
+    launcher = ("-m", "loadtest.standin", "serve")
+    common = ("--engine-threads", "1", "--log-level", "warning")
+    with contextlib.ExitStack() as stack:
+        if layout == "replicas":
+            first = stack.enter_context(localserver.started_server(
+                repository, *common, "--grpc-port-file", str(root / "grpc-0"), log_path=root / "replica-0.log",
+                launcher=launcher, environment={**environment, "STANDIN_REUSE_PORT": "1"}))
+            port = int(first.url.rsplit(":", 1)[1])
+            replicas = [first]
+            for index in range(1, workers):
+                replicas.append(stack.enter_context(localserver.started_server(
+                    repository, *common, "--grpc-port-file", str(root / f"grpc-{index}"),
+                    log_path=root / f"replica-{index}.log", launcher=launcher, port=port,
+                    environment={**environment, "STANDIN_REUSE_PORT": "1"})))
+            grpc_ports = [int((root / f"grpc-{index}").read_text()) for index in range(workers)]
+            yield (first.url, lambda: sum_stats([grpc_stats(p) for p in grpc_ports]),
+                   lambda: [r.process.pid for r in replicas])
+        else:
+            extra = ("--http-workers", str(workers)) if layout == "workers" else ()
+            server = stack.enter_context(localserver.started_server(
+                repository, *common, *extra, "--allow-grpc", "false", log_path=root / f"{layout}.log",
+                launcher=launcher, environment=environment))
+            yield (server.url, lambda: http_stats(server.url),
+                   lambda: [server.process.pid, *children(server.process.pid)])
+
+
+def http_stats(url: str) -> Stats:
+    status, _, body = runs.get(url, f"/v2/models/{MODEL}/stats", 10.0)
+    if status != 200:
+        raise SystemExit(f"bench fanout: statistics answered {status}: {body[:200]!r}")
+    stats = json.loads(body)["model_stats"][0]
+    return {"items": int(stats["inference_count"]), "batches": int(stats["execution_count"]),
+            "requests": int(stats["inference_stats"]["success"]["count"])}
+
+
+def grpc_stats(port: int) -> Stats:
+    import grpc
+
+    from server.grpc.protos import grpc_service_pb2 as pb
+    from server.grpc.protos import grpc_service_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        reply = pb_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(pb.ModelStatisticsRequest(name=MODEL), timeout=10)
+    stats = reply.model_stats[0]
+    return {"items": stats.inference_count, "batches": stats.execution_count,
+            "requests": stats.inference_stats.success.count}
+
+
+def sum_stats(each: list[Stats]) -> Stats:
+    return {key: sum(stats[key] for stats in each) for key in each[0]}
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def cpu_ticks(pids: list[int]) -> dict[int, int]:
+    """CPU time (user + system, in clock ticks) of each process still running."""
+    ticks = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks[pid] = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return ticks
+
+
+def measured_costs(before: tuple[Stats, dict[int, int]], after: tuple[Stats, dict[int, int]]) -> dict[str, Any]:
+    """The level's mean batch size and each process's CPU per request served."""
+    (stats_0, ticks_0), (stats_1, ticks_1) = before, after
+    served = max(1, stats_1["requests"] - stats_0["requests"])
+    batches = max(1, stats_1["batches"] - stats_0["batches"])
+    per_request = {pid: (ticks_1[pid] - ticks_0.get(pid, ticks_1[pid])) / CLOCK_TICKS * 1e6 / served
+                   for pid in ticks_1}
+    return {"mean_batch": (stats_1["items"] - stats_0["items"]) / batches,
+            "cpu_us_per_request": [round(per_request[pid], 1) for pid in sorted(per_request)],
+            "cpu_us_per_request_total": round(sum(per_request.values()), 1)}
+
+
+_RATE = re.compile(r"Requests/sec:\s+([\d.]+)")
+_PERCENTILE = re.compile(r"^\s+(50|75|90|99)%\s+([\d.]+)(us|ms|s)\s*$", re.MULTILINE)
+_NON_2XX = re.compile(r"Non-2xx or 3xx responses:\s+(\d+)")
+_SOCKET_ERRORS = re.compile(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)")
+_UNIT_MS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+def wrk(url: str, script: Path, connections: int, duration_s: float, threads: int) -> dict[str, Any]:
+    wrk_path = shutil.which("wrk")
+    assert wrk_path is not None  # runs.require_wrk checked
+    command = [wrk_path, "-t", str(min(threads, connections)), "-c", str(connections), "-d", f"{max(1, round(duration_s))}s",
+               "--latency", "-s", str(script), url]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=duration_s + 60)
+    if done.returncode != 0 or not _RATE.search(done.stdout):
+        raise RuntimeError(f"wrk failed ({done.returncode}): {done.stderr.strip() or done.stdout[-2000:]}")
+    percentiles = {f"p{p}_ms": round(float(v) * _UNIT_MS[unit], 3) for p, v, unit in _PERCENTILE.findall(done.stdout)}
+    non_2xx = _NON_2XX.search(done.stdout)
+    socket_errors = _SOCKET_ERRORS.search(done.stdout)
+    return {"concurrency": connections, "req_s": round(float(_RATE.search(done.stdout)[1]), 1),  # type: ignore[index]
+            "p50_ms": percentiles.get("p50_ms", 0.0), "p99_ms": percentiles.get("p99_ms", 0.0),
+            "errors": (int(non_2xx[1]) if non_2xx else 0) + (sum(map(int, socket_errors.groups())) if socket_errors else 0),
+            "command": command}
+
+
+HEADERS = ["layout", "clients", "req/s", "x single", "p50 ms", "p99 ms", "mean batch", "CPU us/request",
+           "processes", "errors"]
+
+
+def table_rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
+    single = {level["concurrency"]: level["req_s"] for level in levels if level["layout"] == "single"}
+    rows = []
+    for level in levels:
+        base = single.get(level["concurrency"])
+        rows.append([level["layout"], level["concurrency"], level["req_s"],
+                     round(level["req_s"] / base, 2) if base else "", level["p50_ms"], level["p99_ms"],
+                     round(level["mean_batch"], 1), level["cpu_us_per_request_total"], level["processes"],
+                     level["errors"]])
+    return rows
+
+
+def plot(path: Path, levels: list[dict[str, Any]]) -> None:
+    fig, (rates, batches) = report.panels("one device fed by one or several processes", 2)
+    counts = list(dict.fromkeys(level["concurrency"] for level in levels))
+    layouts = list(dict.fromkeys(level["layout"] for level in levels))
+    width = 0.8 / len(layouts)
+    for i, layout in enumerate(layouts):
+        mine = {level["concurrency"]: level for level in levels if level["layout"] == layout}
+        xs = [c + (i - (len(layouts) - 1) / 2) * width for c in range(len(counts))]
+        rates.bar(xs, [mine[c]["req_s"] if c in mine else 0 for c in counts], width, label=layout, color=f"C{i}")
+        batches.bar(xs, [mine[c]["mean_batch"] if c in mine else 0 for c in counts], width, label=layout, color=f"C{i}")
+    for ax in (rates, batches):
+        ax.set_xticks(range(len(counts)), [f"{c} clients" for c in counts])
+        ax.legend(fontsize=8)
+    rates.set_ylabel("served (req/s)")
+    batches.set_ylabel("mean batch size on the device")
+    report.save(fig, path)

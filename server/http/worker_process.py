@@ -1,0 +1,104 @@
+"""One HTTP front-end process of `batchline serve --http-workers N` (started by the server
+process, never by hand): it accepts on the shared port, parses and encodes infer calls, sends
+each to the server process over its link and every other route to the server process's own app.
+
+It stops on SIGTERM or SIGINT (draining its connections, as the server does) and when its link
+closes: a front end outlives its server process by no more than its drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+import signal
+import socket
+import sys
+
+import orjson
+
+from server.access_log import AccessLog
+from server.http.auth import AccessGate, AccessPolicy
+from server.http.extensions import EXTENSIONS
+from server.http.forward import ForwardApp
+from server.http.frontend import HttpFrontEnd
+from server.http.infer import FastInferApp, InferEndpoint
+from server.http.v2_infer import infer_v2_remote
+from server.inflight import InFlight
+from server.link import LinkClient
+from server.settings import ServerSettings
+
+logger = logging.getLogger("batchline.frontend")
+READY_LINE = b"ready\n"  # what a front end writes to its standard output once it accepts
+
+
+def reuse_port_socket(host: str, port: int, listen: bool) -> socket.socket:
+    """A TCP socket on (host, port) in the port's SO_REUSEPORT group: the kernel spreads new
+    connections over the group's listening sockets. The server process holds one that never
+    listens, so the port stays its own while front ends come and go."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        if listen:
+            sock.listen(2048)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def front_end_app(settings: ServerSettings, link: LinkClient, forward: ForwardApp, workers: int) -> AccessGate:
+    """The app of one front end: infer answered over the link, the rest forwarded. Each front
+    end takes its share of the server's bounds on requests in flight."""
+    flight = InFlight(math.ceil(settings.max_in_flight / workers), math.ceil(settings.max_in_flight_bytes / workers))
+    endpoint = InferEndpoint(None, settings.max_body_bytes, AccessLog(settings.access_log), flight,
+                             answer=functools.partial(infer_v2_remote, link))
+    routes = FastInferApp(forward, endpoint, own_bodies=tuple(f"{extension.prefix}/" for extension in EXTENSIONS))
+    return AccessGate(routes, AccessPolicy.from_settings(settings), EXTENSIONS)
+
+
+async def serve(settings: ServerSettings, port: int, link_path: str, upstream_path: str, workers: int) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    frontend: HttpFrontEnd | None = None
+
+    def request_stop() -> None:
+        if stop.is_set() and frontend is not None:
+            frontend.force()
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, request_stop)
+    link = await LinkClient.connect(link_path, stop.set)
+    forward = ForwardApp(upstream_path)
+    frontend = HttpFrontEnd(front_end_app(settings, link, forward, workers),
+                            reuse_port_socket(settings.host, port, listen=True), settings.log_level)
+    await frontend.start()
+    sys.stdout.buffer.write(READY_LINE)
+    sys.stdout.flush()
+    await stop.wait()
+    await frontend.drain()
+    link.close()
+    await forward.close()
+
+
+def main() -> int:
+    """Arguments: port, link socket, the server process's HTTP socket, the number of front
+    ends; the settings come as JSON on standard input (never argv: it shows in ps)."""
+    port, link_path, upstream_path, workers = sys.argv[1:5]
+    settings = ServerSettings(**orjson.loads(sys.stdin.buffer.read()))
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve(settings, int(port), link_path, upstream_path, int(workers)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

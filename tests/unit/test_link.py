@@ -1,0 +1,206 @@
+"""The link between a front-end process and the server process, over a real Unix socket: frames
+cut anywhere reassemble, tensors cross inline or in shared memory and come back equal, typed
+errors cross as themselves, a cancelled call is cancelled on the far side and its slots freed,
+and a lost server process fails the calls waiting on it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from server import link
+from server.arena import MIN_SLOT, Arena
+from server.errors import DeadlineExceeded, InvalidInput, QueueFull, ServerBusy, Unavailable
+from server.link import FrameReader, LinkClient, PlaneLink, error_from, error_header, frame_bytes
+from server.scheduler.request import RequestRecord
+
+
+class FakeModel:
+    version = 3
+
+
+class FakePlane:
+    """The data plane as the link uses it: doubles every input, or raises what it is told."""
+
+    def __init__(self) -> None:
+        self.raise_next: BaseException | None = None
+        self.hold = asyncio.Event()
+        self.hold.set()
+        self.started = asyncio.Event()
+        self.cancelled = asyncio.Event()
+        self.seen: list[dict[str, Any]] = []
+
+    def admit(self, name: str, version: str | None) -> FakeModel:
+        if name == "missing":
+            raise Unavailable("no model 'missing'")
+        return FakeModel()
+
+    def check_inputs(self, model: FakeModel, declared: dict[str, tuple[str, list[int]]]) -> int:
+        return next(iter(declared.values()))[1][0]
+
+    async def infer(self, model: FakeModel, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any],
+                    outputs: list[str] | None, record: RequestRecord | None, received_ns: int | None,
+                    batch_size: int | None) -> list[tuple[str, str, np.ndarray]]:
+        self.seen.append({"parameters": parameters, "outputs": outputs, "batch_size": batch_size,
+                          "received_ns": received_ns})
+        self.started.set()
+        try:
+            await self.hold.wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        if self.raise_next is not None:
+            error, self.raise_next = self.raise_next, None
+            raise error
+        if record is not None:
+            record.queue_ns, record.compute_ns = 5, 7
+        return [(f"{name}_doubled", datatype, array * 2 if datatype != "BYTES" else array)
+                for name, (datatype, array) in inputs.items()]
+
+
+async def _raw(*arguments: Any) -> tuple[bytes, int | None]:
+    return b'{"raw": true}', None
+
+
+@pytest.fixture
+async def linked(tmp_path: Path) -> AsyncIterator[tuple[LinkClient, FakePlane, list[PlaneLink]]]:
+    plane = FakePlane()
+    ends: list[PlaneLink] = []
+
+    def end() -> PlaneLink:
+        ends.append(PlaneLink(plane, _raw))  # type: ignore[arg-type]
+        return ends[-1]
+
+    path = str(tmp_path / "link.sock")
+    server = await asyncio.get_running_loop().create_unix_server(end, path)
+    lost = asyncio.Event()
+    client = await LinkClient.connect(path, lost.set)
+    client.lost_event = lost  # type: ignore[attr-defined]
+    yield client, plane, ends
+    client.close()
+    server.close()
+    await server.wait_closed()
+
+
+def test_frames_cut_anywhere_reassemble() -> None:
+    stream = b"".join(bytes(p) for p in frame_bytes({"i": 1, "k": "infer"}, [b"abc", b"de"]))
+    stream += b"".join(bytes(p) for p in frame_bytes({"i": 2}))
+    for cut in range(len(stream) + 1):
+        reader = FrameReader()
+        frames = reader.feed(stream[:cut]) + reader.feed(stream[cut:])
+        assert [f.header for f in frames] == [{"i": 1, "k": "infer"}, {"i": 2}]
+        assert bytes(frames[0].payload) == b"abcde" and bytes(frames[1].payload) == b""
+
+
+def test_a_stream_out_of_step_is_refused() -> None:
+    with pytest.raises(ValueError, match="out of step"):
+        FrameReader().feed(b"\xff\xff\xff\xff\0\0\0\0")
+
+
+def test_typed_errors_cross_as_themselves() -> None:
+    busy = error_from(error_header(1, ServerBusy("too many", retry_after_s=4.0))["e"])
+    assert type(busy) is ServerBusy and busy.message == "too many" and busy.retry_after == "4"
+    assert type(error_from(error_header(1, DeadlineExceeded("late"))["e"])) is DeadlineExceeded
+    unknown = error_from(error_header(1, KeyError("x"))["e"])  # not a server error: no detail leaks
+    assert type(unknown) is RuntimeError and "x" not in str(unknown)
+
+
+async def test_small_tensors_cross_inline_and_large_ones_in_shared_memory(linked: Any) -> None:
+    client, plane, ends = linked
+    small = np.arange(6, dtype=np.float32).reshape(2, 3)
+    large = np.arange(MIN_SLOT // 4 * 2, dtype=np.float32).reshape(2, -1)  # 128 KiB: a slot each way
+    words = np.array([[b"a"], [b"\xffbytes"]], dtype=object)
+    record = RequestRecord(request_id="r1")
+    served, outputs = await client.infer(
+        "m", "3", [("small", "FP32", small), ("large", "FP32", large), ("words", "BYTES", words)],
+        {"priority": 1}, ["small_doubled"], record, 123)
+    assert served == 3
+    answer = {name: (datatype, array) for name, datatype, array in outputs}
+    np.testing.assert_array_equal(answer["small_doubled"][1], small * 2)
+    np.testing.assert_array_equal(answer["large_doubled"][1], large * 2)
+    assert answer["words_doubled"][0] == "BYTES" and answer["words_doubled"][1].tolist() == words.tolist()
+    assert plane.seen == [{"parameters": {"priority": 1}, "outputs": ["small_doubled"], "batch_size": 2,
+                           "received_ns": 123}]
+    assert (record.request_id, record.model_version, record.queue_ns, record.compute_ns) == ("r1", 3, 5, 7)
+    # `large` crossed in a slot each way: the input's freed when the answer came, the output's once read
+    inputs, outputs_arena = client._arena, ends[0]._arena
+    assert inputs is not None and outputs_arena is not None
+    assert inputs._top == outputs_arena._top == large.nbytes  # one slot carved on each side, no more
+    assert inputs.allocate(large.nbytes) == 0
+    await asyncio.sleep(0.05)
+    assert outputs_arena.allocate(large.nbytes) == 0
+
+
+async def test_errors_come_back_typed(linked: Any) -> None:
+    client, plane, _ = linked
+    with pytest.raises(Unavailable, match="no model 'missing'"):
+        await client.infer("missing", None, [("x", "FP32", np.zeros((1, 2), np.float32))], {}, None, None, 0)
+    plane.raise_next = QueueFull("full", retry_after_s=3.0)
+    with pytest.raises(QueueFull, match="full") as raised:
+        await client.infer("m", None, [("x", "FP32", np.zeros((1, 2), np.float32))], {}, None, None, 0)
+    assert raised.value.retry_after == "3"
+    plane.raise_next = InvalidInput("bad")
+    with pytest.raises(InvalidInput, match="bad"):
+        await client.infer("m", None, [("x", "FP32", np.zeros((1, 2), np.float32))], {}, None, None, 0)
+
+
+async def test_a_cancelled_call_is_cancelled_there_and_its_slots_freed(linked: Any) -> None:
+    client, plane, ends = linked
+    plane.hold.clear()
+    large = np.ones((1, MIN_SLOT // 4), np.float32)
+    call = asyncio.create_task(client.infer("m", None, [("x", "FP32", large)], {}, None, None, 0))
+    await asyncio.wait_for(plane.started.wait(), 5)
+    assert client._arena is not None and client._arena.allocate(1) == MIN_SLOT  # slot 0 still held
+    call.cancel()
+    await asyncio.wait_for(plane.cancelled.wait(), 5)
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    for _ in range(100):
+        if not client._pending:
+            break
+        await asyncio.sleep(0.01)
+    assert not client._pending and not ends[0]._calls
+    assert client._arena.allocate(1) == 0  # freed once the server process answered the cancellation
+
+
+async def test_calls_fail_when_the_server_process_is_gone(linked: Any) -> None:
+    client, plane, ends = linked
+    plane.hold.clear()
+    call = asyncio.create_task(client.infer("m", None, [("x", "FP32", np.zeros((1, 2), np.float32))], {}, None, None, 0))
+    await asyncio.wait_for(plane.started.wait(), 5)
+    ends[0].transport.close()
+    with pytest.raises(Unavailable, match="server process is gone"):
+        await call
+    await asyncio.wait_for(client.lost_event.wait(), 5)
+    with pytest.raises(Unavailable):
+        await client.infer("m", None, [("x", "FP32", np.zeros((1, 2), np.float32))], {}, None, None, 0)
+
+
+async def test_a_raw_call_is_answered_by_the_server_process(linked: Any) -> None:
+    client, _, _ = linked
+    assert await client.infer_raw("m", None, b"{}", None, None, 0) == (b'{"raw": true}', None)
+
+
+async def test_without_shared_memory_everything_goes_inline(linked: Any, monkeypatch: pytest.MonkeyPatch,
+                                                            tmp_path: Path) -> None:
+    def no_room(size: int, prefix: str = "") -> Arena:
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(link.Arena, "create", staticmethod(no_room))
+    _, plane, _ = linked
+    ends: list[PlaneLink] = []
+    path = str(tmp_path / "inline.sock")
+    server = await asyncio.get_running_loop().create_unix_server(
+        lambda: ends.append(PlaneLink(plane, _raw)) or ends[-1], path)  # type: ignore[arg-type, func-returns-value]
+    client = await LinkClient.connect(path, lambda: None)
+    large = np.ones((1, MIN_SLOT // 2), np.float32)
+    _, outputs = await client.infer("m", None, [("x", "FP32", large)], {}, None, None, 0)
+    np.testing.assert_array_equal(outputs[0][2], large * 2)
+    assert client._arena is None and not client.outputs_in_shared_memory
+    client.close()
+    server.close()
