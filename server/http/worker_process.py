@@ -2,8 +2,10 @@
 process, never by hand): it accepts on the shared port, parses and encodes infer calls, sends
 each to the server process over its link and every other route to the server process's own app.
 
-It stops on SIGTERM or SIGINT (draining its connections, as the server does) and when its link
-closes: a front end outlives its server process by no more than its drain.
+It drains its connections on SIGTERM (a second one stops waiting) and when its link closes: a
+front end outlives its server process by no more than its drain. SIGINT is the server process's
+to act on: Ctrl-C in a terminal reaches every process of the group, and the server process then
+asks each front end to drain, once.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 import orjson
 
 from server.access_log import AccessLog
+from server.errors import Unavailable
 from server.http.auth import AccessGate, AccessPolicy
 from server.http.extensions import EXTENSIONS
 from server.http.forward import ForwardApp
@@ -71,9 +74,11 @@ async def serve(settings: ServerSettings, port: int, link_path: str, upstream_pa
             frontend.force()
         stop.set()
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, request_stop)
-    link = await LinkClient.connect(link_path, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, request_stop)
+    try:
+        link = await LinkClient.connect(link_path, stop.set)
+    except (OSError, Unavailable) as exc:
+        raise SystemExit(f"this HTTP front end cannot reach its server process: {exc}") from None
     forward = ForwardApp(upstream_path)
     frontend = HttpFrontEnd(front_end_app(settings, link, forward, workers),
                             reuse_port_socket(settings.host, port, listen=True), settings.log_level)
@@ -93,6 +98,7 @@ def main() -> int:
     settings = ServerSettings(**orjson.loads(sys.stdin.buffer.read()))
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per forwarded call otherwise
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

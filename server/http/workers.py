@@ -65,12 +65,19 @@ class HttpWorkers:
         self._links = await asyncio.get_running_loop().create_unix_server(
             lambda: PlaneLink(self._plane, self._infer_raw), self._link_path)
         os.chmod(self._link_path, 0o600)
+        self._plane.front_ends_starting += 1  # ready once every front end accepts, not the first
         try:
-            for index in range(self._count):
-                self._processes[index] = await self._spawn(index)
-        except BaseException:
-            await self.drain()
-            raise
+            started = await asyncio.gather(*(self._spawn(index) for index in range(self._count)),
+                                           return_exceptions=True)
+            for index, outcome in enumerate(started):
+                if isinstance(outcome, asyncio.subprocess.Process):
+                    self._processes[index] = outcome
+            failed = next((o for o in started if isinstance(o, BaseException)), None)
+            if failed is not None:
+                await self.drain()
+                raise failed
+        finally:
+            self._plane.front_ends_starting -= 1
         self._watchers = [asyncio.create_task(self._watch(index)) for index in range(self._count)]
         logger.info("%d HTTP front-end processes share port %d: %s", self._count, self._port,
                     ", ".join(f"pid {pid}" for pid in self.pids()))
@@ -87,12 +94,17 @@ class HttpWorkers:
             start_new_session=False,
         )
         assert process.stdin is not None and process.stdout is not None
-        process.stdin.write(_settings_json(self._settings))
-        process.stdin.close()
         try:
-            line = await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            line = b""
+            process.stdin.write(_settings_json(self._settings))
+            process.stdin.close()
+            try:
+                line = await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                line = b""
+        except BaseException:  # a stop during the start: the process goes with it
+            if process.returncode is None:
+                process.kill()
+            raise
         if line != READY_LINE:
             if process.returncode is None:
                 process.kill()

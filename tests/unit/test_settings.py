@@ -26,6 +26,7 @@ SAMPLES: dict[str, tuple[list[str], Any]] = {
     "host": (["0.0.0.0"], "0.0.0.0"),
     "http_port": (["9002"], 9002),
     "port_file": (["/tmp/port"], Path("/tmp/port")),
+    "http_workers": (["4"], 4),
     "allow_grpc": (["false"], False),
     "grpc_port": (["9003"], 9003),
     "grpc_port_file": (["/tmp/grpc-port"], Path("/tmp/grpc-port")),
