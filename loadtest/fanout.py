@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -137,7 +138,8 @@ def servers(layout: str, workers: int, repository: Path, root: Path,
                     repository, *common, "--grpc-port-file", str(root / f"grpc-{index}"),
                     log_path=root / f"replica-{index}.log", launcher=launcher, port=port,
                     environment={**environment, "STANDIN_REUSE_PORT": "1"})))
-            grpc_ports = [int((root / f"grpc-{index}").read_text()) for index in range(workers)]
+            grpc_ports = [replica_ready(root / f"grpc-{index}", replica.process)
+                          for index, replica in enumerate(replicas)]
             yield (first.url, lambda: sum_stats([grpc_stats(p) for p in grpc_ports]),
                    lambda: [r.process.pid for r in replicas])
         else:
@@ -147,6 +149,30 @@ def servers(layout: str, workers: int, repository: Path, root: Path,
                 launcher=launcher, environment=environment))
             yield (server.url, lambda: http_stats(server.url),
                    lambda: [server.process.pid, *children(server.process.pid)])
+
+
+def replica_ready(port_file: Path, process: Any, timeout_s: float = 300) -> int:
+    """The gRPC port of one replica, once that replica is ready: its HTTP readiness may have been
+    answered by another one on the shared port."""
+    import grpc
+
+    from server.grpc.protos import grpc_service_pb2 as pb
+    from server.grpc.protos import grpc_service_pb2_grpc as pb_grpc
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"bench fanout: a replica exited with {process.returncode}")
+        if port_file.is_file():
+            port = int(port_file.read_text())
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                try:
+                    if pb_grpc.GRPCInferenceServiceStub(channel).ServerReady(pb.ServerReadyRequest(), timeout=5).ready:
+                        return port
+                except grpc.RpcError:
+                    pass
+        time.sleep(0.2)
+    raise SystemExit("bench fanout: a replica did not become ready in time")
 
 
 def http_stats(url: str) -> Stats:
@@ -199,7 +225,7 @@ def measured_costs(before: tuple[Stats, dict[int, int]], after: tuple[Stats, dic
     (stats_0, ticks_0), (stats_1, ticks_1) = before, after
     served = max(1, stats_1["requests"] - stats_0["requests"])
     batches = max(1, stats_1["batches"] - stats_0["batches"])
-    per_request = {pid: (ticks_1[pid] - ticks_0.get(pid, ticks_1[pid])) / CLOCK_TICKS * 1e6 / served
+    per_request = {pid: (ticks_1[pid] - ticks_0.get(pid, 0)) / CLOCK_TICKS * 1e6 / served
                    for pid in ticks_1}
     return {"mean_batch": (stats_1["items"] - stats_0["items"]) / batches,
             "cpu_us_per_request": [round(per_request[pid], 1) for pid in sorted(per_request)],

@@ -5,7 +5,9 @@ each to the server process over its link and every other route to the server pro
 It drains its connections on SIGTERM (a second one stops waiting) and when its link closes: a
 front end outlives its server process by no more than its drain. SIGINT is the server process's
 to act on: Ctrl-C in a terminal reaches every process of the group, and the server process then
-asks each front end to drain, once.
+asks each front end to drain, once. Its garbage collector is tuned as the server process's is
+(`server.heap`): with the default thresholds, collections were most of a front end's tail
+(p99 at 64 clients 37 ms, 13 ms with them).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import orjson
 
 from server.access_log import AccessLog
 from server.errors import Unavailable
+from server.heap import HeapPolicy
 from server.http.auth import AccessGate, AccessPolicy
 from server.http.extensions import EXTENSIONS
 from server.http.forward import ForwardApp
@@ -64,7 +67,8 @@ def front_end_app(settings: ServerSettings, link: LinkClient, forward: ForwardAp
     return AccessGate(routes, AccessPolicy.from_settings(settings), EXTENSIONS)
 
 
-async def serve(settings: ServerSettings, port: int, link_path: str, upstream_path: str, workers: int) -> None:
+async def serve(settings: ServerSettings, port: int, link_path: str, upstream_path: str, workers: int,
+                heap: HeapPolicy) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     frontend: HttpFrontEnd | None = None
@@ -83,6 +87,7 @@ async def serve(settings: ServerSettings, port: int, link_path: str, upstream_pa
     frontend = HttpFrontEnd(front_end_app(settings, link, forward, workers),
                             reuse_port_socket(settings.host, port, listen=True), settings.log_level)
     await frontend.start()
+    heap.settle()  # what starting left (imports, the app), frozen out of later collections
     sys.stdout.buffer.write(READY_LINE)
     sys.stdout.flush()
     await stop.wait()
@@ -102,7 +107,7 @@ def main() -> int:
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve(settings, int(port), link_path, upstream_path, int(workers)))
+        runner.run(serve(settings, int(port), link_path, upstream_path, int(workers), HeapPolicy().install()))
     return 0
 
 

@@ -1,0 +1,66 @@
+"""`bench fanout` and its GPU stand-in: a batch holds the one device for its wall time without
+spending CPU, several processes take turns on it, and a short run of the mode measures all three
+layouts. It checks the tools, not the server's speed."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from loadtest import fanout, standin
+from tests.integration.conftest import require_tool
+from tests.loadtest.conftest import assert_figure, bench
+
+
+def test_the_stand_in_device_costs_wall_time_not_cpu_one_batch_at_a_time(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(standin, "FIXED_US", 50_000.0)
+    monkeypatch.setattr(standin, "ITEM_US", 1_000.0)
+    devices = [standin.Device(tmp_path / "device.lock") for _ in range(2)]  # two processes' views of one device
+    cpu_before = resource.getrusage(resource.RUSAGE_SELF)
+    started = time.monotonic()
+    runs = [threading.Thread(target=device.run, args=(10,)) for device in devices]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join()
+    elapsed = time.monotonic() - started
+    cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+    assert elapsed >= 2 * 0.060  # 60 ms each, one after the other
+    cpu = (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)
+    assert cpu < 0.05, cpu  # asleep, not spinning
+
+
+def test_the_static_script_sends_one_mlp_request() -> None:
+    script = fanout.static_body_script()
+    assert 'wrk.method = "POST"' in script and "request = function" not in script  # no Lua per request
+    body = json.loads(json.loads(script.split("wrk.body = ", 1)[1].split("\n", 1)[0]))
+    assert body["inputs"][0]["shape"] == [1, 256] and len(body["inputs"][0]["data"]) == 256
+
+
+def test_costs_are_read_per_level() -> None:
+    before = ({"items": 10, "batches": 2, "requests": 10}, {1: 100, 2: 50})
+    after = ({"items": 74, "batches": 4, "requests": 74}, {1: 164, 2: 82, 3: 5})
+    costs = fanout.measured_costs(before, after)
+    assert costs["mean_batch"] == 32
+    assert costs["cpu_us_per_request"] == [10000.0, 5000.0, 781.2]  # a process that came later counts from its start
+    assert fanout.cpu_ticks([os.getpid()])[os.getpid()] >= 0
+
+
+def test_a_short_run_measures_every_layout(tmp_path: Path) -> None:
+    require_tool("wrk", "wrk")
+    out = tmp_path / "fanout"
+    bench("fanout", "--out", str(out), "--concurrency", "4", "--duration", "1", "--warmup", "0",
+          "--fixed-us", "200", "--item-us", "5", timeout=600)
+    record = json.loads((out / "fanout.json").read_text())
+    assert [level["layout"] for level in record["results"]] == ["single", "workers", "replicas"]
+    for level in record["results"]:
+        assert level["req_s"] > 0 and level["errors"] == 0 and level["mean_batch"] >= 1, level
+    assert [level["processes"] for level in record["results"]] == [1, 3, 2]
+    assert "x single" in assert_figure(out, "fanout")

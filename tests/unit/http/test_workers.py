@@ -1,0 +1,86 @@
+"""The pieces of `--http-workers` that need no second process: the settings a front end is
+sent, the port's SO_REUSEPORT group, the server process's app on a Unix socket, a front end's
+door (no queues to refuse from), and a forward to a server process that does not answer."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from pydantic import SecretStr
+
+from server.http.door import Door
+from server.http.forward import UNREACHABLE, ForwardApp
+from server.http.frontend import HttpFrontEnd
+from server.http.worker_process import front_end_app, reuse_port_socket
+from server.http.workers import _settings_json
+from server.settings import ServerSettings
+from tests.unit.http.conftest import Exchange
+
+
+def test_a_front_end_gets_the_settings_secrets_included(tmp_path: Path) -> None:
+    settings = ServerSettings(model_repository=tmp_path, http_workers=3, inference_token=SecretStr("s3cret-token-value"),
+                              models=["a"], max_in_flight=10)
+    sent = ServerSettings(**orjson.loads(_settings_json(settings)))
+    assert sent == settings
+    assert sent.inference_token is not None and sent.inference_token.get_secret_value() == "s3cret-token-value"
+
+
+def test_front_ends_share_the_port_and_the_holder_takes_no_connections() -> None:
+    holder = reuse_port_socket("127.0.0.1", 0, listen=False)
+    port = holder.getsockname()[1]
+    front = reuse_port_socket("127.0.0.1", port, listen=True)
+    other = reuse_port_socket("127.0.0.1", port, listen=True)
+    try:
+        with pytest.raises(OSError):  # a server without the option cannot take the port
+            socket.create_server(("127.0.0.1", port))
+        for _ in range(20):  # every connection lands on a listening socket, never on the holder
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                pass
+    finally:
+        for sock in (holder, front, other):
+            sock.close()
+
+
+def test_a_front_ends_door_refuses_only_what_it_can_judge(tmp_path: Path) -> None:
+    settings = ServerSettings(model_repository=tmp_path, http_workers=2, max_in_flight=2)
+    app = front_end_app(settings, link=None, forward=ForwardApp(str(tmp_path / "none.sock")), workers=2)  # type: ignore[arg-type]
+    door = Door.of(app)
+    assert door is not None
+    scope = Exchange.of(b"{}").scope
+    assert door.refusal(scope) is None  # no queue here to look at: the server process refuses there
+    endpoint = app.app.endpoint  # type: ignore[attr-defined]
+    assert endpoint.flight.try_take(0)  # this front end's share of 2 in flight is 1
+    refused = door.refusal(scope)
+    assert refused is not None and refused[1] == "1"
+
+
+async def test_the_server_process_app_serves_on_a_unix_socket(tmp_path: Path) -> None:
+    async def app(scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": b"ok"})  # type: ignore[operator]
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "app.sock"))
+    listener.listen()
+    frontend = HttpFrontEnd(app, listener, "warning", grace_s=1)
+    await frontend.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(tmp_path / "app.sock"))) as client:
+            assert (await client.get("http://batchline/anything")).text == "ok"
+    finally:
+        await frontend.drain()
+
+
+async def test_a_forward_to_a_server_process_that_does_not_answer_is_a_503(tmp_path: Path) -> None:
+    forward = ForwardApp(str(tmp_path / "gone.sock"))
+    exchange = Exchange([], path="/v2/health/ready")
+    exchange.scope["method"] = "GET"
+    await asyncio.wait_for(forward(exchange.scope, exchange.receive, exchange.send), 10)
+    assert exchange.sent[0]["status"] == 503
+    assert orjson.loads(exchange.sent[1]["body"]) == {"error": UNREACHABLE}
+    await forward.close()
