@@ -62,7 +62,7 @@ def install() -> None:
 
     engine_module.OnnxRuntimeEngine.run = run  # type: ignore[method-assign]
     if os.environ.get("STANDIN_REUSE_PORT") == "1":
-        from server.http.worker_process import reuse_port_socket
+        from server.http.shared_port import reuse_port_socket
 
         cli._listen = lambda host, port: reuse_port_socket(host, port, listen=True)  # type: ignore[assignment]
 

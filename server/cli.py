@@ -41,7 +41,8 @@ def _serve(args: argparse.Namespace) -> int:
     from server.http.app import create_app
     from server.http.auth import AccessPolicy, SettingsError
     from server.http.frontend import HttpFrontEnd
-    from server.http.workers import HttpWorkers, reserve_port
+    from server.http.shared_port import reserve_port
+    from server.http.workers import HttpWorkers
     from server.inflight import InFlight
     from server.metrics import build_registry
     from server.repository import ModelRepository

@@ -47,7 +47,7 @@ class DataPlane:
         self._heap = heap  # settled after models load or unload; None: the collector is left as it is
         self._startup: asyncio.Task[None] | None = None
         self.stopping = False  # a stop was asked for: not ready, no new inference; what is in flight finishes
-        self.front_ends_starting = 0  # front ends not yet accepting (--http-workers): not ready until they are
+        self.accepting = True  # False while the Server starts its front ends: not ready until all accept
 
     def start(self, models: list[str] | None = None) -> None:
         """Begin loading models in the background: the server is live at once, ready later."""
@@ -82,7 +82,7 @@ class DataPlane:
         return self.repository.live()
 
     def server_ready(self) -> bool:
-        return (not self.stopping and not self.front_ends_starting and self._startup is not None
+        return (not self.stopping and self.accepting and self._startup is not None
                 and self._startup.done() and self.repository.all_ready())
 
     def model_ready(self, name: str, version: str | None) -> bool:

@@ -59,10 +59,12 @@ class Server:
             loop.add_signal_handler(signum, self.request_stop)
         started: list[FrontEnd] = []
         try:
+            self.plane.accepting = False  # one front end may answer readiness before the others accept
             self.plane.start(self._models)
             for frontend in self._frontends:
                 await frontend.start()
                 started.append(frontend)
+            self.plane.accepting = True
             await self._stop.wait()
         finally:
             self.plane.begin_stop()

@@ -83,13 +83,13 @@ class ServerSettings(RepositorySettings):
         default=64 << 20, gt=0, description="largest infer request body accepted (413 past it)")
     max_in_flight: Annotated[int, Flag(metavar="N")] = Field(
         default=512, gt=0,
-        description="infer requests served at once, over every front end together; past it 429 + Retry-After "
-        "before the body is read")
+        description="infer requests served at once, over every front end together (with --http-workers N, each HTTP "
+        "front end takes 1/N of it); past it 429 + Retry-After before the body is read")
     max_in_flight_bytes: Annotated[int, Flag(metavar="BYTES")] = Field(
         default=1 << 30, gt=0,
         description="bytes of infer bodies held at once (the declared Content-Length, else --max-body-bytes), "
-        "over every front end together; past it 429 + Retry-After before the body is read; request memory stays "
-        "near 3x this")
+        "over every front end together (with --http-workers N, each HTTP front end takes 1/N of it); past it "
+        "429 + Retry-After before the body is read; request memory stays near 3x this")
     allow_client_shm: bool = Field(
         default=False,
         description="let clients register system shared-memory regions and pass tensors through them (Triton's "

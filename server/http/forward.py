@@ -1,9 +1,9 @@
 """Every HTTP route but infer, in a front-end process (`--http-workers`): sent on unchanged to
 the server process's own HTTP app over a private Unix socket.
 
-So metadata, readiness, statistics, /metrics, model control, shared-memory registration and the
-docs have one answer whichever front end a client reaches: the state they read lives in the
-server process alone. Only infer, the hot path, is decoded in the front end.
+So metadata, readiness, statistics, /metrics, model control, shared-memory registration, /v1
+and the docs have one answer whichever front end a client reaches: the state they read lives in
+the server process alone. Only infer, the hot path, is decoded in the front end.
 """
 
 from __future__ import annotations
@@ -12,20 +12,26 @@ from collections.abc import AsyncIterator
 
 import httpx
 
+from server.errors import BatchlineError, Unavailable
 from server.http.errors import error_parts
 from server.http.infer import Receive, Scope, Send
-from server.errors import Unavailable
 
-# Hop-by-hop headers (RFC 9110 7.6.1) belong to one connection, never passed on.
-_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
-                         b"transfer-encoding", b"upgrade"})
+# Hop-by-hop headers (RFC 9110 7.6.1) belong to one connection, never passed on; this front
+# end's uvicorn writes its own Date and Server.
+_NOT_PASSED_ON = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
+                            b"transfer-encoding", b"upgrade"})
+_ANSWERED_HERE = frozenset({b"date", b"server"})
 UNREACHABLE = "the server process does not answer; retry"
+# Idle connections to the server process close well before its uvicorn closes them (5 s), so a
+# request never goes out on a connection the other side is closing.
+_POOL = httpx.Limits(keepalive_expiry=1.0)
+_SAFE = ("GET", "HEAD", "OPTIONS")  # sent again once when a pooled connection fails
 
 
 class ForwardApp:
     def __init__(self, socket_path: str) -> None:
         self._client = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=socket_path), base_url="http://batchline", timeout=None)
+            transport=httpx.AsyncHTTPTransport(uds=socket_path, limits=_POOL), base_url="http://batchline", timeout=None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -33,22 +39,27 @@ class ForwardApp:
         target = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
-        headers = [(k, v) for k, v in scope["headers"] if k not in _HOP_BY_HOP]
-        request = self._client.build_request(
-            scope["method"], httpx.URL("http://batchline").copy_with(raw_path=target), headers=headers,
-            content=_body(receive) if scope["method"] not in ("GET", "HEAD") else None)
+        headers = [(k, v) for k, v in scope["headers"] if k not in _NOT_PASSED_ON]
+        method = scope["method"]
+        url = httpx.URL("http://batchline").copy_with(raw_path=target)
         try:
-            response = await self._client.send(request, stream=True)
+            try:
+                response = await self._client.send(self._client.build_request(
+                    method, url, headers=headers, content=None if method in _SAFE else _body(receive)), stream=True)
+            except httpx.TransportError:
+                if method not in _SAFE:
+                    raise
+                response = await self._client.send(self._client.build_request(method, url, headers=headers), stream=True)
         except httpx.TransportError:
-            status, body, extra = error_parts(Unavailable(UNREACHABLE))
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                    *((k.lower().encode(), v.encode()) for k, v in extra.items())]})
-            await send({"type": "http.response.body", "body": body})
+            await _error(send, Unavailable(UNREACHABLE))
+            return
+        except BatchlineError as exc:  # the body passed a limit as it was read (413)
+            await _error(send, exc)
             return
         try:
             await send({"type": "http.response.start", "status": response.status_code,
-                        "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP_BY_HOP]})
+                        "headers": [(k, v) for k, v in response.headers.raw
+                                    if k.lower() not in _NOT_PASSED_ON and k.lower() not in _ANSWERED_HERE]})
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
@@ -57,6 +68,14 @@ class ForwardApp:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+async def _error(send: Send, error: Exception) -> None:
+    status, body, extra = error_parts(error)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *((k.lower().encode(), v.encode()) for k, v in extra.items())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _body(receive: Receive) -> AsyncIterator[bytes]:

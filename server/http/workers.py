@@ -14,26 +14,25 @@ waits for them, and only then closes the links: the calls they hold still get an
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
-import socket
 import sys
 import time
-from typing import Any
 
 import orjson
 from pydantic import SecretStr
 
 from server.dataplane import DataPlane
 from server.http.v2_infer import infer_v2
-from server.http.worker_process import READY_LINE, reuse_port_socket
 from server.link import PlaneLink
 from server.server import StartFailed
 from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
+READY_LINE = b"ready\n"  # what a front end writes to its standard output once it accepts
 START_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 60.0  # past a front end's own grace period (30 s)
 FAST_DEATH_S = 5.0  # a front end that dies sooner after its start waits before the next one
@@ -41,6 +40,8 @@ MAX_PAUSE_S = 30.0
 
 
 class HttpWorkers:
+    """The front-end processes as one front end of the Server: started with it, drained with it."""
+
     name = "http front ends"
 
     def __init__(
@@ -56,34 +57,26 @@ class HttpWorkers:
         self._processes: list[asyncio.subprocess.Process | None] = [None] * workers
         self._watchers: list[asyncio.Task[None]] = []
         self._stopping = False
-        self.restarts = 0
 
     def pids(self) -> list[int]:
         return [p.pid for p in self._processes if p is not None and p.returncode is None]
 
     async def start(self) -> None:
+        infer_raw = functools.partial(infer_v2, self._plane)
         self._links = await asyncio.get_running_loop().create_unix_server(
-            lambda: PlaneLink(self._plane, self._infer_raw), self._link_path)
+            lambda: PlaneLink(self._plane, infer_raw), self._link_path)
         os.chmod(self._link_path, 0o600)
-        self._plane.front_ends_starting += 1  # ready once every front end accepts, not the first
-        try:
-            started = await asyncio.gather(*(self._spawn(index) for index in range(self._count)),
-                                           return_exceptions=True)
-            for index, outcome in enumerate(started):
-                if isinstance(outcome, asyncio.subprocess.Process):
-                    self._processes[index] = outcome
-            failed = next((o for o in started if isinstance(o, BaseException)), None)
-            if failed is not None:
-                await self.drain()
-                raise failed
-        finally:
-            self._plane.front_ends_starting -= 1
+        started = await asyncio.gather(*(self._spawn(index) for index in range(self._count)), return_exceptions=True)
+        for index, outcome in enumerate(started):
+            if isinstance(outcome, asyncio.subprocess.Process):
+                self._processes[index] = outcome
+        failed = next((o for o in started if isinstance(o, BaseException)), None)
+        if failed is not None:
+            await self.drain()
+            raise failed
         self._watchers = [asyncio.create_task(self._watch(index)) for index in range(self._count)]
         logger.info("%d HTTP front-end processes share port %d: %s", self._count, self._port,
                     ", ".join(f"pid {pid}" for pid in self.pids()))
-
-    async def _infer_raw(self, *arguments: Any) -> tuple[bytes, int | None]:
-        return await infer_v2(self._plane, *arguments)
 
     async def _spawn(self, index: int) -> asyncio.subprocess.Process:
         """Start front end `index` and wait until it accepts; StartFailed when it does not."""
@@ -91,7 +84,6 @@ class HttpWorkers:
             sys.executable, "-m", "server.http.worker_process",
             str(self._port), self._link_path, self._upstream_path, str(self._count),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            start_new_session=False,
         )
         assert process.stdin is not None and process.stdout is not None
         try:
@@ -122,7 +114,6 @@ class HttpWorkers:
             status = await process.wait()
             if self._stopping:
                 return
-            self.restarts += 1
             lived = time.monotonic() - started
             pause = 0.0 if lived > FAST_DEATH_S else min(MAX_PAUSE_S, max(0.5, pause * 2))
             logger.warning("HTTP front end %d (pid %d) ended with status %s; its connections are lost; starting "
@@ -167,9 +158,3 @@ def _settings_json(settings: ServerSettings) -> bytes:
     values = {name: value.get_secret_value() if isinstance(value, SecretStr) else value
               for name, value in settings}
     return orjson.dumps(values, default=str)
-
-
-def reserve_port(host: str, port: int) -> socket.socket:
-    """A socket that holds (host, port) in its SO_REUSEPORT group without listening, so the
-    system's choice for port 0 is known and kept while front ends restart."""
-    return reuse_port_socket(host, port, listen=False)

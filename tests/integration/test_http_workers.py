@@ -159,6 +159,22 @@ def test_errors_keep_their_status_and_shape(served: localserver.StartedServer) -
     assert Call(served.url, "spin", 1.0).echoed() == 1.0  # and the server serves on
 
 
+def test_forwarded_routes_answer_as_the_server_process_does(served: localserver.StartedServer) -> None:
+    metadata = httpx.get(f"{served.url}/v2", timeout=10)
+    assert metadata.status_code == 200
+    assert len(metadata.headers.get_list("date")) == 1 and len(metadata.headers.get_list("server")) == 1
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        for _ in range(20):
+            yield b" " * (8 << 10)
+
+    too_big = httpx.post(f"{served.url}/v2/repository/index", content=chunks(), timeout=10,
+                         headers={"Content-Type": "application/json"})
+    assert too_big.status_code == 413 and "65536" in too_big.json()["error"]
+    index = httpx.post(f"{served.url}/v2/repository/index", json={}, timeout=10)
+    assert index.status_code == 200 and {entry["name"] for entry in index.json()} >= {"echo", "spin"}
+
+
 def test_the_clients_shared_memory_through_a_front_end(served: localserver.StartedServer) -> None:
     client = _client(served)
     batch = np.random.default_rng(5).standard_normal((1, WIDTH)).astype(np.float32)
@@ -222,9 +238,14 @@ def test_a_front_end_killed_under_load_is_replaced_and_the_other_serves_on(repos
 
 
 def test_a_stop_drains_calls_in_flight_and_ends_every_process(repository: Path) -> None:
+    """As a terminal's Ctrl-C (SIGINT to every process) or a stopper that signals the whole group
+    (SIGTERM to every process) would: the front ends drain once, whatever reaches them."""
     with workers_server(repository) as server:
         processes = front_ends(server)
         slow = hold(server.url, "spin")
+        for pid in processes:
+            os.kill(pid, signal.SIGINT)
+            os.kill(pid, signal.SIGTERM)
         server.process.send_signal(signal.SIGTERM)
         assert slow.echoed() == SLOW  # answered during the drain
         assert server.process.wait(WAIT_S) == 0

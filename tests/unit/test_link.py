@@ -6,6 +6,7 @@ and a lost server process fails the calls waiting on it."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,8 @@ import pytest
 from server import link
 from server.arena import MIN_SLOT, Arena
 from server.errors import DeadlineExceeded, InvalidInput, QueueFull, ServerBusy, Unavailable
-from server.link import FrameReader, LinkClient, PlaneLink, error_from, error_header, frame_bytes
+from server.link import LinkClient, PlaneLink
+from server.link_frames import Frame, FrameReader, error_from, error_header, frame_bytes
 from server.scheduler.request import RequestRecord
 
 
@@ -202,5 +204,94 @@ async def test_without_shared_memory_everything_goes_inline(linked: Any, monkeyp
     _, outputs = await client.infer("m", None, [("x", "FP32", large)], {}, None, None, 0)
     np.testing.assert_array_equal(outputs[0][2], large * 2)
     assert client._arena is None and not client.outputs_in_shared_memory
+    client.close()
+    server.close()
+
+
+class Recorded:
+    """A transport that keeps what is written to it."""
+
+    def __init__(self) -> None:
+        self.written = b""
+
+    def writelines(self, parts: list[bytes]) -> None:
+        self.written += b"".join(bytes(p) for p in parts)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_call_cancelled_before_it_starts_is_still_answered() -> None:
+    """Its call and its cancellation in one read: the call's task never runs, and its answer
+    (which frees the front end's input slots) must come all the same."""
+    plane = FakePlane()
+    end = PlaneLink(plane, _raw)  # type: ignore[arg-type]
+    transport = Recorded()
+    end.connection_made(transport)  # type: ignore[arg-type]
+    x = np.zeros((1, 2), np.float32)
+    metas = [["x", "FP32", [1, 2], "i", 0, x.nbytes]]
+    stream = b"".join(bytes(p) for p in frame_bytes({"k": "infer", "i": 7, "m": "m", "v": None, "in": metas, "p": {},
+                                                     "o": None, "t": 0}, [x.tobytes()]))
+    stream += b"".join(bytes(p) for p in frame_bytes({"k": "cancel", "i": 7}))
+    end.data_received(stream)
+    for _ in range(100):
+        if transport.written:
+            break
+        await asyncio.sleep(0.01)
+    answers = FrameReader().feed(transport.written)
+    assert [a.header for a in answers] == [{"i": 7, "e": ["Cancelled", "the call was cancelled", None]}]
+    assert not end._calls and not plane.seen  # never ran
+
+
+async def test_outputs_answered_as_their_caller_is_cancelled_are_released(linked: Any) -> None:
+    client, plane, ends = linked
+    plane.hold.clear()
+    large = np.ones((1, MIN_SLOT // 4), np.float32)
+    call = asyncio.create_task(client.infer("m", None, [("x", "FP32", large)], {}, None, None, 0))
+    await asyncio.wait_for(plane.started.wait(), 5)
+    answered = asyncio.get_running_loop().create_future()
+    original = client.frame_received
+
+    def answer_then_cancel(frame: Frame) -> None:
+        original(frame)  # the answer lands ...
+        if "out" in frame.header:
+            call.cancel()  # ... and its caller is cancelled before it reads it
+            answered.set_result(frame.header)
+
+    client.frame_received = answer_then_cancel  # type: ignore[method-assign]
+    plane.hold.set()
+    header = await asyncio.wait_for(answered, 5)
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert header["out"][0][3] == "s"  # its output was in a slot ...
+    await asyncio.sleep(0.05)
+    assert ends[0]._arena is not None and ends[0]._arena.allocate(large.nbytes) == 0  # ... given back
+
+
+async def test_outputs_go_inline_when_the_front_end_cannot_map_the_server_arena(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    attach = link.Arena.attach
+
+    def only_inputs(path: str) -> Arena:
+        if "batchline-out" in path:
+            raise OSError("permission denied")
+        return attach(path)
+
+    monkeypatch.setattr(link.Arena, "attach", staticmethod(only_inputs))
+    plane = FakePlane()
+    ends: list[PlaneLink] = []
+    path = str(tmp_path / "half.sock")
+    server = await asyncio.get_running_loop().create_unix_server(
+        lambda: ends.append(PlaneLink(plane, _raw)) or ends[-1], path)  # type: ignore[arg-type, func-returns-value]
+    client = await LinkClient.connect(path, lambda: None)
+    large = np.ones((1, MIN_SLOT // 2), np.float32)
+    _, outputs = await client.infer("m", None, [("x", "FP32", large)], {}, None, None, 0)
+    np.testing.assert_array_equal(outputs[0][2], large * 2)
+    assert ends[0]._arena is None and client._arena is not None  # inputs still in shared memory
+    leftovers = [name for name in os.listdir("/dev/shm") if name.startswith(f"batchline-out-{os.getpid()}-")]
+    assert not leftovers
     client.close()
     server.close()

@@ -16,7 +16,8 @@ from pydantic import SecretStr
 from server.http.door import Door
 from server.http.forward import UNREACHABLE, ForwardApp
 from server.http.frontend import HttpFrontEnd
-from server.http.worker_process import front_end_app, reuse_port_socket
+from server.http.shared_port import reserve_port, reuse_port_socket
+from server.http.worker_process import front_end_app
 from server.http.workers import _settings_json
 from server.settings import ServerSettings
 from tests.unit.http.conftest import Exchange
@@ -30,8 +31,22 @@ def test_a_front_end_gets_the_settings_secrets_included(tmp_path: Path) -> None:
     assert sent.inference_token is not None and sent.inference_token.get_secret_value() == "s3cret-token-value"
 
 
+def test_a_port_already_held_is_refused() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as other_server:
+        with pytest.raises(OSError):
+            reserve_port("127.0.0.1", other_server.getsockname()[1])
+    holder = reserve_port("127.0.0.1", 0)
+    front = reuse_port_socket("127.0.0.1", holder.getsockname()[1], listen=True)
+    try:
+        with pytest.raises(OSError):  # a second server with workers on the port of one serving fails too
+            reserve_port("127.0.0.1", holder.getsockname()[1])
+    finally:
+        front.close()
+        holder.close()
+
+
 def test_front_ends_share_the_port_and_the_holder_takes_no_connections() -> None:
-    holder = reuse_port_socket("127.0.0.1", 0, listen=False)
+    holder = reserve_port("127.0.0.1", 0)
     port = holder.getsockname()[1]
     front = reuse_port_socket("127.0.0.1", port, listen=True)
     other = reuse_port_socket("127.0.0.1", port, listen=True)
