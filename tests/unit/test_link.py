@@ -6,6 +6,7 @@ and a lost server process fails the calls waiting on it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -69,8 +70,12 @@ async def _raw(*arguments: Any) -> tuple[bytes, int | None]:
     return b'{"raw": true}', None
 
 
-@pytest.fixture
-async def linked(tmp_path: Path) -> AsyncIterator[tuple[LinkClient, FakePlane, list[PlaneLink]]]:
+Linked = tuple[LinkClient, FakePlane, list[PlaneLink]]
+
+
+@contextlib.asynccontextmanager
+async def link_pair(path: Path) -> AsyncIterator[Linked]:
+    """A front end's link to a server process's ends (one per connection) over `path`."""
     plane = FakePlane()
     ends: list[PlaneLink] = []
 
@@ -78,15 +83,22 @@ async def linked(tmp_path: Path) -> AsyncIterator[tuple[LinkClient, FakePlane, l
         ends.append(PlaneLink(plane, _raw))  # type: ignore[arg-type]
         return ends[-1]
 
-    path = str(tmp_path / "link.sock")
-    server = await asyncio.get_running_loop().create_unix_server(end, path)
+    server = await asyncio.get_running_loop().create_unix_server(end, str(path))
     lost = asyncio.Event()
-    client = await LinkClient.connect(path, lost.set)
+    client = await LinkClient.connect(str(path), lost.set)
     client.lost_event = lost  # type: ignore[attr-defined]
-    yield client, plane, ends
-    client.close()
-    server.close()
-    await server.wait_closed()
+    try:
+        yield client, plane, ends
+    finally:
+        client.close()
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.fixture
+async def linked(tmp_path: Path) -> AsyncIterator[Linked]:
+    async with link_pair(tmp_path / "link.sock") as pair:
+        yield pair
 
 
 def test_frames_cut_anywhere_reassemble() -> None:
@@ -188,24 +200,16 @@ async def test_a_raw_call_is_answered_by_the_server_process(linked: Any) -> None
     assert await client.infer_raw("m", None, b"{}", None, None, 0) == (b'{"raw": true}', None)
 
 
-async def test_without_shared_memory_everything_goes_inline(linked: Any, monkeypatch: pytest.MonkeyPatch,
-                                                            tmp_path: Path) -> None:
+async def test_without_shared_memory_everything_goes_inline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     def no_room(size: int, prefix: str = "") -> Arena:
         raise OSError("no space left on device")
 
     monkeypatch.setattr(link.Arena, "create", staticmethod(no_room))
-    _, plane, _ = linked
-    ends: list[PlaneLink] = []
-    path = str(tmp_path / "inline.sock")
-    server = await asyncio.get_running_loop().create_unix_server(
-        lambda: ends.append(PlaneLink(plane, _raw)) or ends[-1], path)  # type: ignore[arg-type, func-returns-value]
-    client = await LinkClient.connect(path, lambda: None)
-    large = np.ones((1, MIN_SLOT // 2), np.float32)
-    _, outputs = await client.infer("m", None, [("x", "FP32", large)], {}, None, None, 0)
-    np.testing.assert_array_equal(outputs[0][2], large * 2)
-    assert client._arena is None and not client.outputs_in_shared_memory
-    client.close()
-    server.close()
+    async with link_pair(tmp_path / "inline.sock") as (client, _, _):
+        large = np.ones((1, MIN_SLOT // 2), np.float32)
+        _, outputs = await client.infer("m", None, [("x", "FP32", large)], {}, None, None, 0)
+        np.testing.assert_array_equal(outputs[0][2], large * 2)
+        assert client._arena is None and not client.outputs_in_shared_memory
 
 
 class Recorded:
@@ -281,17 +285,10 @@ async def test_outputs_go_inline_when_the_front_end_cannot_map_the_server_arena(
         return attach(path)
 
     monkeypatch.setattr(link.Arena, "attach", staticmethod(only_inputs))
-    plane = FakePlane()
-    ends: list[PlaneLink] = []
-    path = str(tmp_path / "half.sock")
-    server = await asyncio.get_running_loop().create_unix_server(
-        lambda: ends.append(PlaneLink(plane, _raw)) or ends[-1], path)  # type: ignore[arg-type, func-returns-value]
-    client = await LinkClient.connect(path, lambda: None)
-    large = np.ones((1, MIN_SLOT // 2), np.float32)
-    _, outputs = await client.infer("m", None, [("x", "FP32", large)], {}, None, None, 0)
-    np.testing.assert_array_equal(outputs[0][2], large * 2)
-    assert ends[0]._arena is None and client._arena is not None  # inputs still in shared memory
+    async with link_pair(tmp_path / "half.sock") as (client, _, ends):
+        large = np.ones((1, MIN_SLOT // 2), np.float32)
+        _, outputs = await client.infer("m", None, [("x", "FP32", large)], {}, None, None, 0)
+        np.testing.assert_array_equal(outputs[0][2], large * 2)
+        assert ends[0]._arena is None and client._arena is not None  # inputs still in shared memory
     leftovers = [name for name in os.listdir("/dev/shm") if name.startswith(f"batchline-out-{os.getpid()}-")]
     assert not leftovers
-    client.close()
-    server.close()
