@@ -276,15 +276,14 @@ def plot(path: Path, levels: list[dict[str, Any]]) -> None:
     fig, (rates, batches) = report.panels("one device fed by one or several processes", 2)
     counts = list(dict.fromkeys(level["concurrency"] for level in levels))
     layouts = list(dict.fromkeys(level["layout"] for level in levels))
-    width = 0.8 / len(layouts)
-    for i, layout in enumerate(layouts):
-        mine = {level["concurrency"]: level for level in levels if level["layout"] == layout}
-        xs = [c + (i - (len(layouts) - 1) / 2) * width for c in range(len(counts))]
-        rates.bar(xs, [mine[c]["req_s"] if c in mine else 0 for c in counts], width, label=layout, color=f"C{i}")
-        batches.bar(xs, [mine[c]["mean_batch"] if c in mine else 0 for c in counts], width, label=layout, color=f"C{i}")
-    for ax in (rates, batches):
-        ax.set_xticks(range(len(counts)), [f"{c} clients" for c in counts])
-        ax.legend(fontsize=8)
+    groups = [f"{c} clients" for c in counts]
+
+    def per_layout(key: str) -> list[tuple[str, list[float]]]:
+        found = {(level["layout"], level["concurrency"]): level[key] for level in levels}
+        return [(layout, [found.get((layout, c), 0) for c in counts]) for layout in layouts]
+
+    report.grouped_bars(rates, groups, per_layout("req_s"))
+    report.grouped_bars(batches, groups, per_layout("mean_batch"))
     rates.set_ylabel("served (req/s)")
     batches.set_ylabel("mean batch size on the device")
     report.save(fig, path)

@@ -122,6 +122,19 @@ def panels(title: str, count: int):
     return fig, list(axes[0])
 
 
+def grouped_bars(ax, groups: Sequence[str], series: Sequence[tuple[str, Sequence[float]]], legend: bool = True,
+                 **style: Any) -> None:
+    """One bar per series in each group, side by side, coloured by series (C0, C1, ...); the
+    groups named under them. `legend=False`: a layer drawn behind another, left out of the legend."""
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, values, width, label=label if legend else None, color=f"C{i}", **style)
+    ax.set_xticks(range(len(groups)), groups)
+    if legend:
+        ax.legend(fontsize=8)
+
+
 LATENCY_STYLES = {"p50": "o-", "p90": "s-", "p99": "^-"}
 
 

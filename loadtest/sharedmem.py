@@ -209,16 +209,16 @@ def plot_ways(path: Path, levels: list[dict[str, Any]]) -> None:
     """Bars per way, grouped by clients: req/s on the left, p50 (solid) and p99 (hatched) on the right."""
     fig, (rates, latency) = report.panels(f"{MODEL}: the image through shared memory vs in the body", 2)
     counts = list(dict.fromkeys(level["concurrency"] for level in levels))
-    width = 0.8 / len(WAYS)
-    for i, way in enumerate(WAYS):
-        mine = {level["concurrency"]: level for level in levels if level["way"] == way}
-        xs = [c + (i - (len(WAYS) - 1) / 2) * width for c in range(len(counts))]
-        rates.bar(xs, [mine[c]["req_s"] for c in counts], width, label=way, color=f"C{i}")
-        latency.bar(xs, [mine[c]["latency_ms"]["p99"] for c in counts], width, color=f"C{i}", alpha=0.35, hatch="//")
-        latency.bar(xs, [mine[c]["latency_ms"]["p50"] for c in counts], width, color=f"C{i}", label=way)
-    for ax in (rates, latency):
-        ax.set_xticks(range(len(counts)), [f"{c} client(s)" for c in counts])
-        ax.legend(fontsize=8)
+    groups = [f"{c} client(s)" for c in counts]
+
+    def per_way(read: Any) -> list[tuple[str, list[float]]]:
+        found = {(level["way"], level["concurrency"]): read(level) for level in levels}
+        return [(way, [found[way, c] for c in counts]) for way in WAYS]
+
+    report.grouped_bars(rates, groups, per_way(lambda level: level["req_s"]))
+    report.grouped_bars(latency, groups, per_way(lambda level: level["latency_ms"]["p99"]), legend=False,
+                        alpha=0.35, hatch="//")
+    report.grouped_bars(latency, groups, per_way(lambda level: level["latency_ms"]["p50"]))
     rates.set_ylabel("served (req/s)")
     latency.set_ylabel("latency (ms): p50 solid, p99 hatched")
     report.save(fig, path)

@@ -243,10 +243,6 @@ class LinkClient(_Stream):
                 logger.warning("the server process's shared memory could not be mapped (%s): outputs come inline", exc)
         self.send({"k": "mapped", "outputs_mapped": self._peer_arena is not None})
 
-    @property
-    def outputs_in_shared_memory(self) -> bool:
-        return self._peer_arena is not None
-
     def frame_received(self, frame: Frame) -> None:
         header = frame.header
         if header.get("k") == "hello":

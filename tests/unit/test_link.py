@@ -163,12 +163,17 @@ async def test_errors_come_back_typed(linked: Any) -> None:
         await client.infer("m", None, [("x", "FP32", np.zeros((1, 2), np.float32))], {}, None, None, 0)
 
 
+async def held_call(client: LinkClient, plane: FakePlane, array: np.ndarray) -> asyncio.Task[Any]:
+    """A call of `array`, running in the server process, held there until `plane.hold` is set."""
+    plane.hold.clear()
+    call = asyncio.create_task(client.infer("m", None, [("x", "FP32", array)], {}, None, None, 0))
+    await asyncio.wait_for(plane.started.wait(), 5)
+    return call
+
+
 async def test_a_cancelled_call_is_cancelled_there_and_its_slots_freed(linked: Any) -> None:
     client, plane, ends = linked
-    plane.hold.clear()
-    large = np.ones((1, MIN_SLOT // 4), np.float32)
-    call = asyncio.create_task(client.infer("m", None, [("x", "FP32", large)], {}, None, None, 0))
-    await asyncio.wait_for(plane.started.wait(), 5)
+    call = await held_call(client, plane, np.ones((1, MIN_SLOT // 4), np.float32))
     assert client._arena is not None and client._arena.allocate(1) == MIN_SLOT  # slot 0 still held
     call.cancel()
     await asyncio.wait_for(plane.cancelled.wait(), 5)
@@ -184,9 +189,7 @@ async def test_a_cancelled_call_is_cancelled_there_and_its_slots_freed(linked: A
 
 async def test_calls_fail_when_the_server_process_is_gone(linked: Any) -> None:
     client, plane, ends = linked
-    plane.hold.clear()
-    call = asyncio.create_task(client.infer("m", None, [("x", "FP32", np.zeros((1, 2), np.float32))], {}, None, None, 0))
-    await asyncio.wait_for(plane.started.wait(), 5)
+    call = await held_call(client, plane, np.zeros((1, 2), np.float32))
     ends[0].transport.close()
     with pytest.raises(Unavailable, match="server process is gone"):
         await call
@@ -209,7 +212,7 @@ async def test_without_shared_memory_everything_goes_inline(monkeypatch: pytest.
         large = np.ones((1, MIN_SLOT // 2), np.float32)
         _, outputs = await client.infer("m", None, [("x", "FP32", large)], {}, None, None, 0)
         np.testing.assert_array_equal(outputs[0][2], large * 2)
-        assert client._arena is None and not client.outputs_in_shared_memory
+        assert client._arena is None and client._peer_arena is None
 
 
 class Recorded:
@@ -252,10 +255,8 @@ async def test_a_call_cancelled_before_it_starts_is_still_answered() -> None:
 
 async def test_outputs_answered_as_their_caller_is_cancelled_are_released(linked: Any) -> None:
     client, plane, ends = linked
-    plane.hold.clear()
     large = np.ones((1, MIN_SLOT // 4), np.float32)
-    call = asyncio.create_task(client.infer("m", None, [("x", "FP32", large)], {}, None, None, 0))
-    await asyncio.wait_for(plane.started.wait(), 5)
+    call = await held_call(client, plane, large)
     answered = asyncio.get_running_loop().create_future()
     original = client.frame_received
 
