@@ -209,7 +209,7 @@ def sweep(
     model: str, repository: Path, batch_sizes: list[int], duration_s: float, threads: int, length_sorted: bool = False,
     folder: Path | None = None,
 ) -> list[BatchResult]:
-    """`model` names the payload (digits | minilm); `folder` the model folder to load (default:
+    """`model` names the payload (digits | minilm | mlp); `folder` the model folder to load (default:
     repository/model; a variant of it, e.g. repository/minilm-onnxruntime-int8, takes the same payload)."""
     folder = folder or repository / model
     engine = model_files(folder).config.engine

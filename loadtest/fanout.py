@@ -21,7 +21,7 @@ import argparse
 import contextlib
 import json
 import re
-import shutil
+import os
 import subprocess
 import sys
 import tempfile
@@ -32,12 +32,12 @@ from typing import Any
 
 import numpy as np
 
-from loadtest import localserver, report, runs
+from loadtest import localserver, mlp, report, runs, signals, wrk as wrk_runs
 from loadtest.mlp import write_mlp_model
 
 LAYOUTS = ("single", "workers", "replicas")
-MODEL = "mlp"
-CLOCK_TICKS = 100  # /proc's utime and stime are in these per second (USER_HZ)
+MODEL = mlp.NAME
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # what /proc's utime and stime count per second
 
 HELP = """Measures one server process, --http-workers N and N whole servers on one port, closed loop
 with wrk at each --concurrency, against a GPU stand-in whose batches cost wall time, not CPU
@@ -66,7 +66,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
     unknown = sorted(set(layouts) - set(LAYOUTS))
     if unknown:
         raise SystemExit(f"bench fanout: unknown layouts {unknown} (of {', '.join(LAYOUTS)})")
-    parameters = {"model": "mlp (256 FP32 in, 10 out, max batch 64, 2 ms window)", "workers": args.workers,
+    parameters = {"model": f"{MODEL} ({mlp.WIDTH} FP32 in, {mlp.CLASSES} out, max batch {mlp.MAX_BATCH}, "
+                           f"{mlp.WINDOW_US / 1000:g} ms window)", "workers": args.workers,
                   "layouts": layouts, "concurrency": args.concurrency, "duration_s": args.duration,
                   "warmup_s": args.warmup, "fixed_us": args.fixed_us, "item_us": args.item_us,
                   "wrk_threads": args.wrk_threads}
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
         environment = {"STANDIN_FIXED_US": str(args.fixed_us), "STANDIN_ITEM_US": str(args.item_us),
                        "STANDIN_DEVICE_LOCK": str(root / "device.lock")}
         for layout in layouts:
-            with servers(layout, args.workers, repository, root, environment) as (url, stats_of, pids):
+            with servers(layout, args.workers, repository, root, environment) as (url, stats_of, pids, front_ends_of):
                 target = f"{url}/v2/models/{MODEL}/infer"
                 if args.warmup > 0:
                     wrk(target, script, max(args.concurrency), args.warmup, args.wrk_threads)
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
                     level = wrk(target, script, connections, args.duration, args.wrk_threads)
                     after = stats_of(), cpu_ticks(pids())
                     level |= {"layout": layout, "processes": len(after[1])}
-                    level |= measured_costs(before, after)
+                    level |= measured_costs(before, after, front_ends_of())
                     levels.append(level)
                     print(f"  {layout} c={connections}: {level['req_s']:,.0f} req/s, p50 {level['p50_ms']:.2f} ms, "
                           f"p99 {level['p99_ms']:.2f} ms, mean batch {level['mean_batch']:.1f}", file=sys.stderr)
@@ -102,7 +103,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
         "x single: req/s over the single process's at the same concurrency, in this run",
         "CPU us/request: CPU time of every server process (user + system) over the level, per request served; "
         "front ends: the --http-workers processes together",
-        "latency: wrk's own percentiles (--latency)",
+        "latency: wrk's own percentiles (--latency), which add coordinated-omission samples no request "
+        "experienced (loadtest/wrk.py); the other closed-loop tables time each request instead",
     ]
     return report.write(args.out, "fanout", record, HEADERS, table_rows(levels), plot=lambda path: plot(path, levels))
 
@@ -123,7 +125,8 @@ Stats = dict[str, int]
 def servers(layout: str, workers: int, repository: Path, root: Path,
             environment: dict[str, str]) -> Iterator[tuple[str, Any, Any]]:
     """The layout's server(s), started under the stand-in: (base URL, a function reading the
-    model's statistics summed over servers, a function listing the server processes' pids)."""
+    model's statistics summed over servers, one listing every process's pid, one listing the
+    pids of --http-workers front ends)."""
     launcher = ("-m", "loadtest.standin", "serve")
     common = ("--engine-threads", "1", "--log-level", "warning")
     with contextlib.ExitStack() as stack:
@@ -141,14 +144,15 @@ def servers(layout: str, workers: int, repository: Path, root: Path,
             grpc_ports = [replica_ready(root / f"grpc-{index}", replica.process)
                           for index, replica in enumerate(replicas)]
             yield (first.url, lambda: sum_stats([grpc_stats(p) for p in grpc_ports]),
-                   lambda: [r.process.pid for r in replicas])
+                   lambda: [r.process.pid for r in replicas], frozenset)
         else:
             extra = ("--http-workers", str(workers)) if layout == "workers" else ()
             server = stack.enter_context(localserver.started_server(
                 repository, *common, *extra, "--allow-grpc", "false", log_path=root / f"{layout}.log",
                 launcher=launcher, environment=environment))
             yield (server.url, lambda: http_stats(server.url),
-                   lambda: [server.process.pid, *children(server.process.pid)])
+                   lambda: [server.process.pid, *children(server.process.pid)],
+                   lambda: frozenset(children(server.process.pid)))
 
 
 def replica_ready(port_file: Path, process: Any, timeout_s: float = 300) -> int:
@@ -176,12 +180,11 @@ def replica_ready(port_file: Path, process: Any, timeout_s: float = 300) -> int:
 
 
 def http_stats(url: str) -> Stats:
-    status, _, body = runs.get(url, f"/v2/models/{MODEL}/stats", 10.0)
-    if status != 200:
-        raise SystemExit(f"bench fanout: statistics answered {status}: {body[:200]!r}")
-    stats = json.loads(body)["model_stats"][0]
+    stats = signals.read_stats(url, MODEL, timeout=10.0)
+    if stats is None:
+        raise SystemExit(f"bench fanout: {url} answers no statistics for {MODEL}")
     return {"items": int(stats["inference_count"]), "batches": int(stats["execution_count"]),
-            "requests": int(stats["inference_stats"]["success"]["count"])}
+            "requests": int(stats["success_count"])}
 
 
 def grpc_stats(port: int) -> Stats:
@@ -220,8 +223,10 @@ def cpu_ticks(pids: list[int]) -> dict[int, int]:
     return ticks
 
 
-def measured_costs(before: tuple[Stats, dict[int, int]], after: tuple[Stats, dict[int, int]]) -> dict[str, Any]:
-    """The level's mean batch size and each process's CPU per request served."""
+def measured_costs(before: tuple[Stats, dict[int, int]], after: tuple[Stats, dict[int, int]],
+                   front_ends: frozenset[int] = frozenset()) -> dict[str, Any]:
+    """The level's mean batch size and each process's CPU per request served; `front_ends`:
+    the pids of --http-workers processes, counted apart from the server processes."""
     (stats_0, ticks_0), (stats_1, ticks_1) = before, after
     served = max(1, stats_1["requests"] - stats_0["requests"])
     batches = max(1, stats_1["batches"] - stats_0["batches"])
@@ -229,7 +234,9 @@ def measured_costs(before: tuple[Stats, dict[int, int]], after: tuple[Stats, dic
                    for pid in ticks_1}
     return {"mean_batch": (stats_1["items"] - stats_0["items"]) / batches,
             "cpu_us_per_request": [round(per_request[pid], 1) for pid in sorted(per_request)],
-            "cpu_us_per_request_total": round(sum(per_request.values()), 1)}
+            "cpu_us_per_request_total": round(sum(per_request.values()), 1),
+            "cpu_us_per_request_servers": round(sum(v for p, v in per_request.items() if p not in front_ends), 1),
+            "cpu_us_per_request_front_ends": round(sum(v for p, v in per_request.items() if p in front_ends), 1)}
 
 
 _RATE = re.compile(r"Requests/sec:\s+([\d.]+)")
@@ -240,9 +247,7 @@ _UNIT_MS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 
 
 def wrk(url: str, script: Path, connections: int, duration_s: float, threads: int) -> dict[str, Any]:
-    wrk_path = shutil.which("wrk")
-    assert wrk_path is not None  # runs.require_wrk checked
-    command = [wrk_path, "-t", str(min(threads, connections)), "-c", str(connections), "-d", f"{max(1, round(duration_s))}s",
+    command = [wrk_runs.wrk_path(), "-t", str(min(threads, connections)), "-c", str(connections), "-d", f"{max(1, round(duration_s))}s",
                "--latency", "-s", str(script), url]
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=duration_s + 60)
     if done.returncode != 0 or not _RATE.search(done.stdout):
@@ -257,7 +262,7 @@ def wrk(url: str, script: Path, connections: int, duration_s: float, threads: in
 
 
 HEADERS = ["layout", "clients", "req/s", "x single", "p50 ms", "p99 ms", "mean batch", "CPU us/request",
-           "processes", "errors"]
+           "of it, front ends", "processes", "errors"]
 
 
 def table_rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
@@ -267,7 +272,8 @@ def table_rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
         base = single.get(level["concurrency"])
         rows.append([level["layout"], level["concurrency"], level["req_s"],
                      round(level["req_s"] / base, 2) if base else "", level["p50_ms"], level["p99_ms"],
-                     round(level["mean_batch"], 1), level["cpu_us_per_request_total"], level["processes"],
+                     round(level["mean_batch"], 1), level["cpu_us_per_request_total"],
+                     level["cpu_us_per_request_front_ends"], level["processes"],
                      level["errors"]])
     return rows
 

@@ -19,7 +19,7 @@ from loadtest import payloads
 from server.asgi.disconnect import DISCONNECT_EXTENSION
 
 
-async def measure(repository: Path, model: str, clients: int, seconds: float, threads: int = 1) -> dict[str, float]:
+async def measure(repository: Path, model: str, clients: int, seconds: float) -> dict[str, float]:
     """req/s and CPU microseconds per request, over `seconds` after a second of warm-up."""
     from prometheus_client import CollectorRegistry
 
@@ -27,7 +27,7 @@ async def measure(repository: Path, model: str, clients: int, seconds: float, th
     from server.http.app import create_app
     from server.repository import ModelRepository
 
-    plane = DataPlane(ModelRepository(repository, threads))
+    plane = DataPlane(ModelRepository(repository, 1))  # one engine thread, as the pinned server runs
     app = create_app(plane, metrics=CollectorRegistry())
     plane.start([model])
     try:

@@ -106,7 +106,7 @@ def _request(method: str, url: str, path: str, body: bytes | None, headers: dict
     except urllib.error.HTTPError as exc:
         return exc.code, dict(exc.headers), exc.read()
     except OSError as exc:
-        raise SystemExit(f"bench: no server at {url} ({exc}); start one first (see --help)") from exc
+        raise SystemExit(f"bench: no server answers at {url} ({exc}); see --help") from exc
 
 
 def preflight(url: str, request: payloads.InferRequest, timeout: float) -> None:

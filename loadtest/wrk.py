@@ -36,7 +36,7 @@ from loadtest.payloads import HEADER_LENGTH, InferRequest
 MARKER = "BATCHLINE_WRK_JSON "
 PERCENTILES = (50.0, 75.0, 90.0, 99.0, 99.9)
 INSTALL_HINT = (
-    "wrk is not installed (needed by `closed` and `batching`). On Debian/Ubuntu, as root: "
+    "wrk is not installed (the closed-loop modes need it). On Debian/Ubuntu, as root: "
     "`apt-get update && apt-get install -y wrk`; then run this again."
 )
 

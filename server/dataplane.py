@@ -188,7 +188,6 @@ class DataPlane:
         return [(name, datatype, results[name]) for name, datatype in selection]
 
 
-
 def refuse_when_full(model: ModelVersion) -> None:
     """429 before the body is parsed when the model's queue is already at max_queue_size: a
     full queue refuses at submit anyway, so parsing, building and tokenizing first is waste."""

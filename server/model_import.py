@@ -34,7 +34,7 @@ from server.engines.registry import ENGINES
 from server.engines.signature import EngineSignature, TensorSignature, check_signature
 from server.engines.spec import EngineIO
 from server.errors import BatchlineError
-from server.layout import FIRST_VERSION, config_path, eval_dir, version_dir
+from server.layout import FIRST_VERSION, INPUTS_FILE, config_path, eval_dir, version_dir
 from server.settings import RepositorySettings, add_setting_flags, settings_from
 
 if TYPE_CHECKING:
@@ -416,7 +416,7 @@ def run_import(args: argparse.Namespace) -> int:
         return 2
     print(f"imported {args.path} as {folder}; review {config_path(folder)}, then: "
           f"batchline serve --model-repository {repository} --model {args.name}\n"
-          f"to build quantized variants of it, put items like your traffic in {folder / 'eval' / 'inputs.npz'} "
+          f"to build quantized variants of it, put items like your traffic in {folder / INPUTS_FILE} "
           f"(one array per input, named as in the config; labels.npy optional), then: "
           f"batchline build {args.name} --model-repository {repository} --engine onnxruntime --precision int8")
     return 0

@@ -237,6 +237,8 @@ def unknown_model(name: str, version: str | None = None) -> str:
 
 # A model name is one folder name: at most NAME_MAX (255) bytes on the file systems we serve from.
 _MAX_NAME_BYTES = 255
+
+
 def _is_folder_name(name: str) -> bool:
     if name in ("", ".", "..") or "/" in name or "\0" in name:
         return False

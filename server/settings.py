@@ -80,7 +80,9 @@ class ServerSettings(RepositorySettings):
         default=None, ge=0,
         description="price of this replica's device per hour, exported as batchline_device_price_per_hour")
     max_body_bytes: Annotated[int, Flag(metavar="BYTES")] = Field(
-        default=64 << 20, gt=0, description="largest infer request body accepted (413 past it)")
+        default=64 << 20, gt=0,
+        description="largest infer request body accepted (413 past it), and the most one input may take from a "
+        "client's shared-memory region (400 past it)")
     max_in_flight: Annotated[int, Flag(metavar="N")] = Field(
         default=512, gt=0,
         description="infer requests served at once, over every front end together (with --http-workers N, each HTTP "

@@ -81,17 +81,18 @@ class SystemSharedMemory:
         if type(offset) is not int or offset < 0 or type(byte_size) is not int or byte_size <= 0:
             raise InvalidInput("a shared-memory region needs a non-negative 'offset' and a positive 'byte_size'")
         with self._lock:
-            if name in self._regions:
-                raise InvalidInput(f"shared-memory region '{name}' is already registered; unregister it first")
-            if len(self._regions) >= MAX_REGIONS:
-                raise InvalidInput(f"{MAX_REGIONS} shared-memory regions are registered already; unregister some")
+            self._check_room(name)
         view = self._map(key, offset, byte_size)
         with self._lock:  # again: a concurrent call may have registered meanwhile
-            if name in self._regions:
-                raise InvalidInput(f"shared-memory region '{name}' is already registered; unregister it first")
-            if len(self._regions) >= MAX_REGIONS:
-                raise InvalidInput(f"{MAX_REGIONS} shared-memory regions are registered already; unregister some")
+            self._check_room(name)
             self._regions[name] = Region(name, key, offset, byte_size, view)
+
+    def _check_room(self, name: str) -> None:
+        """Under the lock: the name is free and a region more fits."""
+        if name in self._regions:
+            raise InvalidInput(f"shared-memory region '{name}' is already registered; unregister it first")
+        if len(self._regions) >= MAX_REGIONS:
+            raise InvalidInput(f"{MAX_REGIONS} shared-memory regions are registered already; unregister some")
 
     def _map(self, key: str, offset: int, byte_size: int) -> memoryview:
         path = os.path.join(self._folder, key.lstrip("/"))

@@ -56,18 +56,20 @@ class DeclaredRequest:
 
 
 def held_bytes(request: pb.ModelInferRequest) -> int:
-    """About what a request holds in memory, without serializing it (ByteSize would, on the
-    loop): its raw contents' bytes, the bytes of its strings, 8 per element of other typed
+    """About what a request holds in memory, without serializing it (ByteSize of the whole
+    request would, on the loop): its raw contents' bytes, the encoded size of its strings (summed
+    by protobuf, not by a Python loop over millions of them), 8 per element of other typed
     contents (counted as sent, whatever the shapes declare)."""
     held = sum(len(raw) for raw in request.raw_input_contents)
     for tensor in request.inputs:
         if not tensor.HasField("contents"):
             continue
         if tensor.datatype == BYTES:
-            held += sum(len(item) + 8 for item in tensor.contents.bytes_contents)
+            held += tensor.contents.ByteSize()
         else:
-            field = CONTENTS_FIELD.get(tensor.datatype)
-            held += 8 * (len(getattr(tensor.contents, field)) if field else math.prod(d for d in tensor.shape if d > 0))
+            contents = CONTENTS_FIELD.get(tensor.datatype)
+            held += 8 * (len(getattr(tensor.contents, contents)) if contents
+                         else math.prod(d for d in tensor.shape if d > 0))
     return held
 
 
@@ -76,8 +78,8 @@ def declare(request: pb.ModelInferRequest) -> DeclaredRequest:
     InvalidInput for a request whose parts do not fit together."""
     if not request.inputs:
         raise InvalidInput("'inputs' must hold at least one tensor")
-    regions = {tensor.name: ref for tensor in request.inputs
-               if (ref := region_ref(plain_parameters(tensor.parameters), f"input '{tensor.name}'")) is not None}
+    regions = {tensor.name: ref for tensor in request.inputs if tensor.parameters
+               and (ref := region_ref(plain_parameters(tensor.parameters), f"input '{tensor.name}'")) is not None}
     raw = request.raw_input_contents
     carried = len(request.inputs) - len(regions)  # the inputs whose values travel in the request
     if raw and len(raw) != carried:
@@ -119,7 +121,7 @@ def declare(request: pb.ModelInferRequest) -> DeclaredRequest:
                 raise Unsupported("the classification extension is not supported by this server")
             if output.name in outputs:
                 raise InvalidInput(f"output '{output.name}' is asked for more than once")
-            ref = region_ref(plain_parameters(output.parameters), f"output '{output.name}'")
+            ref = region_ref(plain_parameters(output.parameters), f"output '{output.name}'") if output.parameters else None
             if ref is not None:
                 targets[output.name] = ref
             outputs.append(output.name)

@@ -130,8 +130,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         return await self._call(context, "RepositoryModelUnload", unload)
 
-    # -- what this server does not do ------------------------------------------------------------
-
     # -- system shared memory ----------------------------------------------------------------
 
     async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest,

@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 import tritonclient.http as th
 import tritonclient.utils.shared_memory as shm
-import yaml
 from tritonclient.utils import InferenceServerException
 
 from loadtest import localserver
-from loadtest.localmodels import onnx_bytes
+from loadtest.fanout import children
+from loadtest.localmodels import onnx_bytes, write_onnx_model
 from tests.integration.test_lifecycle import SLOW, WAIT_S, Call, hold, wait_until
 from tests.unit.http.tiny_models import write_spin_model
 
@@ -42,16 +42,13 @@ def write_echo_model(root: Path) -> None:
         [helper.make_node("Identity", ["x"], ["y"])], "echo",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", WIDTH])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", WIDTH])])
-    folder = root / "echo"
-    (folder / "1").mkdir(parents=True)
-    (folder / "1" / "model.onnx").write_bytes(onnx_bytes(graph))
-    (folder / "config.yaml").write_text(yaml.safe_dump({
-        "name": "echo", "engine": "onnxruntime", "max_batch_size": 4,
+    write_onnx_model(root, {
+        "name": "echo", "max_batch_size": 4,
         "inputs": [{"name": "x", "datatype": "FP32", "dims": [WIDTH]}],
         "outputs": [{"name": "y", "datatype": "FP32", "dims": [WIDTH]}],
         "onnxruntime": {"intra_op_num_threads": 1, "inter_op_num_threads": 1},
         "warmup": {"batch_sizes": [1]},
-    }))
+    }, onnx_bytes(graph))
 
 
 @contextmanager
@@ -65,8 +62,7 @@ def workers_server(root: Path, *extra: str) -> Iterator[localserver.StartedServe
 
 
 def front_ends(server: localserver.StartedServer) -> list[int]:
-    pid = server.process.pid
-    return sorted(int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+    return sorted(children(server.process.pid))
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +99,8 @@ def test_two_front_end_processes_serve_the_port(served: localserver.StartedServe
 
 @pytest.mark.parametrize("binary", [True, False])
 def test_tensors_come_back_as_sent(served: localserver.StartedServer, binary: bool) -> None:
-    """Small enough to go inline (one item's prefix), and large enough to cross in shared
-    memory both ways (a batch of three: 768 KiB each way)."""
+    """Tensors large enough to cross in shared memory both ways (256 KiB an item, one item and
+    three), and a small one that goes inline (spin's one float)."""
     rng = np.random.default_rng(3)
     client = _client(served)
     for rows in (1, 3):

@@ -39,7 +39,7 @@ def test_the_stand_in_device_costs_wall_time_not_cpu_one_batch_at_a_time(tmp_pat
 
 def test_the_static_script_sends_one_mlp_request() -> None:
     script = fanout.static_body_script()
-    assert 'wrk.method = "POST"' in script and "request = function" not in script  # no Lua per request
+    assert 'wrk.method = "POST"' in script and "function" not in script  # no Lua per request
     body = json.loads(json.loads(script.split("wrk.body = ", 1)[1].split("\n", 1)[0]))
     assert body["inputs"][0]["shape"] == [1, 256] and len(body["inputs"][0]["data"]) == 256
 
@@ -47,10 +47,19 @@ def test_the_static_script_sends_one_mlp_request() -> None:
 def test_costs_are_read_per_level() -> None:
     before = ({"items": 10, "batches": 2, "requests": 10}, {1: 100, 2: 50})
     after = ({"items": 74, "batches": 4, "requests": 74}, {1: 164, 2: 82, 3: 5})
-    costs = fanout.measured_costs(before, after)
+    costs = fanout.measured_costs(before, after, front_ends=frozenset({2, 3}))
     assert costs["mean_batch"] == 32
     assert costs["cpu_us_per_request"] == [10000.0, 5000.0, 781.2]  # a process that came later counts from its start
-    assert fanout.cpu_ticks([os.getpid()])[os.getpid()] >= 0
+    assert (costs["cpu_us_per_request_servers"], costs["cpu_us_per_request_front_ends"]) == (10000.0, 5781.2)
+
+
+def test_cpu_time_is_read_as_the_process_counts_it() -> None:
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:  # some CPU to count
+        pass
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    ticks = fanout.cpu_ticks([os.getpid()])[os.getpid()]
+    assert abs(ticks / fanout.CLOCK_TICKS - (used.ru_utime + used.ru_stime)) < 0.1
 
 
 def test_a_short_run_measures_every_layout(tmp_path: Path) -> None:

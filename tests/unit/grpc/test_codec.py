@@ -210,13 +210,14 @@ def test_the_response_is_what_tritonclient_reads() -> None:
 
 def test_held_bytes_counts_what_a_request_carries_not_what_it_declares() -> None:
     """The in-flight byte bound reads this: a long string in a tensor declared [1] holds its
-    length, typed contents their elements, raw contents their bytes."""
+    encoded length (5,000,000 bytes, a field tag and a 4-byte length), typed contents 8 bytes an
+    element, raw contents their bytes."""
     request = pb.ModelInferRequest(model_name="m")
     text = request.inputs.add(name="text", datatype="BYTES", shape=[1])
     text.contents.bytes_contents.append(b"x" * 5_000_000)
     numbers = request.inputs.add(name="n", datatype="FP32", shape=[2, 3])
     numbers.contents.fp32_contents.extend([1.0] * 6)
-    assert codec.held_bytes(request) == 5_000_008 + 6 * 8
+    assert codec.held_bytes(request) == 5_000_005 + 6 * 8
     only_raw = pb.ModelInferRequest(model_name="m")
     only_raw.inputs.add(name="r", datatype="FP16", shape=[4])
     only_raw.raw_input_contents.append(b"\0" * 8)
