@@ -9,9 +9,13 @@ arrives, and the connection is kept (closed for a client waiting for 100 Continu
 never send its body, and for one that asked to close). Everything else, and every request when
 the access gate would refuse it (401 comes before 429), goes the usual way.
 
+The same protocol offers the app a way to write a whole response in one piece
+(server/asgi/respond.py), which the infer route takes for every answer.
+
 This subclasses uvicorn's httptools protocol and relies on its request cycle's state
-(`response_started`, `response_complete`, `keep_alive`): pinned in pyproject, and the tests
-drive keep-alive, pipelining, 100-continue and HTTP/1.0 through a real uvicorn.
+(`response_started`, `response_complete`, `keep_alive`, `flow`, `on_response`): pinned in
+pyproject, and the tests drive keep-alive, pipelining, 100-continue and HTTP/1.0 through a real
+uvicorn.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ import http
 import time
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from server.asgi.disconnect import DISCONNECT_EXTENSION, disconnect_callbacks
+from server.asgi.respond import RESPOND_EXTENSION, Headers, Send
 from server.errors import BatchlineError, QueueFull
 from server.http.auth import AccessGate
 from server.http.infer import BUSY, BUSY_BODY, INFER_PATH, FastInferApp, InferEndpoint, Scope
@@ -95,7 +100,9 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             # path waits for the socket to drain, and pauses reading meanwhile.
             refusal = None if self.flow.write_paused else door.refusal(cycle.scope)
             if refusal is None:
-                cycle.scope.setdefault("extensions", {})[DISCONNECT_EXTENSION] = []  # see connection_lost
+                extensions = cycle.scope.setdefault("extensions", {})
+                extensions[DISCONNECT_EXTENSION] = []  # see connection_lost
+                extensions[RESPOND_EXTENSION] = _respond_whole  # uvicorn's access log is off: the server has its own
                 super()._start_asgi_task(cycle, app)
                 return
             body, retry_after, close = refusal
@@ -133,3 +140,35 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
                 self.server_state.total_requests += 1
 
     return DoorProtocol
+
+
+async def _respond_whole(send: Send, status: int, headers: Headers, body: bytes) -> None:
+    """What uvicorn's two sends of a response do (flow control, keep-alive, completion), in one
+    write. `headers` come from the app's own code, content-length among them, so they are not
+    checked against uvicorn's patterns. The request cycle is found through `send`, the cycle's
+    own method, rather than held in the scope: that would make a reference cycle of every
+    request, left for the garbage collector instead of freed at once."""
+    cycle = getattr(send, "__self__", None)
+    if not isinstance(cycle, RequestResponseCycle):  # a layer wrapped send: its way, then
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        return
+    if cycle.flow.write_paused and not cycle.disconnected:
+        await cycle.flow.drain()
+    if cycle.disconnected:
+        return
+    if cycle.response_started:
+        raise RuntimeError("a response was already started for this request")
+    cycle.response_started = cycle.response_complete = True
+    cycle.waiting_for_100_continue = False
+    keep_alive = cycle.keep_alive
+    cycle.transport.write(b"".join([
+        STATUS_LINE[status],
+        *(name + b": " + value + b"\r\n" for name, value in (*cycle.default_headers, *headers)),
+        b"\r\n" if keep_alive else b"connection: close\r\n\r\n",
+        body,
+    ]))
+    cycle.message_event.set()
+    if not keep_alive:
+        cycle.transport.close()
+    cycle.on_response()

@@ -23,6 +23,7 @@ from typing import Any
 from server.access_log import AccessLog
 from server.asgi.disconnect import unless_client_leaves
 from server.asgi.lengths import TOO_LONG, declared_length
+from server.asgi.respond import send_response
 from server.dataplane import DataPlane
 from server.errors import Cancelled, InvalidInput, PayloadTooLarge
 from server.http import v2_infer
@@ -147,7 +148,7 @@ class InferEndpoint:
         except Cancelled:
             return CLIENT_CLOSED  # the client is gone; nobody to answer
         except Exception as exc:  # noqa: BLE001 - every failure is answered in v2's shape, an unknown one as 500
-            return await _send(send, *error_parts(exc))
+            return await _send(scope, send, *error_parts(exc))
         outcome = await unless_client_leaves(
             receive, lambda: self._answer(model, version, body, header_length, record, received_ns),
             scope,
@@ -155,11 +156,11 @@ class InferEndpoint:
         if outcome is None:
             return CLIENT_CLOSED  # the client left; its request was dropped, nobody to answer
         if isinstance(outcome, BaseException):
-            return await _send(send, *error_parts(outcome))
+            return await _send(scope, send, *error_parts(outcome))
         content, binary_header_length = outcome
         if binary_header_length is None:
-            return await _send(send, 200, content, {}, _JSON)
-        return await _send(send, 200, content, {HEADER_LENGTH: str(binary_header_length)}, _BINARY)
+            return await _send(scope, send, 200, content, {}, _JSON)
+        return await _send(scope, send, 200, content, {HEADER_LENGTH: str(binary_header_length)}, _BINARY)
 
     async def _body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
         declared = declared_length(headers.get(_CONTENT_LENGTH))
@@ -247,12 +248,12 @@ def _header_length(headers: dict[bytes, bytes]) -> int | None:
 
 
 async def _send(
-    send: Send, status: int, body: bytes, extra: dict[str, str], base: list[tuple[bytes, bytes]] = _JSON
+    scope: Scope, send: Send, status: int, body: bytes, extra: dict[str, str], base: list[tuple[bytes, bytes]] = _JSON
 ) -> int:
     headers = [*base, (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    if extra:
+        headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
+    await send_response(scope, send, status, headers, body)
     return status
 
 
@@ -293,7 +294,7 @@ class FastInferApp:
         limit = self._control_limit
         declared = declared_length(dict(scope["headers"]).get(_CONTENT_LENGTH))
         if declared is not None and declared > limit:
-            await _send(send, *error_parts(PayloadTooLarge(_control_too_large(limit))))
+            await _send(scope, send, *error_parts(PayloadTooLarge(_control_too_large(limit))))
             return
         size = 0
 

@@ -1,0 +1,33 @@
+"""Send a whole HTTP response (status, headers and body known at once) in one write.
+
+An ASGI response is two messages, and uvicorn writes each to the socket as it comes: two
+system calls per answer, and its checks of every header name and value against a pattern. On
+one core that was a tenth of the event loop's time per infer call. The server's own HTTP
+protocol offers, in the request's scope (`RESPOND_EXTENSION`), a call that writes the response
+in one piece, given the `send` the app was called with; any other ASGI server gets the two
+messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]  # lower-case names; values without CR or LF
+Respond = Callable[[Send, int, Headers, bytes], Awaitable[None]]
+
+RESPOND_EXTENSION = "batchline.respond"  # scope["extensions"][it](send, status, headers, body)
+
+
+async def send_response(scope: Scope, send: Send, status: int, headers: Headers, body: bytes) -> None:
+    """Answer with `status`, `headers` (content-length among them) and `body`, in one write
+    where the server offers it."""
+    extensions = scope.get("extensions")
+    respond: Respond | None = extensions.get(RESPOND_EXTENSION) if extensions else None
+    if respond is not None:
+        await respond(send, status, headers, body)
+        return
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
