@@ -5,11 +5,13 @@ folder (`--wheels DIR`), build random-weight models of real shapes (ResNet-50, a
 encoder, the shipped digits CNN) in FP32, FP16, BF16 and INT8 where the stack allows, plus digits
 torch.compiled per batch bucket (reduce-overhead: a CUDA graph per bucket) and ResNet-50 with two
 instances on the GPU (gpucheck_coverage.py); time each engine alone per batch bucket, serve them
-all on the GPU through the real HTTP server with binary tensors and many concurrent clients, and
+all on the GPU through the real HTTP server with binary tensors and many concurrent clients, serve
+digits again with 1, 2, 4 and 8 HTTP front-end processes (gpucheck_frontends.py), and
 write OUTDIR/gpu_check.json (the record) and OUTDIR/gpu_check.md (the tables, and what the host
 cannot cover), with the server's log.
 
-Every phase has a time budget and the serving phase takes what is left; a watchdog writes what
+Every phase has a time budget and the serving phase takes what is left but the front-end curve's;
+a watchdog writes what
 there is and stops the run at the limit. The report is rewritten after each phase, so even a run
 killed from outside leaves its figures; anything cut short is marked partial, with the reason,
 and a phase that ran past its budget is marked so.
@@ -77,6 +79,9 @@ class Profile:
     threads: int | None  # CPU threads per engine (None: the engine's default)
     precisions: tuple[str, ...] = ("fp32", "fp16", "bf16", "int8")
     extras: tuple[Extra, ...] = ()  # variants built from a plain one: compiled, more instances
+    front_ends: tuple[int, ...] = (1, 2, 4, 8)  # --http-workers counts of the front-end curve (gpucheck_frontends.py)
+    front_end_concurrency: int = 256
+    front_end_clients: int = 6  # client processes of the front-end curve: cores of their own beside 8 front ends
     differences: tuple[str, ...] = ()  # what this kind of run does unlike the GPU run, for the report
 
 
@@ -85,7 +90,7 @@ class Profile:
 # staging (77 MB of FP32 pixels at 128) is as long as its compute, so that overlap shows.
 GPU = Profile(
     mode="gpu",
-    budgets={"install": 60, "build": 150, "engine": 140, "server_start": 150},
+    budgets={"install": 60, "build": 150, "engine": 120, "front_ends": 80, "server_start": 150},
     max_batch={"resnet": 128, "bert": 64, "digits": 1024},
     buckets={"resnet": [1, 8, 32, 128], "bert": [1, 8, 32, 64], "digits": [1, 64, 256, 1024]},
     items_per_request={"resnet": 1, "bert": 1, "digits": 16},
@@ -98,7 +103,7 @@ DRY_RUN = Profile(
     mode="dry-run",
     # Generous: on the CPU nothing waits for the run, and a shared 2-core machine under another
     # job's load compiles digits several times slower than a quiet one (the real run keeps 8 min).
-    budgets={"install": 60, "build": 240, "engine": 240, "server_start": 400},
+    budgets={"install": 60, "build": 240, "engine": 240, "front_ends": 150, "server_start": 400},
     max_batch={"resnet": 8, "bert": 8, "digits": 64},
     buckets={"resnet": [1, 8], "bert": [1, 8], "digits": [1, 64]},
     items_per_request={"resnet": 1, "bert": 1, "digits": 4},
@@ -107,6 +112,7 @@ DRY_RUN = Profile(
     precisions=("fp32", "int8"),
     extras=(Extra("digits", "fp32", "compiled", compile_mode="default", buckets=(64,)),
             Extra("resnet", "fp32", "x2", instances=2)),
+    front_ends=(1, 2), front_end_concurrency=8, front_end_clients=2,
     differences=(
         ("runs on the CPU: tiny models (ResNet of 4 bottlenecks at 32x32, BERT of 2 layers at sequence 16,"
          " digits trained 1 epoch), one CPU thread per engine, seconds of load from 2 client processes"),
@@ -116,6 +122,7 @@ DRY_RUN = Profile(
          " it), not reduce-overhead over [1, 64, 256, 1024]: a CPU has no CUDA graphs (reduce-overhead compiles as"
          " default does there), and each compile on the CPU builds C++ kernels, seconds apiece"),
         "the ResNet of two instances is FP32 (no FP16 here) on CPU instances: two threads of compute, no CUDA streams",
+        "the front-end curve runs 1 and 2 front ends, not 1, 2, 4 and 8, with 8 clients from 2 processes",
     ),
 )
 
@@ -270,8 +277,12 @@ def check(out: Path, profile: Profile, limit_s: float, wheel_folder: Path | None
     if context.get("models"):
         with run.phase("engine", profile.budgets["engine"]) as deadline:
             engine_phase(run, context, deadline)
-        with run.phase("serve", None) as deadline:
+        with run.phase("serve", max(0.0, run.left() - profile.budgets["front_ends"])) as deadline:
             serve_phase(run, context, deadline)
+        with run.phase("front_ends", None) as deadline:
+            from loadtest.gpucheck_frontends import front_ends_phase
+
+            front_ends_phase(run, context, deadline)
     failed = any(p.get("status") == "failed" for p in run.record["phases"].values())
     return finish(run, 1 if failed else 0)
 

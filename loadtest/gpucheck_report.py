@@ -101,6 +101,7 @@ def markdown(record: dict[str, Any]) -> str:
          for b in (variant.get("engine") or {}).get("buckets", [])],
     ), ""]
     lines += compiled_and_instances(record)
+    lines += front_ends(record)
     lines += ["## Models", ""]
     for entry in record.get("models", {}).values():
         about = ", ".join(f"{k} {v}" for k, v in entry.get("about", {}).items())
@@ -180,6 +181,29 @@ def compiled_and_instances(record: dict[str, Any]) -> list[str]:
                       ("model", "variant", "instances", "batch", "engine, one instance", "engine, all", "speedup",
                        "served, one instance", "served, all", "served speedup"), instances), ""]
     return lines
+
+
+def front_ends(record: dict[str, Any]) -> list[str]:
+    """The front-end curve: one model's served rate per count of HTTP front-end processes."""
+    curve = record.get("front_ends")
+    if not curve:
+        return []
+    if "skipped" in curve:
+        return ["## HTTP front-end processes", "", f"Not measured: {curve['skipped']}.", ""]
+    rows = []
+    for served in curve["runs"]:
+        latency = served.get("latency_ms") or {}
+        server = served.get("server") or {}
+        rows.append((served["http_workers"], served.get("req_s"), served.get("items_s"), served.get("against_one"),
+                     latency.get("p50"), latency.get("p99"), server.get("mean_batch"), served.get("error_count"),
+                     served.get("startup_s"), served.get("skipped") or served.get("error")))
+    return ["## HTTP front-end processes", "",
+            (f"{curve['model']} served with `--http-workers N` (1: the server process alone), {curve['concurrency']}"
+             f" clients from {curve['client_processes']} processes, {curve['items_per_request']} items a request,"
+             f" {curve['request']}; against one: req/s over the single process's."),
+            "", markdown_table(
+                ("front ends", "req/s", "items/s", "against one", "p50 ms", "p99 ms", "mean batch", "errors",
+                 "start s", "note"), rows), ""]
 
 
 def _best(engine: dict[str, Any], field: str = "items_s") -> Any:

@@ -43,16 +43,20 @@ def test_the_dry_run_completes_every_phase_each_with_its_budget(dry_run) -> None
     record, markdown, out, took = dry_run
     assert record["schema"] == gpucheck.SCHEMA and record["mode"] == "dry-run"
     assert record["complete"] is True and record["partial"] == [] and record["exit_code"] == 0
-    assert list(record["phases"]) == ["install", "build", "engine", "serve"]
+    assert list(record["phases"]) == ["install", "build", "engine", "serve", "front_ends"]
     assert record["wheels"]["installed"] == [] and record["wheels"]["already_present"] == [
         f"numpy=={metadata.version('numpy')}"]
     assert record["machine"]["logical_cpus"] and record["machine"]["python"]
     for name, phase in record["phases"].items():
         assert phase["status"] == "done" and phase["took_s"] > 0, (name, phase)
-        # each phase had its own budget (serve: what was left); whether a phase keeps to it is a
-        # matter of timing, which the tests on a fake clock below check without a race
+        # each phase had its own budget (serve: what was left but the front ends' budget; the front
+        # ends: what was left); whether a phase keeps to it is a matter of timing, which the tests
+        # on a fake clock below check without a race
         if name == "serve":
-            assert 0 < phase["budget_s"] <= record["time_limit_s"] - gpucheck.REPORT_RESERVE_S, phase
+            assert 0 < phase["budget_s"] <= (record["time_limit_s"] - gpucheck.REPORT_RESERVE_S
+                                             - gpucheck.DRY_RUN.budgets["front_ends"]), phase
+        elif name == "front_ends":
+            assert gpucheck.DRY_RUN.budgets["front_ends"] <= phase["budget_s"], phase
         else:
             assert phase["budget_s"] == gpucheck.DRY_RUN.budgets[name], (name, phase)
     assert 0 < record["elapsed_s"] <= took <= record["time_limit_s"]
@@ -203,6 +207,44 @@ def test_the_dry_run_serves_every_variant_and_reads_it_against_the_engine(dry_ru
             assert server["batches"] > 0 and server["items"] >= served["requests"] * served["items_per_request"]
             assert 1 <= server["mean_batch"] <= profile.max_batch[role]
             assert server["compute_infer_ms_per_batch"] > 0
+
+
+@pytest.mark.integration
+def test_the_dry_run_serves_digits_with_one_then_two_front_ends(dry_run) -> None:  # type: ignore[no-untyped-def]
+    record, markdown, out = dry_run[0], dry_run[1], dry_run[2]
+    profile = gpucheck.DRY_RUN
+    curve = record["front_ends"]
+    assert curve["model"] == record["models"]["digits"]["variants"]["fp32"]["name"]
+    assert (curve["concurrency"], curve["client_processes"]) == (profile.front_end_concurrency, profile.front_end_clients)
+    assert [r["http_workers"] for r in curve["runs"]] == list(profile.front_ends) == [1, 2]
+    one, two = curve["runs"]
+    for served in (one, two):
+        assert served["error_count"] == 0, served["first_error"]
+        assert served["requests"] > 0 and served["validated_replies"] >= profile.front_end_concurrency
+        assert served["items_per_request"] == profile.items_per_request["digits"]
+        assert served["server"]["items"] >= served["requests"] * served["items_per_request"]
+        assert 0 < served["latency_ms"]["p50"] <= served["latency_ms"]["p99"] and served["startup_s"] > 0
+    assert one["against_one"] == 1.0 and two["against_one"] == round(two["req_s"] / one["req_s"], 3)
+    assert "2 HTTP front-end processes share port" in (out / "server-front-ends-2.log").read_text()
+    assert "HTTP front-end processes share port" not in (out / "server-front-ends-1.log").read_text()
+    assert "## HTTP front-end processes" in markdown
+    line = markdown_table(("front ends", "req/s", "items/s", "against one", "p50 ms", "p99 ms", "mean batch", "errors",
+                           "start s", "note"),
+                          [(2, two["req_s"], two["items_s"], two["against_one"], two["latency_ms"]["p50"],
+                            two["latency_ms"]["p99"], two["server"]["mean_batch"], 0, two["startup_s"], None)])
+    assert line.splitlines()[-1] in markdown
+
+
+def test_a_json_request_carries_its_numbers_and_asks_for_a_binary_reply() -> None:
+    import numpy as np
+
+    request = gpucheck_measure.json_request("digits-fp32", {"x": np.arange(6, dtype=np.float32).reshape(2, 3)},
+                                            {"x": "FP32"}, "logits")
+    document = json.loads(request.body)
+    assert document["inputs"] == [{"name": "x", "shape": [2, 3], "datatype": "FP32", "data": [0, 1, 2, 3, 4, 5]}]
+    assert document["outputs"] == [{"name": "logits", "parameters": {"binary_data": True}}]
+    assert (request.items, request.binary, request.path) == (2, False, "/v2/models/digits-fp32/infer")
+    assert request.headers == {"Content-Type": "application/json"}
 
 
 @pytest.mark.integration
