@@ -149,6 +149,11 @@ class SystemSharedMemory:
         """The bytes an output's reference names, bounds-checked and writable."""
         return self._window(ref, what)
 
+    def output_targets(self, refs: Mapping[str, RegionRef]) -> dict[str, Target]:
+        """Where each output asked for in shared memory goes (name -> its region reference),
+        every window checked: called before any compute, so a bad reference costs no batch."""
+        return {name: (ref.region, self.output_window(ref, f"output '{name}'")) for name, ref in refs.items()}
+
     def _window(self, ref: RegionRef, what: str) -> memoryview:
         self._require_allowed()
         with self._lock:

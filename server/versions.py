@@ -7,7 +7,8 @@ from __future__ import annotations
 from importlib import metadata
 
 # TensorRT's wheels come under several names; the first installed one is TensorRT's version.
-TENSORRT_DISTRIBUTIONS = ("tensorrt", "tensorrt-cu13", "tensorrt-cu12", "tensorrt-lean", "tensorrt-dispatch")
+TENSORRT_DISTRIBUTIONS = ("tensorrt", "tensorrt-cu13", "tensorrt-cu12", "tensorrt-cu11", "tensorrt-libs",
+                          "tensorrt-lean", "tensorrt-dispatch")
 
 
 def installed_versions(names: tuple[str, ...]) -> dict[str, str | None]:

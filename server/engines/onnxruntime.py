@@ -16,7 +16,6 @@ import hashlib
 import io
 import json
 import logging
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from server.engines.profiles import cache_root, provider_shapes
 from server.engines.signature import EngineSignature, TensorSignature
 from server.engines.spec import EngineSpec
 from server.errors import EngineError
+from server.versions import tensorrt_version
 
 _OPTIMIZATION_LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -151,21 +151,10 @@ def ort_cache_folder(artifact: Path, device: Device, options: dict[str, Any]) ->
         "options": {k: v for k, v in options.items() if k != "device_id"},
         "gpu": identity(device.index),
         "onnxruntime": ort.__version__,
-        "tensorrt": _tensorrt_version(),
+        "tensorrt": tensorrt_version() or "system",  # "system": libraries ORT finds on its own
     }
     key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
     return cache_root() / "ort" / key
-
-
-def _tensorrt_version() -> str:
-    """TensorRT's version where Python can tell (the tensorrt package, or its CUDA-specific
-    wheels); "system" for libraries ORT finds on its own."""
-    for name in ("tensorrt", "tensorrt-cu13", "tensorrt-cu12", "tensorrt-cu11", "tensorrt-libs"):
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return "system"
 
 
 def check_providers(requested: list[str | tuple[str, dict]], taken: list[str]) -> None:

@@ -301,8 +301,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                                                  regions.input_window)
             else:
                 inputs = codec.decode_inputs(request, declared.in_shared_memory, regions.input_window)
-            targets = {name: (ref.region, regions.output_window(ref, f"output '{name}'"))  # before any compute
-                       for name, ref in declared.to_shared_memory.items()}
+            targets = regions.output_targets(declared.to_shared_memory)
             outputs = await self._plane.infer(model, inputs, parameters, declared.outputs, record, received_ns,
                                               batch_size)
             if sum(array.nbytes for _, _, array in outputs) > OFFLOAD_ENCODE_BYTES:

@@ -60,8 +60,7 @@ async def infer_v2(
     else:
         decoded = build_tensors(parsed, regions.input_window)
     wanted = decoded.outputs
-    targets = {o.name: (o.region.region, regions.output_window(o.region, f"output '{o.name}'"))
-               for o in wanted or () if o.region is not None}  # checked before any compute
+    targets = regions.output_targets({o.name: o.region for o in wanted or () if o.region is not None})
     outputs = await plane.infer(
         model, decoded.inputs, decoded.parameters, None if wanted is None else [o.name for o in wanted], record,
         received_ns, batch_size,

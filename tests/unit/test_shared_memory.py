@@ -41,6 +41,19 @@ def test_a_region_is_registered_read_written_and_unregistered(regions: SystemSha
     regions.unregister("in")  # again: not an error, as in Triton
 
 
+def test_output_targets_check_every_window_before_any_compute(regions: SystemSharedMemory, tmp_path: Path) -> None:
+    _object(tmp_path, "out", bytes(32))
+    regions.register("r", "out", 0, 32)
+    targets = regions.output_targets({"y": RegionRef("r", 16), "z": RegionRef("r", 8, offset=16)})
+    assert {name: (region, window.nbytes) for name, (region, window) in targets.items()} == {
+        "y": ("r", 16), "z": ("r", 8)}
+    assert regions.output_targets({}) == {}
+    with pytest.raises(InvalidInput, match="output 'z'.*no shared-memory region|no shared-memory region 'gone'"):
+        regions.output_targets({"y": RegionRef("r", 16), "z": RegionRef("gone", 8)})
+    with pytest.raises(InvalidInput, match="output 'y'"):
+        regions.output_targets({"y": RegionRef("r", 64)})  # past the region's end
+
+
 def test_a_region_past_a_page_boundary_maps_from_its_own_offset(regions: SystemSharedMemory, tmp_path: Path) -> None:
     data = np.arange(5000, dtype=np.uint32).tobytes()
     _object(tmp_path, "big", data)
