@@ -15,15 +15,17 @@ from typing import Any
 
 Scope = MutableMapping[str, Any]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-Headers = list[tuple[bytes, bytes]]  # lower-case names; values without CR or LF
+# Lower-case names, values without CR or LF, content-length equal to the body's length, and no
+# connection or transfer-encoding header: the protocol writes them as they are, unchecked.
+Headers = list[tuple[bytes, bytes]]
 Respond = Callable[[Send, int, Headers, bytes], Awaitable[None]]
 
 RESPOND_EXTENSION = "batchline.respond"  # scope["extensions"][it](send, status, headers, body)
 
 
 async def send_response(scope: Scope, send: Send, status: int, headers: Headers, body: bytes) -> None:
-    """Answer with `status`, `headers` (content-length among them) and `body`, in one write
-    where the server offers it."""
+    """Answer with `status`, `headers` (as `Headers` says: content-length among them) and
+    `body`, in one write where the server offers it."""
     extensions = scope.get("extensions")
     respond: Respond | None = extensions.get(RESPOND_EXTENSION) if extensions else None
     if respond is not None:

@@ -10,12 +10,14 @@ never send its body, and for one that asked to close). Everything else, and ever
 the access gate would refuse it (401 comes before 429), goes the usual way.
 
 The same protocol offers the app a way to write a whole response in one piece
-(server/asgi/respond.py), which the infer route takes for every answer.
+(server/asgi/respond.py), which the infer route takes for its answers and errors (and the
+control plane for its 413).
 
-This subclasses uvicorn's httptools protocol and relies on its request cycle's state
-(`response_started`, `response_complete`, `keep_alive`, `flow`, `on_response`): pinned in
-pyproject, and the tests drive keep-alive, pipelining, 100-continue and HTTP/1.0 through a real
-uvicorn.
+This subclasses uvicorn's httptools protocol and relies on its request cycle: its state
+(`response_started`, `response_complete`, `keep_alive`, `disconnected`,
+`waiting_for_100_continue`), its `flow`, `transport`, `default_headers`, `message_event` and
+`on_response`, and `send` being the cycle's own method. uvicorn is pinned in pyproject, and the
+tests drive keep-alive, pipelining, 100-continue, HTTP/1.0 and shutdown through a real uvicorn.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from server.http.infer import BUSY, BUSY_BODY, INFER_PATH, FastInferApp, InferEn
 from server.protocol.v2 import encode_error
 
 _STATUS_LINE = f"HTTP/1.1 {BUSY} {http.HTTPStatus(BUSY).phrase}\r\n".encode()
+WHOLE_BYTES = 64 << 10  # a body up to this is joined to its head (one write); a larger one is written apart
 _EXPECT = b"expect"
 _MAX_CACHED_BODIES = 256
 
@@ -102,7 +105,9 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             if refusal is None:
                 extensions = cycle.scope.setdefault("extensions", {})
                 extensions[DISCONNECT_EXTENSION] = []  # see connection_lost
-                extensions[RESPOND_EXTENSION] = _respond_whole  # uvicorn's access log is off: the server has its own
+                # HttpFrontEnd turns uvicorn's access log off (the server writes its own), so
+                # what uvicorn's send would have logged is not missed
+                extensions[RESPOND_EXTENSION] = _respond_whole
                 super()._start_asgi_task(cycle, app)
                 return
             body, retry_after, close = refusal
@@ -144,10 +149,11 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
 
 async def _respond_whole(send: Send, status: int, headers: Headers, body: bytes) -> None:
     """What uvicorn's two sends of a response do (flow control, keep-alive, completion), in one
-    write. `headers` come from the app's own code, content-length among them, so they are not
-    checked against uvicorn's patterns. The request cycle is found through `send`, the cycle's
-    own method, rather than held in the scope: that would make a reference cycle of every
-    request, left for the garbage collector instead of freed at once."""
+    write; a body over WHOLE_BYTES goes in a second write rather than be copied. `headers` come
+    from the app's own code (server/asgi/respond.py says what they hold), so they are not checked
+    against uvicorn's patterns. The request cycle is found through `send`, the cycle's own
+    method, rather than held in the scope: that would make a reference cycle of every request,
+    left for the garbage collector instead of freed at once."""
     cycle = getattr(send, "__self__", None)
     if not isinstance(cycle, RequestResponseCycle):  # a layer wrapped send: its way, then
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -159,15 +165,19 @@ async def _respond_whole(send: Send, status: int, headers: Headers, body: bytes)
         return
     if cycle.response_started:
         raise RuntimeError("a response was already started for this request")
-    cycle.response_started = cycle.response_complete = True
-    cycle.waiting_for_100_continue = False
     keep_alive = cycle.keep_alive
-    cycle.transport.write(b"".join([
+    head = [
         STATUS_LINE[status],
         *(name + b": " + value + b"\r\n" for name, value in (*cycle.default_headers, *headers)),
         b"\r\n" if keep_alive else b"connection: close\r\n\r\n",
-        body,
-    ]))
+    ]
+    cycle.response_started = cycle.response_complete = True
+    cycle.waiting_for_100_continue = False
+    if len(body) <= WHOLE_BYTES:
+        cycle.transport.write(b"".join([*head, body]))
+    else:  # joining would copy it, on the event loop: megabytes of binary outputs
+        cycle.transport.write(b"".join(head))
+        cycle.transport.write(body)
     cycle.message_event.set()
     if not keep_alive:
         cycle.transport.close()

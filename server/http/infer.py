@@ -1,7 +1,8 @@
 """The infer route as a bare ASGI endpoint: the hot path skips the framework entirely.
 
 FastAPI's routing, middleware and request objects cost more per call than a small model's
-inference; here a request is a path match, a body read, one data-plane call and two sends.
+inference; here a request is a path match, a body read, one data-plane call and one write
+(server/asgi/respond.py).
 A client that disconnects while its request waits has the request cancelled before compute.
 
 Overload is refused at the door: past the server's bounds on requests in flight, or on the

@@ -1,7 +1,9 @@
 """Infer answers written whole, in one write, by the server's HTTP protocol: through a real
-uvicorn on loopback, with HTTP/1.1's connection rules kept, uvicorn's own send left unused, and
-no garbage in reference cycles left behind by a request; and the ways back to the two ASGI
-messages (another server, a layer that wraps send) and to waiting on a client that reads slowly."""
+uvicorn on loopback, with HTTP/1.1's connection rules kept (keep-alive, pipelining, close,
+100-continue, shutdown), uvicorn's own send left unused, each header once, and no garbage in
+reference cycles left behind by a request; a large body written apart rather than copied; and
+the ways back to the two ASGI messages (another server, a layer that wraps send) and to waiting
+on a client that reads slowly."""
 
 from __future__ import annotations
 
@@ -21,9 +23,30 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 from server.asgi.respond import RESPOND_EXTENSION, send_response
 from server.dataplane import DataPlane
 from server.http.app import create_app
+from server.http.auth import AccessPolicy
+from server.http.door import WHOLE_BYTES
 from server.http.frontend import HttpFrontEnd
-from tests.unit.http.conftest import infer_body
-from tests.unit.http.test_door import post, read_response
+from tests.unit.http.conftest import HOLD, Gate, infer_body
+from tests.unit.http.test_door import post
+from tests.unit.waiting import eventually
+
+ADMIN = "an-admin-token-long-enough-to-pass"
+ANSWER_WITHIN_S = 5  # a broken protocol leaves the client waiting: it fails here rather than hangs
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One answer; every header name is asserted to come once (a dict would hide a second)."""
+
+    async def read() -> tuple[int, dict[str, str], bytes]:
+        status = int((await reader.readline()).split()[1])
+        headers: dict[str, str] = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            assert name.strip().lower() not in headers, f"{name} twice"
+            headers[name.strip().lower()] = value.strip()
+        return status, headers, await reader.readexactly(int(headers.get("content-length", "0")))
+
+    return await asyncio.wait_for(read(), ANSWER_WITHIN_S)
 
 
 @pytest_asyncio.fixture
@@ -39,7 +62,8 @@ async def served(plane: DataPlane, monkeypatch: pytest.MonkeyPatch) -> AsyncIter
     monkeypatch.setattr(RequestResponseCycle, "send", spied)
     plane.start([])
     listener = socket.create_server(("127.0.0.1", 0))
-    frontend = HttpFrontEnd(create_app(plane), listener, log_level="warning", grace_s=1)
+    app = create_app(plane, access=AccessPolicy(model_control=True, admin_token=ADMIN))
+    frontend = HttpFrontEnd(app, listener, log_level="warning", grace_s=1)
     await frontend.start()
     yield listener.getsockname()[1], uvicorn_sent
     await frontend.drain()
@@ -74,13 +98,78 @@ async def test_answers_and_errors_are_written_whole_and_the_connection_kept(
 
 @pytest.mark.parametrize("how", ["HTTP/1.0", "Connection: close"])
 async def test_a_client_that_asked_to_close_is_answered_then_closed(served: tuple[int, list[object]], how: str) -> None:
-    port, _ = served
+    port, uvicorn_sent = served
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(post(infer_body(1.0), version="1.0") if how == "HTTP/1.0" else post(infer_body(1.0), how))
     status, headers, body = await read_response(reader)
     assert status == 200 and headers["connection"] == "close" and orjson.loads(body)["outputs"]
     assert await asyncio.wait_for(reader.read(), 5) == b"", "the server closed the connection"
     writer.close()
+    assert uvicorn_sent == []
+
+
+async def test_a_client_that_waits_for_100_continue_sends_its_body_and_keeps_its_connection(
+    served: tuple[int, list[object]],
+) -> None:
+    port, uvicorn_sent = served
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = infer_body(1.0)
+    writer.write(post(b"", "Expect: 100-continue").replace(b"Content-Length: 0", f"Content-Length: {len(body)}".encode()))
+    assert await asyncio.wait_for(reader.readline(), ANSWER_WITHIN_S) == b"HTTP/1.1 100 Continue\r\n"
+    assert await asyncio.wait_for(reader.readline(), ANSWER_WITHIN_S) == b"\r\n"
+    writer.write(body)
+    status, headers, answer = await read_response(reader)
+    assert status == 200 and "connection" not in headers and orjson.loads(answer)["outputs"][0]["data"] == [1.0]
+    writer.write(post(infer_body(2.0)))
+    assert (await read_response(reader))[0] == 200, "the connection was kept"
+    writer.close()
+    assert uvicorn_sent == []
+
+
+async def test_an_oversized_control_body_is_refused_whole_and_the_connection_kept(
+    served: tuple[int, list[object]],
+) -> None:
+    port, uvicorn_sent = served
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = b"{" + b" " * (100 << 10) + b"}"
+    writer.write(post(body, f"Authorization: Bearer {ADMIN}", path="/v2/repository/models/spin/load"))
+    status, _, answer = await read_response(reader)
+    assert status == 413 and "limit" in orjson.loads(answer)["error"]
+    writer.write(post(infer_body(1.0)))
+    assert (await read_response(reader))[0] == 200, "the refused body was discarded, the connection kept"
+    writer.close()
+    assert uvicorn_sent == []
+
+
+async def test_an_answer_during_shutdown_closes_its_connection(plane: DataPlane, gate: Gate) -> None:
+    plane.start([])
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    frontend = HttpFrontEnd(create_app(plane), listener, log_level="warning", grace_s=5)
+    await frontend.start()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(post(infer_body(HOLD)))
+    await eventually(gate.held.is_set, "the request is held in the engine")
+    draining = asyncio.create_task(frontend.drain())
+
+    async def refused() -> bool:  # the listener closes just before every connection is told to close
+        try:
+            _, probe = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            return True
+        probe.close()
+        return False
+
+    for _ in range(100):
+        if await refused():
+            break
+        await asyncio.sleep(0.02)
+    gate.released.set()
+    status, headers, _ = await read_response(reader)
+    assert status == 200 and headers["connection"] == "close"
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+    await asyncio.wait_for(draining, 10)
 
 
 async def test_a_request_leaves_no_garbage_in_reference_cycles(served: tuple[int, list[object]]) -> None:
@@ -155,6 +244,18 @@ async def test_a_paused_writer_is_waited_for_then_written_once() -> None:
     assert cycle.response_complete and cycle.message_event.is_set() and completed == ["done"]
     with pytest.raises(RuntimeError, match="already started"):
         await _respond_whole(cycle.send, 200, [(b"content-length", b"2")], b"{}")
+
+
+async def test_a_large_body_is_written_apart_from_its_head_not_copied() -> None:
+    from server.http.door import _respond_whole
+
+    transport = _Transport()
+    cycle, completed = _cycle(transport, FlowControl(transport))  # type: ignore[arg-type]
+    body = b"x" * (WHOLE_BYTES + 1)
+    await _respond_whole(cycle.send, 200, [(b"content-length", str(len(body)).encode())], body)
+    head = f"HTTP/1.1 200 OK\r\nserver: uvicorn\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+    assert transport.writes == [head, body] and transport.writes[1] is body
+    assert cycle.response_complete and completed == ["done"]
 
 
 async def test_a_closing_answer_closes_and_a_gone_client_gets_nothing() -> None:
