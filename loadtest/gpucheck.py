@@ -6,15 +6,15 @@ encoder, the shipped digits CNN) in FP32, FP16, BF16 and INT8 where the stack al
 torch.compiled per batch bucket (reduce-overhead: a CUDA graph per bucket) and ResNet-50 with two
 instances on the GPU (gpucheck_coverage.py); time each engine alone per batch bucket, serve them
 all on the GPU through the real HTTP server with binary tensors and many concurrent clients, serve
-digits again with 1, 2, 4 and 8 HTTP front-end processes (gpucheck_frontends.py), and
-write OUTDIR/gpu_check.json (the record) and OUTDIR/gpu_check.md (the tables, and what the host
-cannot cover), with the server's log.
+digits again with 1, 2, 4 and 8 HTTP front-end processes (gpucheck_frontends.py), and write
+OUTDIR/gpu_check.json (the record) and OUTDIR/gpu_check.md (the tables, and what the host cannot
+cover), with the server's log.
 
-Every phase has a time budget and the serving phase takes what is left but the front-end curve's;
-a watchdog writes what
-there is and stops the run at the limit. The report is rewritten after each phase, so even a run
-killed from outside leaves its figures; anything cut short is marked partial, with the reason,
-and a phase that ran past its budget is marked so.
+Every phase has a time budget; the serving phase takes what is left but what it keeps back for
+the front-end curve, which takes the rest. A watchdog writes what there is and stops the run at
+the limit. The report is rewritten after each phase, so even a run killed from outside leaves its
+figures; anything cut short is marked partial, with the reason, and a phase that ran past its
+budget is marked so.
 
 `--dry-run` runs the same flow on the CPU with tiny models and seconds of load (the test of this
 module); `--fetch-wheels DIR` is the step before, on a machine with PyPI (gpucheck_wheels.py).
@@ -66,7 +66,9 @@ class Profile:
     """Sizes and budgets of one kind of run."""
 
     mode: str  # "gpu" | "dry-run"
-    budgets: dict[str, float]  # phase -> seconds at most (serve: whatever is left)
+    # phase -> seconds at most; serve takes what is left but what it keeps back for the front-end
+    # curve ("front_ends", never so much that serve gets under "serve_floor"), which then takes the rest
+    budgets: dict[str, float]
     max_batch: dict[str, int]  # role -> max_batch_size
     buckets: dict[str, list[int]]  # role -> engine-alone batch sizes
     items_per_request: dict[str, int]
@@ -81,7 +83,8 @@ class Profile:
     extras: tuple[Extra, ...] = ()  # variants built from a plain one: compiled, more instances
     front_ends: tuple[int, ...] = (1, 2, 4, 8)  # --http-workers counts of the front-end curve (gpucheck_frontends.py)
     front_end_concurrency: int = 256
-    front_end_clients: int = 6  # client processes of the front-end curve: cores of their own beside 8 front ends
+    front_end_clients: int = 6  # client processes of the front-end curve
+    front_end_start_s: float = 10.0  # about what one server start takes there: a count given less is skipped
     differences: tuple[str, ...] = ()  # what this kind of run does unlike the GPU run, for the report
 
 
@@ -90,7 +93,7 @@ class Profile:
 # staging (77 MB of FP32 pixels at 128) is as long as its compute, so that overlap shows.
 GPU = Profile(
     mode="gpu",
-    budgets={"install": 60, "build": 150, "engine": 120, "front_ends": 80, "server_start": 150},
+    budgets={"install": 60, "build": 150, "engine": 120, "front_ends": 60, "serve_floor": 120, "server_start": 150},
     max_batch={"resnet": 128, "bert": 64, "digits": 1024},
     buckets={"resnet": [1, 8, 32, 128], "bert": [1, 8, 32, 64], "digits": [1, 64, 256, 1024]},
     items_per_request={"resnet": 1, "bert": 1, "digits": 16},
@@ -103,7 +106,8 @@ DRY_RUN = Profile(
     mode="dry-run",
     # Generous: on the CPU nothing waits for the run, and a shared 2-core machine under another
     # job's load compiles digits several times slower than a quiet one (the real run keeps 8 min).
-    budgets={"install": 60, "build": 240, "engine": 240, "front_ends": 150, "server_start": 400},
+    budgets={"install": 60, "build": 240, "engine": 240, "front_ends": 150, "serve_floor": 120,
+             "server_start": 400},
     max_batch={"resnet": 8, "bert": 8, "digits": 64},
     buckets={"resnet": [1, 8], "bert": [1, 8], "digits": [1, 64]},
     items_per_request={"resnet": 1, "bert": 1, "digits": 4},
@@ -112,7 +116,7 @@ DRY_RUN = Profile(
     precisions=("fp32", "int8"),
     extras=(Extra("digits", "fp32", "compiled", compile_mode="default", buckets=(64,)),
             Extra("resnet", "fp32", "x2", instances=2)),
-    front_ends=(1, 2), front_end_concurrency=8, front_end_clients=2,
+    front_ends=(1, 2), front_end_concurrency=8, front_end_clients=2, front_end_start_s=4.0,
     differences=(
         ("runs on the CPU: tiny models (ResNet of 4 bottlenecks at 32x32, BERT of 2 layers at sequence 16,"
          " digits trained 1 epoch), one CPU thread per engine, seconds of load from 2 client processes"),
@@ -277,7 +281,8 @@ def check(out: Path, profile: Profile, limit_s: float, wheel_folder: Path | None
     if context.get("models"):
         with run.phase("engine", profile.budgets["engine"]) as deadline:
             engine_phase(run, context, deadline)
-        with run.phase("serve", max(0.0, run.left() - profile.budgets["front_ends"])) as deadline:
+        kept_back = min(profile.budgets["front_ends"], max(0.0, run.left() - profile.budgets["serve_floor"]))
+        with run.phase("serve", run.left() - kept_back) as deadline:
             serve_phase(run, context, deadline)
         with run.phase("front_ends", None) as deadline:
             from loadtest.gpucheck_frontends import front_ends_phase

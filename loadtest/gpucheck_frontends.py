@@ -6,6 +6,9 @@ The model is the fast one (digits, FP32): its batches take the GPU microseconds,
 own per-request work is the limit, which is what front ends spread over cores. Requests carry
 their inputs as JSON numbers, the costly part of a request for a front end, and ask for the
 output in binary; one server start per count, each read against the single process (1).
+
+A count that cannot start, or whose model does not load, is recorded with the reason and the
+next count runs; a count the phase has no time left for is skipped, recorded so.
 """
 
 from __future__ import annotations
@@ -17,14 +20,14 @@ if TYPE_CHECKING:
 
 ROLE, PRECISION = "digits", "fp32"
 SERVER_LOG = "server-front-ends-{workers}.log"
-MIN_SECONDS = 0.2  # less than this of load measures nothing: the counts left are skipped
+MIN_SECONDS = 0.2  # less load than this measures nothing
+STOP_SLACK_S = 2.0  # after the load: the statistics read and the server's stop (a drain of idle connections)
 
 
 def front_ends_phase(run: Run, context: dict[str, Any], deadline: float) -> None:
     """Serve the digits FP32 variant at each of the profile's front-end counts; record req/s,
     latency and the server's batches of each, and each count's rate against one process."""
-    from loadtest import localserver
-    from loadtest.gpucheck import model_stats, stats_delta, wait_for_models
+    from loadtest.gpucheck import REQUEST_BODIES
     from loadtest.gpucheck_measure import Clients, json_request
 
     profile = run.profile
@@ -34,56 +37,72 @@ def front_ends_phase(run: Run, context: dict[str, Any], deadline: float) -> None
         run.record["front_ends"] = {"skipped": f"the {ROLE} {PRECISION} variant was not built"}
         run.partial(f"front ends: not measured, the {ROLE} {PRECISION} variant was not built")
         return
-    name = variant["name"]
     items = profile.items_per_request[ROLE]
     datatypes = {t["name"]: t["datatype"] for t in model.inputs}
-    requests = [json_request(name, model.samples(items, offset=i * items), datatypes, model.output["name"])
-                for i in range(16)]
+    requests = [json_request(variant["name"], model.samples(items, offset=i * items), datatypes, model.output["name"])
+                for i in range(REQUEST_BODIES)]
     record: dict[str, Any] = {
-        "model": name, "items_per_request": items, "concurrency": profile.front_end_concurrency,
+        "model": variant["name"], "items_per_request": items, "concurrency": profile.front_end_concurrency,
         "client_processes": profile.front_end_clients,
         "request": "inputs as JSON numbers, the output in binary", "runs": [],
     }
     run.record["front_ends"] = record
-    flags = ["--model", name, "--log-level", "info", "--allow-grpc", "false"]
-    if profile.threads:
-        flags += ["--engine-threads", str(profile.threads)]
     counts = list(profile.front_ends)
     with Clients(profile.front_end_clients) as clients:
         for position, workers in enumerate(counts):
             share = (deadline - run.clock()) / (len(counts) - position)
-            started = run.clock()
-            startup = min(profile.budgets["server_start"], share / 2)
-            if share < MIN_SECONDS + profile.served_warmup_s:
-                record["runs"].append({"http_workers": workers, "skipped": "the phase ran out of time"})
+            outcome: dict[str, Any] = {"http_workers": workers}
+            record["runs"].append(outcome)
+            if share < profile.front_end_start_s + profile.served_warmup_s + MIN_SECONDS + STOP_SLACK_S:
+                outcome["skipped"] = "the phase ran out of time"
                 run.partial(f"front ends: {workers} not measured, the phase ran out of time")
                 continue
-            with localserver.running_server(context["repository"], *flags, "--http-workers", str(workers),
-                                            log_path=run.out / SERVER_LOG.format(workers=workers),
-                                            startup_timeout_s=startup) as url:
-                state = wait_for_models(url, [name], started + startup, run.clock)[name]
-                startup_s = round(run.clock() - started, 1)
-                if state != "READY":
-                    record["runs"].append({"http_workers": workers, "error": f"not ready: {state}"})
-                    run.partial(f"front ends: {workers} not measured, {name} not ready: {state}")
-                    continue
-                duration = min(profile.served_seconds, started + share - run.clock() - profile.served_warmup_s - 1.0)
-                if duration < MIN_SECONDS:
-                    record["runs"].append({"http_workers": workers, "skipped": "the phase ran out of time"})
-                    run.partial(f"front ends: {workers} not measured, the phase ran out of time")
-                    continue
-                before = model_stats(url, name)
-                served = clients.closed_loop(url, requests, model.output["name"], model.width,
-                                             profile.front_end_concurrency, duration, profile.served_warmup_s)
-                served["server"] = stats_delta(before, model_stats(url, name))
-            served.update(http_workers=workers, startup_s=startup_s)
-            record["runs"].append(served)
-            one = next((r for r in record["runs"] if r.get("http_workers") == 1 and "req_s" in r), None)
-            if one and one["req_s"]:
-                served["against_one"] = round(served["req_s"] / one["req_s"], 3)
-            run.log(f"front ends {workers}: {served['req_s']} req/s, p50 {served['latency_ms']['p50']} ms,"
-                    f" p99 {served['latency_ms']['p99']} ms, {served['error_count']} errors,"
-                    f" {served.get('against_one')}x one process")
-            if served["error_count"]:
-                run.partial(f"front ends {workers}: {served['error_count']} failed requests ({served['first_error']})")
+            try:
+                _measure(run, context, clients, requests, model, variant["name"], workers, share, outcome)
+            except Exception as exc:  # noqa: BLE001 (one count that cannot serve does not stop the others)
+                outcome["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+                run.partial(f"front ends: {workers} not measured: {outcome['error']}")
             run.write()
+
+
+def _measure(run: Run, context: dict[str, Any], clients: Any, requests: list[Any], model: Any, name: str,
+             workers: int, share: float, outcome: dict[str, Any]) -> None:
+    """One count: start the server, wait for the model, drive the load, read it against one
+    process. The figures are recorded before the server stops: a slow stop loses none."""
+    from loadtest import localserver
+    from loadtest.gpucheck import model_stats, stats_delta, wait_for_models
+
+    profile = run.profile
+    flags = ["--model", name, "--log-level", "info", "--allow-grpc", "false", "--http-workers", str(workers)]
+    if profile.threads:
+        flags += ["--engine-threads", str(profile.threads)]
+    started = run.clock()
+    startup = min(profile.budgets["server_start"], share - profile.served_warmup_s - MIN_SECONDS - STOP_SLACK_S)
+    with localserver.running_server(context["repository"], *flags, log_path=run.out / SERVER_LOG.format(workers=workers),
+                                    wait_path="/v2/health/live", startup_timeout_s=startup) as url:
+        state = wait_for_models(url, [name], started + startup, run.clock)[name]
+        outcome["startup_s"] = round(run.clock() - started, 1)
+        if state != "READY":
+            outcome["error"] = f"not ready: {state}"
+            run.partial(f"front ends: {workers} not measured, {name} {outcome['error']}")
+            return
+        duration = min(profile.served_seconds,
+                       started + share - run.clock() - profile.served_warmup_s - STOP_SLACK_S)
+        if duration < MIN_SECONDS:
+            outcome["skipped"] = "the phase ran out of time"
+            run.partial(f"front ends: {workers} not measured, the phase ran out of time")
+            return
+        before = model_stats(url, name)
+        served = clients.closed_loop(url, requests, model.output["name"], model.width,
+                                     profile.front_end_concurrency, duration, profile.served_warmup_s)
+        served["server"] = stats_delta(before, model_stats(url, name))
+        outcome.update(served)
+        one = next((r for r in run.record["front_ends"]["runs"] if r["http_workers"] == 1 and r.get("req_s")), None)
+        if one is not None:
+            outcome["against_one"] = round(outcome["req_s"] / one["req_s"], 3)
+        run.log(f"front ends {workers}: {outcome['req_s']} req/s, p50 {outcome['latency_ms']['p50']} ms,"
+                f" p99 {outcome['latency_ms']['p99']} ms, {outcome['error_count']} errors"
+                + (f", {outcome['against_one']}x one process" if "against_one" in outcome else ""))
+        if outcome["error_count"]:
+            run.partial(f"front ends {workers}: {outcome['error_count']} failed requests ({outcome['first_error']})")
+        run.write()

@@ -13,6 +13,7 @@ import textwrap
 import time
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -332,6 +333,67 @@ def test_a_phase_gets_its_budget_and_is_marked_when_it_runs_past_it(tmp_path: Pa
     markdown = (tmp_path / gpucheck.MARKDOWN_FILE).read_text()
     assert "| engine | 20 | 35.0 | 15.0 | done | – |" in markdown
     assert "phase engine: OVER its budget of 20 s by 15.0 s" in (tmp_path / gpucheck.PROGRESS_LOG).read_text()
+
+
+def test_a_front_end_count_that_cannot_start_is_recorded_and_one_with_no_time_left_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1 is measured; 2 fails to start, taking most of what is left; 4 has no time for a start:
+    each is recorded with its reason, and the phase itself does not fail."""
+    import contextlib
+    import dataclasses
+    import types
+
+    import numpy as np
+
+    from loadtest import gpucheck_frontends, localserver
+
+    clock = FakeClock()
+    profile = dataclasses.replace(gpucheck.DRY_RUN, front_ends=(1, 2, 4))
+    run = gpucheck.Run(tmp_path, profile, 100.0, ["--dry-run", "out"], clock=clock)
+    run.record["models"]["digits"] = {"name": "digits", "variants": {"fp32": {"name": "digits-fp32", "status": "built"}}}
+    model = types.SimpleNamespace(inputs=[{"name": "x", "datatype": "FP32"}], output={"name": "logits"}, width=10,
+                                  samples=lambda items, offset=0: {"x": np.zeros((items, 64), np.float32)})
+    started: list[list[str]] = []
+
+    @contextlib.contextmanager
+    def server(repository: Path, *flags: str, **options: Any) -> Any:
+        started.append(list(flags))
+        if flags[flags.index("--http-workers") + 1] == "2":
+            clock.now += 18
+            raise RuntimeError("the server did not answer in time")
+        yield "http://127.0.0.1:1"
+
+    class FakeClients:
+        def __init__(self, processes: int) -> None:
+            self.processes = processes
+
+        def __enter__(self) -> FakeClients:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            pass
+
+        def closed_loop(self, url: str, requests: list[Any], *args: Any) -> dict[str, Any]:
+            assert json.loads(requests[0].body)["inputs"][0]["shape"] == [profile.items_per_request["digits"], 64]
+            clock.now += 8
+            return {"req_s": 100.0, "items_s": 400.0, "latency_ms": {"p50": 1.0, "p99": 2.0}, "error_count": 0}
+
+    monkeypatch.setattr(localserver, "running_server", server)
+    monkeypatch.setattr(gpucheck_measure, "Clients", FakeClients)
+    monkeypatch.setattr(gpucheck, "wait_for_models", lambda url, names, *_: {n: "READY" for n in names})
+    monkeypatch.setattr(gpucheck, "model_stats", lambda url, name: None)
+    gpucheck_frontends.front_ends_phase(run, {"models": {"digits": model}, "repository": tmp_path},
+                                        deadline=clock.now + 30)
+    one, two, four = run.record["front_ends"]["runs"]
+    assert (one["http_workers"], one["req_s"], one["against_one"], one["startup_s"]) == (1, 100.0, 1.0, 0.0)
+    assert two == {"http_workers": 2, "error": "RuntimeError: the server did not answer in time"}
+    assert four == {"http_workers": 4, "skipped": "the phase ran out of time"}
+    assert [flags[flags.index("--http-workers") + 1] for flags in started] == ["1", "2"]
+    assert run.record["partial"] == ["front ends: 2 not measured: RuntimeError: the server did not answer in time",
+                                     "front ends: 4 not measured, the phase ran out of time"]
+    markdown = (tmp_path / gpucheck.MARKDOWN_FILE).read_text()
+    assert "| 2 | – | – | – | – | – | – | – | – | RuntimeError: the server did not answer in time |" in markdown
 
 
 def test_the_engine_phase_measures_nothing_past_its_deadline(tmp_path: Path) -> None:
