@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from server.config import ModelConfig, load_model_config
 from server.engines.registry import ENGINES
 from server.errors import BatchlineError, ConfigError, EngineError, InvalidInput, ModelNotFound, Unavailable
-from server.layout import CONFIG_FILENAME, version_dir, version_number, version_numbers
+from server.layout import CONFIG_FILENAME, config_path, version_dir, version_number, version_numbers
 from server.model import ModelState, ModelVersion
 from server.quantize.ensure import ensure_built
 
@@ -50,7 +50,7 @@ class ModelRepository:
     def names_on_disk(self) -> list[str]:
         if not self.root.is_dir():
             return []
-        return sorted(p.name for p in self.root.iterdir() if (p / CONFIG_FILENAME).is_file())
+        return sorted(p.name for p in self.root.iterdir() if config_path(p).is_file())
 
     def _model_dir(self, name: str) -> Path:
         """The model's folder; any name that cannot be one (a path, too long for the file system,
@@ -59,7 +59,7 @@ class ModelRepository:
             raise ModelNotFound(unknown_model(name))
         path = self.root / name
         try:
-            found = (path / CONFIG_FILENAME).is_file()
+            found = config_path(path).is_file()
         except (OSError, ValueError):  # ENAMETOOLONG, an embedded NUL, a name not encodable
             found = False
         if not found:
@@ -88,13 +88,13 @@ class ModelRepository:
             serving = sorted(v for v, m in old.items() if m.ready)
             try:
                 if config_override is None:
-                    config = self._with_overrides(load_model_config(path / CONFIG_FILENAME))
+                    config = self._with_overrides(load_model_config(config_path(path)))
                 else:
                     config = self._with_overrides(override_config(path, config_override))
                 if config.build is not None:  # a variant built from another model: build or reuse
                     await asyncio.to_thread(ensure_built, self.root, name, config)
                     # the build publishes the config it serves under (a torch INT8 program takes FP32)
-                    config = self._with_overrides(load_model_config(path / CONFIG_FILENAME))
+                    config = self._with_overrides(load_model_config(config_path(path)))
                 selected = config.version_policy.select(version_numbers(path))
                 if not selected:
                     raise ConfigError(f"{path}: no version folder (e.g. {path}/1) to serve")
@@ -171,7 +171,7 @@ class ModelRepository:
         loaded = self.versions(name)
         if loaded:
             return loaded[-1].config
-        return load_model_config(self._model_dir(name) / CONFIG_FILENAME)
+        return load_model_config(config_path(self._model_dir(name)))
 
     def loaded(self) -> list[ModelVersion]:
         return [m for name in sorted(self._versions) for m in self.versions(name)]

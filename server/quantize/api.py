@@ -24,7 +24,7 @@ from typing import Any
 from server.config import BuildGate, BuildSpec, ModelConfig, load_model_config
 from server.engines.digests import file_digest, record_digests, verify_artifact
 from server.engines.registry import ENGINES, artifact_file
-from server.layout import CONFIG_FILENAME, version_number, version_numbers
+from server.layout import config_path, version_number, version_numbers
 from server.layout import version_dir as version_dir_of
 from server.quantize import variant as variants
 from server.quantize.bench import Timing
@@ -192,7 +192,7 @@ def make(plan: BuildPlan, stage: Path, work: Path) -> Made:
         tokenizer = source.config.tokenize.tokenizer
         shutil.copyfile(source.version_dir / tokenizer, stage / tokenizer)
     record_digests(stage)  # evaluated and timed as it will serve: verified; publish records the rest
-    has_config = (plan.variant_dir / CONFIG_FILENAME).is_file()
+    has_config = config_path(plan.variant_dir).is_file()
     base = variants.read_raw_config(plan.variant_dir if has_config else plan.repository / source.model)
     spec = BuildSpec(source=source.model, engine=plan.engine, precision=plan.precision, device=plan.device,
                      options=plan.given, gate=plan.gate)
@@ -272,9 +272,9 @@ def publish(plan: BuildPlan, made: Made, verdict: Verdict, speed: dict[str, Any]
 def _source(repository: Path, model: str) -> tuple[ModelConfig, int, Path, Path]:
     """The FP32 source: its config, the version it serves, that folder, and the artifact."""
     model_dir = repository / model
-    if not (model_dir / CONFIG_FILENAME).is_file():
+    if not config_path(model_dir).is_file():
         raise BuildError(f"model '{model}' is not in the repository {repository}")
-    config = load_model_config(model_dir / CONFIG_FILENAME)
+    config = load_model_config(config_path(model_dir))
     if config.build is not None:
         raise BuildError(f"'{model}' is itself a build of '{config.build.source}'; build from the FP32 source")
     if config.precision != "fp32":
@@ -314,7 +314,7 @@ def published_build(repository: Path, variant: str, spec: BuildSpec) -> BuildRep
 
 def _existing_variant(variant_dir: Path, model: str) -> ModelConfig | None:
     """The variant's current config; refuses to overwrite a model that is not a build of `model`."""
-    path = variant_dir / CONFIG_FILENAME
+    path = config_path(variant_dir)
     if not path.is_file():
         return None
     config = load_model_config(path)

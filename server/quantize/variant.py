@@ -29,7 +29,7 @@ import yaml
 from server.config import BuildSpec, ModelConfig, load_model_config
 from server.engines.digests import record_digests
 from server.engines.registry import ENGINES
-from server.layout import CONFIG_FILENAME, version_dir, version_numbers
+from server.layout import config_path, version_dir, version_numbers
 from server.quantize.errors import BuildError
 from server.quantize.reporting import REJECTED_DIR
 
@@ -47,9 +47,9 @@ def variant_name(model: str, engine: str, precision: str) -> str:
 
 def read_raw_config(model_dir: Path) -> dict[str, Any]:
     """The config as written (not re-serialised with defaults), to derive a variant from."""
-    raw = yaml.safe_load((model_dir / CONFIG_FILENAME).read_text(encoding="utf-8"))
+    raw = yaml.safe_load(config_path(model_dir).read_text(encoding="utf-8"))
     if not isinstance(raw, dict):
-        raise BuildError(f"{model_dir / CONFIG_FILENAME}: expected a mapping")
+        raise BuildError(f"{config_path(model_dir)}: expected a mapping")
     return raw
 
 
@@ -99,9 +99,9 @@ def derive_config(
 def served_versions(variant_dir: Path) -> list[int]:
     """The versions the variant's config serves (what the repository will load); none without
     a config. A version folder newer than these is a publish that did not finish, or a rollback."""
-    if not (variant_dir / CONFIG_FILENAME).is_file():
+    if not config_path(variant_dir).is_file():
         return []
-    config = load_model_config(variant_dir / CONFIG_FILENAME)
+    config = load_model_config(config_path(variant_dir))
     return config.version_policy.select(version_numbers(variant_dir))
 
 
@@ -145,7 +145,7 @@ def publish(variant_dir: Path, stage: Path, config: dict[str, Any], source: str)
     _sync_tree(stage)
     os.rename(stage, version_dir(variant_dir, version))
     _sync_folder(variant_dir)
-    _write_durably(variant_dir / CONFIG_FILENAME, text)
+    _write_durably(config_path(variant_dir), text)
     _sync_folder(variant_dir.parent)  # a first build made the variant's folder itself
     return version
 
