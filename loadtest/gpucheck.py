@@ -33,7 +33,6 @@ import tempfile
 import threading
 import time
 import traceback
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -58,7 +57,6 @@ OVER_BUDGET_GRACE_S = 1.0  # a phase may end this long past its budget before it
 JSON_FILE, MARKDOWN_FILE, SERVER_LOG, PROGRESS_LOG = "gpu_check.json", "gpu_check.md", "server.log", "progress.log"
 SCHEMA = "batchline.gpu_check/1"
 ROLES = ("digits", "resnet", "bert")  # build order: the cheap one first
-REQUEST_BODIES = 16  # distinct request bodies per model
 
 
 @dataclass(frozen=True)
@@ -582,7 +580,15 @@ def accuracy(engine: Any, model: Any, batch: int) -> float:
 
 def serve_phase(run: Run, context: dict[str, Any], deadline: float) -> None:
     from loadtest import localserver
-    from loadtest.gpucheck_measure import Clients, GpuTrace, binary_request
+    from loadtest.gpucheck_measure import (
+        REQUEST_BODIES,
+        Clients,
+        GpuTrace,
+        binary_request,
+        model_stats,
+        stats_delta,
+        wait_for_models,
+    )
 
     profile = run.profile
     todo = list(built_variants(run, context))
@@ -641,55 +647,6 @@ def serve_phase(run: Run, context: dict[str, Any], deadline: float) -> None:
                 if served["error_count"]:
                     run.partial(f"{variant['name']}: {served['error_count']} failed requests ({served['first_error']})")
                 run.write()
-
-
-def wait_for_models(url: str, names: list[str], deadline: float,
-                    clock: Callable[[], float] = time.monotonic) -> dict[str, str]:
-    """Each model's state once none is loading any more (or at `deadline`, on `clock`): READY,
-    or the reason it is not. The server's own readiness is strict (every model), so one variant
-    that cannot load would hide the others."""
-    states: dict[str, str] = {}
-    while True:
-        request = urllib.request.Request(f"{url}/v2/repository/index", data=b"{}", method="POST",
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=10) as response:
-            index = json.loads(response.read())
-        states = {}
-        for entry in index:
-            state = entry.get("state") or "LOADING"  # no state yet: its load has not begun
-            states[entry["name"]] = state if state in ("READY", "LOADING") else f"{state}: {entry.get('reason', '')}"
-        pending = [n for n in names if states.get(n, "LOADING") == "LOADING"]
-        if not pending:
-            return {n: states.get(n, "missing") for n in names}
-        if clock() > deadline:
-            return {n: states.get(n, "missing") if n not in pending else "LOADING when the start budget ran out"
-                    for n in names}
-        time.sleep(0.25)
-
-
-def model_stats(url: str, name: str) -> dict[str, Any] | None:
-    try:
-        with urllib.request.urlopen(f"{url}/v2/models/{name}/stats", timeout=10) as response:
-            stats = json.loads(response.read())["model_stats"][0]
-    except (OSError, ValueError, KeyError, IndexError):
-        return None
-    return stats
-
-
-def stats_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
-    """What the server itself counted over the load: batches, items per batch, queue and compute time."""
-    if before is None or after is None:
-        return None
-    batches = after["execution_count"] - before["execution_count"]
-    items = after["inference_count"] - before["inference_count"]
-
-    def per(stage: str, count_of: str) -> float | None:
-        a, b = after["inference_stats"][stage], before["inference_stats"][stage]
-        count = (a["count"] - b["count"]) if count_of == "stage" else batches
-        return round((a["ns"] - b["ns"]) / count / 1e6, 3) if count else None
-
-    return {"batches": batches, "items": items, "mean_batch": round(items / batches, 2) if batches else None,
-            "queue_ms_per_request": per("queue", "stage"), "compute_infer_ms_per_batch": per("compute_infer", "batch")}
 
 
 def engine_reference(engine: dict[str, Any] | None, max_batch: int, served_items_s: float) -> dict[str, Any]:

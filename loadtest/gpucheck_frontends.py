@@ -13,10 +13,24 @@ next count runs; a count the phase has no time left for is skipped, recorded so.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from loadtest.gpucheck import Run
+
+class Run(Protocol):
+    """What the phase needs of the check's run (loadtest.gpucheck.Run, which imports this module)."""
+
+    profile: Any  # loadtest.gpucheck.Profile
+    record: dict[str, Any]
+    out: Path
+    clock: Callable[[], float]
+
+    def log(self, message: str) -> None: ...
+
+    def partial(self, reason: str) -> None: ...
+
+    def write(self) -> None: ...
 
 ROLE, PRECISION = "digits", "fp32"
 SERVER_LOG = "server-front-ends-{workers}.log"
@@ -27,8 +41,7 @@ STOP_SLACK_S = 2.0  # after the load: the statistics read and the server's stop 
 def front_ends_phase(run: Run, context: dict[str, Any], deadline: float) -> None:
     """Serve the digits FP32 variant at each of the profile's front-end counts; record req/s,
     latency and the server's batches of each, and each count's rate against one process."""
-    from loadtest.gpucheck import REQUEST_BODIES
-    from loadtest.gpucheck_measure import Clients, json_request
+    from loadtest.gpucheck_measure import REQUEST_BODIES, Clients, json_request
 
     profile = run.profile
     variant = run.record["models"].get(ROLE, {}).get("variants", {}).get(PRECISION, {})
@@ -70,7 +83,7 @@ def _measure(run: Run, context: dict[str, Any], clients: Any, requests: list[Any
     """One count: start the server, wait for the model, drive the load, read it against one
     process. The figures are recorded before the server stops: a slow stop loses none."""
     from loadtest import localserver
-    from loadtest.gpucheck import model_stats, stats_delta, wait_for_models
+    from loadtest.gpucheck_measure import model_stats, stats_delta, wait_for_models
 
     profile = run.profile
     flags = ["--model", name, "--log-level", "info", "--allow-grpc", "false", "--http-workers", str(workers)]

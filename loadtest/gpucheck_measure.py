@@ -12,6 +12,7 @@ import json
 import multiprocessing
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from loadtest.engine import measure
 from loadtest.openloop import _read_reply, raw_request, run
 from loadtest.payloads import HEADER_LENGTH, InferRequest
 
+REQUEST_BODIES = 16  # distinct request bodies per model
 VALIDATE_EVERY = 50  # a full reply check on the first reply of each connection and one in this many
 START_DELAY_S = 0.3  # the client processes start together, this long after they are handed the work
 
@@ -221,6 +223,56 @@ class Clients:
 
 def _percentile(values: np.ndarray, q: float) -> float | None:
     return round(float(np.percentile(values, q)), 3) if len(values) else None
+
+
+# ---- the server's own view ----------------------------------------------------------------------
+def wait_for_models(url: str, names: list[str], deadline: float,
+                    clock: Callable[[], float] = time.monotonic) -> dict[str, str]:
+    """Each model's state once none is loading any more (or at `deadline`, on `clock`): READY,
+    or the reason it is not. The server's own readiness is strict (every model), so one variant
+    that cannot load would hide the others."""
+    states: dict[str, str] = {}
+    while True:
+        request = urllib.request.Request(f"{url}/v2/repository/index", data=b"{}", method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            index = json.loads(response.read())
+        states = {}
+        for entry in index:
+            state = entry.get("state") or "LOADING"  # no state yet: its load has not begun
+            states[entry["name"]] = state if state in ("READY", "LOADING") else f"{state}: {entry.get('reason', '')}"
+        pending = [n for n in names if states.get(n, "LOADING") == "LOADING"]
+        if not pending:
+            return {n: states.get(n, "missing") for n in names}
+        if clock() > deadline:
+            return {n: states.get(n, "missing") if n not in pending else "LOADING when the start budget ran out"
+                    for n in names}
+        time.sleep(0.25)
+
+
+def model_stats(url: str, name: str) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(f"{url}/v2/models/{name}/stats", timeout=10) as response:
+            stats = json.loads(response.read())["model_stats"][0]
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+    return stats
+
+
+def stats_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the server itself counted over the load: batches, items per batch, queue and compute time."""
+    if before is None or after is None:
+        return None
+    batches = after["execution_count"] - before["execution_count"]
+    items = after["inference_count"] - before["inference_count"]
+
+    def per(stage: str, count_of: str) -> float | None:
+        a, b = after["inference_stats"][stage], before["inference_stats"][stage]
+        count = (a["count"] - b["count"]) if count_of == "stage" else batches
+        return round((a["ns"] - b["ns"]) / count / 1e6, 3) if count else None
+
+    return {"batches": batches, "items": items, "mean_batch": round(items / batches, 2) if batches else None,
+            "queue_ms_per_request": per("queue", "stage"), "compute_infer_ms_per_batch": per("compute_infer", "batch")}
 
 
 # ---- the engine alone ----------------------------------------------------------------------------

@@ -381,8 +381,8 @@ def test_a_front_end_count_that_cannot_start_is_recorded_and_one_with_no_time_le
 
     monkeypatch.setattr(localserver, "running_server", server)
     monkeypatch.setattr(gpucheck_measure, "Clients", FakeClients)
-    monkeypatch.setattr(gpucheck, "wait_for_models", lambda url, names, *_: {n: "READY" for n in names})
-    monkeypatch.setattr(gpucheck, "model_stats", lambda url, name: None)
+    monkeypatch.setattr(gpucheck_measure, "wait_for_models", lambda url, names, *_: {n: "READY" for n in names})
+    monkeypatch.setattr(gpucheck_measure, "model_stats", lambda url, name: None)
     gpucheck_frontends.front_ends_phase(run, {"models": {"digits": model}, "repository": tmp_path},
                                         deadline=clock.now + 30)
     one, two, four = run.record["front_ends"]["runs"]
