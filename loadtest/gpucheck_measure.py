@@ -1,5 +1,6 @@
 """What the GPU check measures: the engine alone per batch bucket, the served rate under many
-concurrent clients, and the GPU's own counters (NVML) while either runs.
+concurrent clients, the server's own view of it (models ready, batches formed), and the GPU's
+own counters (NVML) while either runs.
 
 Kept free of torch at import: the load-generating processes import this module (spawned, so
 that they inherit no CUDA state and no threads) and need only sockets and numpy.
