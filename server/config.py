@@ -169,9 +169,10 @@ class Tokenize(_Strict):
     """Pre-processing for text models: UTF-8 strings in, token tensors out.
 
     Each request is tokenized at admission (so the batcher knows its cost in tokens). With
-    `sequence_buckets`, requests batch only with others of the same length bucket and are padded
-    to it: padding waste stays small and a compiled engine sees a few fixed shapes. Without,
-    any texts share a batch, padded to its longest.
+    `sequence_buckets`, requests batch only with others of the same length bucket, so padding
+    waste stays small; a compiled engine gets them padded to the bucket (a few fixed shapes),
+    any other engine to the batch's longest. Without, any texts share a batch, padded to its
+    longest.
     """
 
     input: str = Field(description="The BYTES input holding the text, one string per item.")

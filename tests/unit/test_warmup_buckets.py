@@ -241,10 +241,11 @@ def test_an_engine_that_compiles_nothing_warms_up_its_sizes_and_the_buckets_with
 def test_an_engine_that_compiles_nothing_runs_the_warm_up_text_once_at_its_own_length(
     plain_engines: list[RecordingEngine], tokenizer_folder: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The 10-token text at its bucket of 16, as a batch of it would run: no sweep of 4, 8 and 16."""
+    """The 10-token text at its own length, as a batch of it would run on such an engine (the
+    bucket's padding is for compiled shapes): no sweep of 4, 8 and 16."""
     with caplog.at_level(logging.INFO, logger="server.model"):
         built(text_model([4, 8, 16], batch_buckets=[2, 4]), tokenizer_folder)
-    assert [run["input_ids"] for run in plain_engines[0].runs] == [(2, 16), (2, 16), (4, 16)]  # 1 pads up to 2
+    assert [run["input_ids"] for run in plain_engines[0].runs] == [(2, 10), (2, 10), (4, 10)]  # 1 pads up to 2
     assert caplog.messages == [f"model text/1: warm-up at batch sizes [1, 2, 4]: {NOT_SWEPT}"]
 
 

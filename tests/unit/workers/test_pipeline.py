@@ -105,16 +105,27 @@ def text_config(max_length: int, sequence_buckets: list[int], max_batch_tokens: 
     )
 
 
+class CompiledRowSums(RowSums):
+    """RowSums as an engine prepared per shape (compiled): it gets only the shapes of its buckets."""
+
+    @property
+    def compiles_per_shape(self) -> bool:
+        return True
+
+
 @pytest.mark.usefixtures("built_minilm")
-def test_token_tensors_pad_to_their_sequence_bucket() -> None:
+def test_token_tensors_pad_to_their_sequence_bucket_for_a_compiled_engine_only() -> None:
     cfg = text_config(max_length=16, sequence_buckets=[8, 16])
     tokenizer = TextTokenizer(cfg.tokenize, MODELS / "minilm/1")
     short, long = tokenizer.encode(["hi"]), tokenizer.encode(["a much longer sentence than the other one"])
     assert short["input_ids"].shape == (1, 3)  # [CLS] hi [SEP]
     assert long["input_ids"].shape[1] == 10
-    engine = RowSums()
-    ModelPipeline(cfg, engine, paddable_inputs(cfg, tokenizer.outputs)).run_batch([short, long])
-    assert engine.seen[0]["input_ids"] == (2, 16)
+    compiled, plain = CompiledRowSums(), RowSums()
+    for engine in (compiled, plain):
+        ModelPipeline(cfg, engine, paddable_inputs(cfg, tokenizer.outputs)).run_batch([short, long])
+        ModelPipeline(cfg, engine, paddable_inputs(cfg, tokenizer.outputs)).run_batch([short])
+    assert [seen["input_ids"] for seen in compiled.seen] == [(2, 16), (1, 8)]  # the shapes it was compiled for
+    assert [seen["input_ids"] for seen in plain.seen] == [(2, 10), (1, 3)]  # the batch's longest text: no waste
     assert tokenizer.encode(["word " * 100])["input_ids"].shape == (1, 16)  # truncated at max_length
 
 
