@@ -3,7 +3,8 @@
 Requests arrive as engine-ready feeds. Merging concatenates them along the batch dim; tensors
 declared paddable (token tensors, inputs with a pad_value) are padded to the batch's longest,
 and compiled engines get the batch padded up to one of the sizes they were built for, and token
-tensors up to their sequence bucket. Other engines run the batch's own length: a bucket's padding
+tensors up to their sequence bucket (as does a model of one bucket: one fixed length). Other
+engines run the batch's own length: a bucket's padding
 is compute they would spend for nothing (a text of 17 tokens padded to 32 costs about twice). Outputs
 are renamed to the names clients know, cast to the declared datatype, and cut back per request.
 """
@@ -38,8 +39,11 @@ class ModelPipeline:
         self._batched = config.batched
         self._pads = pads
         # Token tensors padded up to their sequence bucket: the shapes a compiled engine was
-        # prepared for; any other engine takes the batch's longest text as it is.
-        self._sequence_buckets = bool(config.tokenize and config.tokenize.sequence_buckets) and engine.compiles_per_shape
+        # prepared for, or the one length a single bucket declares (the artifact's sequence dim
+        # may be fixed to it: server/engines/signature.py); any other engine takes the batch's
+        # longest text as it is.
+        buckets = config.tokenize.sequence_buckets if config.tokenize else None
+        self._pad_to_bucket = bool(buckets) and (engine.compiles_per_shape or len(buckets or ()) == 1)
         self._tokenize = config.tokenize
         self._buckets = config.batch_buckets or []
         self._outputs = [(t.name, t.source_name, numpy_dtype(t.datatype)) for t in config.outputs]
@@ -89,7 +93,7 @@ class ModelPipeline:
         """Pad every variable dim to the longest of the batch (token tensors of a compiled engine:
         to their bucket)."""
         shape = [max(p.shape[d] for p in parts) for d in range(1, parts[0].ndim)]
-        if shape and self._sequence_buckets and self._tokenize is not None:
+        if shape and self._pad_to_bucket and self._tokenize is not None:
             shape[0] = self._tokenize.bucket(shape[0])
         if len(parts) == 1 and list(parts[0].shape[1:]) == shape:
             return _fill_rows(parts[0], rows)

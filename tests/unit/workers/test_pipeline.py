@@ -127,6 +127,9 @@ def test_token_tensors_pad_to_their_sequence_bucket_for_a_compiled_engine_only()
     assert [seen["input_ids"] for seen in compiled.seen] == [(2, 16), (1, 8)]  # the shapes it was compiled for
     assert [seen["input_ids"] for seen in plain.seen] == [(2, 10), (1, 3)]  # the batch's longest text: no waste
     assert tokenizer.encode(["word " * 100])["input_ids"].shape == (1, 16)  # truncated at max_length
+    fixed = text_config(max_length=16, sequence_buckets=[16])  # one bucket: a fixed length, any engine
+    ModelPipeline(fixed, plain, paddable_inputs(fixed, tokenizer.outputs)).run_batch([short])
+    assert plain.seen[-1]["input_ids"] == (1, 16)
 
 
 @pytest.mark.usefixtures("built_minilm")
