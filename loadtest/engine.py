@@ -3,8 +3,7 @@
 The server can never beat its engine, so this is the bar the HTTP numbers are read against.
   minilm: ONNX Runtime session on CPUExecutionProvider, graph optimisation "all", plus the
           `tokenizers` Tokenizer of tokenizer.json, truncation 256, padding to the batch's
-          longest text (or, --length-sorted, batches of one or two neighbouring lengths, each
-          text as often as the others, as many clients' traffic batches); tokenization is
+          longest text (or, --length-sorted, batches of neighbouring lengths); tokenization is
           timed with the run. Its own session, since batch formation is what is measured.
   digits, mlp: the server's own engine for the folder's config (server/engines: torch in any
           precision, or an ONNX Runtime variant), called directly with the given threads.
@@ -121,19 +120,12 @@ def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False) ->
     feeds = set(types)
 
     # length_sorted: batches of neighbours in token length, the best a length-aware batcher can
-    # form when many clients send this payload (the server's sequence buckets approach it): each
-    # text taken batch_size times in length order, so a batch holds one or two neighbouring
-    # lengths at any size, and every text counts alike. Otherwise each batch takes the next
-    # texts in the payload's order, as they come.
+    # form from this payload (the server's sequence buckets approach it).
     texts = sorted(SENTENCES, key=lambda t: len(tokenizer.encode(t).ids)) if length_sorted else list(SENTENCES)
 
     def prepare(batch_size: int) -> Runner:
-        if length_sorted:
-            repeated = [text for text in texts for _ in range(batch_size)]
-            batches = [repeated[b * batch_size:(b + 1) * batch_size] for b in range(len(texts))]
-        else:
-            batches = [[texts[(b * batch_size + i) % len(texts)] for i in range(batch_size)]
-                       for b in range(len(texts))]
+        batches = [[texts[(b * batch_size + i) % len(texts)] for i in range(batch_size)]
+                   for b in range(len(texts))]
 
         def run(index: int) -> float:
             start = time.perf_counter()

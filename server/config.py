@@ -170,9 +170,9 @@ class Tokenize(_Strict):
 
     Each request is tokenized at admission (so the batcher knows its cost in tokens). With
     `sequence_buckets`, requests batch only with others of the same length bucket, so padding
-    waste stays small; a compiled engine gets them padded to the bucket (a few fixed shapes),
-    any other engine to the batch's longest (but a single bucket is one fixed length, padded to
-    by every engine). Without, any texts share a batch, padded to its longest.
+    waste stays small; an engine compiled per shape gets them padded to the bucket (a few fixed
+    shapes), any other engine to the batch's longest (but a single bucket is one fixed length,
+    padded to by every engine). Without, any texts share a batch, padded to its longest.
     """
 
     input: str = Field(description="The BYTES input holding the text, one string per item.")

@@ -202,8 +202,8 @@ class ModelVersion:
         batch reaches it) and each of `warmup.batch_sizes`, and for a text model with
         `sequence_buckets`, each of those at every sequence bucket. Any other engine has nothing
         to prepare per shape: `warmup.batch_sizes` and the batch buckets within max_batch_size,
-        the warm-up text at its own length (as a batch runs on such an engine: see
-        server/workers/pipeline.py).
+        the warm-up text at its own length, as a batch runs on such an engine (padded to the
+        bucket only for a model of one bucket: server/workers/pipeline.py).
         Shapes without buckets are not fixed, so there is none to sweep: a text model without
         sequence_buckets runs the warm-up text at its own length, and an input's variable dim
         runs at length 1."""

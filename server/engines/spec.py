@@ -40,7 +40,7 @@ class TokenSpec:
 
     input_ids: str  # the token tensor whose last dim is the sequence
     max_length: int
-    sequence_buckets: tuple[int, ...]  # the lengths sequences are padded to; () pads to the batch's longest
+    sequence_buckets: tuple[int, ...]  # the lengths a compiled engine gets sequences padded to; () none
 
 
 @dataclass(frozen=True)

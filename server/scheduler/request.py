@@ -34,8 +34,9 @@ class InferenceRequest:
     """Engine-ready tensors (batch dim first when the model batches) and the future through
     which exactly one result or error comes back.
 
-    `shape_key` says which requests may share a batch; `longest` is the sequence length a
-    text request pads to (0 for other models), for the token budget.
+    `shape_key` says which requests may share a batch; `longest` is a text request's sequence
+    bucket (0 for other models), for the token budget: what it pads to on a compiled engine, at
+    most what it pads to on any other.
     """
 
     feed: dict[str, np.ndarray]

@@ -1,12 +1,13 @@
 """What an instance runs for a batch: merge the requests, run the engine, split the results.
 
 Requests arrive as engine-ready feeds. Merging concatenates them along the batch dim; tensors
-declared paddable (token tensors, inputs with a pad_value) are padded to the batch's longest,
-and compiled engines get the batch padded up to one of the sizes they were built for, and token
-tensors up to their sequence bucket (as does a model of one bucket: one fixed length). Other
-engines run the batch's own length: a bucket's padding
-is compute they would spend for nothing (a text of 17 tokens padded to 32 costs about twice). Outputs
-are renamed to the names clients know, cast to the declared datatype, and cut back per request.
+declared paddable (token tensors, inputs with a pad_value) are padded to the batch's longest.
+An engine compiled per shape (`Engine.compiles_per_shape`) gets the batch padded up to one of
+the sizes it was built for, and token tensors up to their sequence bucket, as does a model of
+one bucket (one fixed length). Other engines run the batch's own length: a bucket's padding is
+compute they would spend for nothing (a text of 17 tokens padded to 32 costs about twice).
+Outputs are renamed to the names clients know, cast to the declared datatype, and cut back per
+request.
 """
 
 from __future__ import annotations
