@@ -1,11 +1,12 @@
 """What an instance runs for a batch: merge the requests, run the engine, split the results.
 
 Requests arrive as engine-ready feeds. Merging concatenates them along the batch dim; tensors
-declared paddable (token tensors, inputs with a pad_value) are padded to the batch's longest.
-An engine compiled per shape (`Engine.compiles_per_shape`) gets the batch padded up to one of
-the sizes it was built for, and token tensors up to their sequence bucket, as does a model of
-one bucket (one fixed length). Other engines run the batch's own length: a bucket's padding is
-compute they would spend for nothing (a text of 17 tokens padded to 32 costs about twice).
+declared paddable (token tensors, inputs with a pad_value) are padded to the batch's longest,
+and a model with batch buckets gets the batch padded up to one of them (the sizes a compiled
+engine was built for). Token tensors go up to their sequence bucket for an engine compiled per
+shape (`Engine.compiles_per_shape`) and for a model of one bucket (one fixed length); other
+engines run the batch's own length: a bucket's padding is compute they would spend for nothing
+(a text of 17 tokens padded to 32 costs about twice).
 Outputs are renamed to the names clients know, cast to the declared datatype, and cut back per
 request.
 """
@@ -91,8 +92,8 @@ class ModelPipeline:
         return next((b for b in self._buckets if b >= items), items)
 
     def _padded(self, parts: list[np.ndarray], value: float, rows: int) -> np.ndarray:
-        """Pad every variable dim to the longest of the batch (token tensors of a compiled engine:
-        to their bucket)."""
+        """Pad every variable dim to the longest of the batch (to its sequence bucket where the
+        engine needs bucket shapes: see __init__)."""
         shape = [max(p.shape[d] for p in parts) for d in range(1, parts[0].ndim)]
         if shape and self._pad_to_bucket and self._tokenize is not None:
             shape[0] = self._tokenize.bucket(shape[0])
