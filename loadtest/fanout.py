@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,16 +82,18 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
         environment = {"STANDIN_FIXED_US": str(args.fixed_us), "STANDIN_ITEM_US": str(args.item_us),
                        "STANDIN_DEVICE_LOCK": str(root / "device.lock")}
         for layout in layouts:
-            with servers(layout, args.workers, repository, root, environment) as (url, stats_of, pids, front_ends_of):
+            with servers(layout, args.workers, repository, root, environment) as (url, stats_of, processes):
                 target = f"{url}/v2/models/{MODEL}/infer"
                 if args.warmup > 0:
                     wrk(target, script, max(args.concurrency), args.warmup, args.wrk_threads)
                 for connections in args.concurrency:
-                    before = stats_of(), cpu_ticks(pids())
+                    serving, front_ends = processes()
+                    before = stats_of(), cpu_ticks([*serving, *front_ends])
                     level = wrk(target, script, connections, args.duration, args.wrk_threads)
-                    after = stats_of(), cpu_ticks(pids())
+                    serving, front_ends = processes()  # a front end restarted meanwhile is counted from 0
+                    after = stats_of(), cpu_ticks([*serving, *front_ends])
                     level |= {"layout": layout, "processes": len(after[1])}
-                    level |= measured_costs(before, after, front_ends_of())
+                    level |= measured_costs(before, after, frozenset(front_ends))
                     levels.append(level)
                     print(f"  {layout} c={connections}: {level['req_s']:,.0f} req/s, p50 {level['p50_ms']:.2f} ms, "
                           f"p99 {level['p99_ms']:.2f} ms, mean batch {level['mean_batch']:.1f}", file=sys.stderr)
@@ -112,21 +114,22 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
 def static_body_script() -> str:
     """A wrk script that only sets the request: wrk then calls no Lua per request."""
     rng = np.random.default_rng(0)
-    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256],
-                                   "data": [round(float(v), 4) for v in rng.uniform(-1, 1, 256)]}]})
+    body = json.dumps({"inputs": [{"name": mlp.INPUT, "datatype": "FP32", "shape": [1, mlp.WIDTH],
+                                   "data": [round(float(v), 4) for v in rng.uniform(-1, 1, mlp.WIDTH)]}]})
     return (f'wrk.method = "POST"\nwrk.body = {json.dumps(body)}\n'
             'wrk.headers["Content-Type"] = "application/json"\n')
 
 
 Stats = dict[str, int]
+Processes = tuple[list[int], list[int]]  # the server processes' pids, the front ends' pids
 
 
 @contextlib.contextmanager
 def servers(layout: str, workers: int, repository: Path, root: Path,
-            environment: dict[str, str]) -> Iterator[tuple[str, Any, Any]]:
+            environment: dict[str, str]) -> Iterator[tuple[str, Callable[[], Stats], Callable[[], Processes]]]:
     """The layout's server(s), started under the stand-in: (base URL, a function reading the
-    model's statistics summed over servers, one listing every process's pid, one listing the
-    pids of --http-workers front ends)."""
+    model's statistics summed over servers, one listing the pids of the server processes and of
+    the --http-workers front ends, from one look)."""
     launcher = ("-m", "loadtest.standin", "serve")
     common = ("--engine-threads", "1", "--log-level", "warning")
     with contextlib.ExitStack() as stack:
@@ -144,15 +147,14 @@ def servers(layout: str, workers: int, repository: Path, root: Path,
             grpc_ports = [replica_ready(root / f"grpc-{index}", replica.process)
                           for index, replica in enumerate(replicas)]
             yield (first.url, lambda: sum_stats([grpc_stats(p) for p in grpc_ports]),
-                   lambda: [r.process.pid for r in replicas], frozenset)
+                   lambda: ([r.process.pid for r in replicas], []))
         else:
             extra = ("--http-workers", str(workers)) if layout == "workers" else ()
             server = stack.enter_context(localserver.started_server(
                 repository, *common, *extra, "--allow-grpc", "false", log_path=root / f"{layout}.log",
                 launcher=launcher, environment=environment))
             yield (server.url, lambda: http_stats(server.url),
-                   lambda: [server.process.pid, *children(server.process.pid)],
-                   lambda: frozenset(children(server.process.pid)))
+                   lambda: ([server.process.pid], children(server.process.pid)))
 
 
 def replica_ready(port_file: Path, process: Any, timeout_s: float = 300) -> int:
@@ -224,7 +226,7 @@ def cpu_ticks(pids: list[int]) -> dict[int, int]:
 
 
 def measured_costs(before: tuple[Stats, dict[int, int]], after: tuple[Stats, dict[int, int]],
-                   front_ends: frozenset[int] = frozenset()) -> dict[str, Any]:
+                   front_ends: frozenset[int]) -> dict[str, Any]:
     """The level's mean batch size and each process's CPU per request served; `front_ends`:
     the pids of --http-workers processes, counted apart from the server processes."""
     (stats_0, ticks_0), (stats_1, ticks_1) = before, after

@@ -79,7 +79,10 @@ class Profile:
     threads: int | None  # CPU threads per engine (None: the engine's default)
     precisions: tuple[str, ...] = ("fp32", "fp16", "bf16", "int8")
     extras: tuple[Extra, ...] = ()  # variants built from a plain one: compiled, more instances
-    front_ends: tuple[int, ...] = (1, 2, 4, 8)  # --http-workers counts of the front-end curve (gpucheck_frontends.py)
+    # --http-workers counts of the front-end curve (gpucheck_frontends.py), in the order they run:
+    # one process first (the others read against it), then the far end, so that a curve cut short
+    # by time still spans the range
+    front_ends: tuple[int, ...] = (1, 8, 2, 4)
     front_end_concurrency: int = 256
     front_end_clients: int = 6  # client processes of the front-end curve
     front_end_start_s: float = 10.0  # about what one server start takes there: a count given less is skipped
@@ -91,7 +94,7 @@ class Profile:
 # staging (77 MB of FP32 pixels at 128) is as long as its compute, so that overlap shows.
 GPU = Profile(
     mode="gpu",
-    budgets={"install": 60, "build": 150, "engine": 120, "front_ends": 60, "serve_floor": 120, "server_start": 150},
+    budgets={"install": 60, "build": 150, "engine": 120, "front_ends": 60, "serve_floor": 100, "server_start": 150},
     max_batch={"resnet": 128, "bert": 64, "digits": 1024},
     buckets={"resnet": [1, 8, 32, 128], "bert": [1, 8, 32, 64], "digits": [1, 64, 256, 1024]},
     items_per_request={"resnet": 1, "bert": 1, "digits": 16},
@@ -279,8 +282,7 @@ def check(out: Path, profile: Profile, limit_s: float, wheel_folder: Path | None
     if context.get("models"):
         with run.phase("engine", profile.budgets["engine"]) as deadline:
             engine_phase(run, context, deadline)
-        kept_back = min(profile.budgets["front_ends"], max(0.0, run.left() - profile.budgets["serve_floor"]))
-        with run.phase("serve", run.left() - kept_back) as deadline:
+        with run.phase("serve", serve_budget(run.left(), profile)) as deadline:
             serve_phase(run, context, deadline)
         with run.phase("front_ends", None) as deadline:
             from loadtest.gpucheck_frontends import front_ends_phase
@@ -288,6 +290,13 @@ def check(out: Path, profile: Profile, limit_s: float, wheel_folder: Path | None
             front_ends_phase(run, context, deadline)
     failed = any(p.get("status") == "failed" for p in run.record["phases"].values())
     return finish(run, 1 if failed else 0)
+
+
+def serve_budget(left: float, profile: Profile) -> float:
+    """What the serve phase gets of `left`: all but what it keeps back for the front-end curve,
+    and never less than the serve floor for it (the curve takes what serve leaves)."""
+    kept_back = min(profile.budgets["front_ends"], max(0.0, left - profile.budgets["serve_floor"]))
+    return left - kept_back
 
 
 # What `batchline serve` and this check import beyond the standard library (module names).

@@ -118,4 +118,3 @@ def _measure(run: Run, context: dict[str, Any], clients: Any, requests: list[Any
                 + (f", {outcome['against_one']}x one process" if "against_one" in outcome else ""))
         if outcome["error_count"]:
             run.partial(f"front ends {workers}: {outcome['error_count']} failed requests ({outcome['first_error']})")
-        run.write()

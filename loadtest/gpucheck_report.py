@@ -191,7 +191,7 @@ def front_ends(record: dict[str, Any]) -> list[str]:
     if "skipped" in curve:
         return ["## HTTP front-end processes", "", f"Not measured: {curve['skipped']}.", ""]
     rows = []
-    for served in curve["runs"]:
+    for served in sorted(curve["runs"], key=lambda r: r["http_workers"]):
         latency = served.get("latency_ms") or {}
         server = served.get("server") or {}
         rows.append((served["http_workers"], served.get("req_s"), served.get("items_s"), served.get("against_one"),

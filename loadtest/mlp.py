@@ -18,6 +18,7 @@ import numpy as np
 from loadtest.localmodels import onnx_bytes, write_onnx_model
 
 NAME = "mlp"
+INPUT = "x"
 WIDTH = 256
 HIDDEN = 1024
 CLASSES = 10
@@ -30,7 +31,7 @@ def mlp_onnx(seed: int = 0) -> bytes:
 
     rng = np.random.default_rng(seed)
     sizes = [WIDTH, HIDDEN, HIDDEN, CLASSES]
-    nodes, initializers, current = [], [], "x"
+    nodes, initializers, current = [], [], INPUT
     for layer, (fan_in, fan_out) in enumerate(zip(sizes, sizes[1:], strict=False)):
         weight, bias, out = f"W{layer}", f"b{layer}", f"h{layer}"
         initializers += [
@@ -43,7 +44,7 @@ def mlp_onnx(seed: int = 0) -> bytes:
             nodes.append(helper.make_node("Relu", [out], [f"r{layer}"]))
             current = f"r{layer}"
     nodes.append(helper.make_node("Identity", [current], ["scores"]))
-    graph = helper.make_graph(nodes, NAME, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", WIDTH])],
+    graph = helper.make_graph(nodes, NAME, [helper.make_tensor_value_info(INPUT, TensorProto.FLOAT, ["batch", WIDTH])],
                               [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", CLASSES])],
                               initializer=initializers)
     return onnx_bytes(graph)
@@ -53,7 +54,7 @@ def write_mlp_model(root: Path) -> Path:
     """`root/mlp`: its config and version 1."""
     config = {
         "name": NAME, "max_batch_size": MAX_BATCH,
-        "inputs": [{"name": "x", "datatype": "FP32", "dims": [WIDTH]}],
+        "inputs": [{"name": INPUT, "datatype": "FP32", "dims": [WIDTH]}],
         "outputs": [{"name": "scores", "datatype": "FP32", "dims": [CLASSES]}],
         "dynamic_batching": {"max_queue_delay_microseconds": WINDOW_US},
         "onnxruntime": {"intra_op_num_threads": 1, "inter_op_num_threads": 1},

@@ -86,20 +86,10 @@ def server_info(url: str, timeout: float = 5.0) -> dict[str, Any] | None:
         return None
 
 
-def get(url: str, path: str, timeout: float) -> tuple[int, dict[str, str], bytes]:
-    """GET `path`, as `post` posts."""
-    return _request("GET", url, path, None, {}, timeout)
-
-
 def post(url: str, path: str, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int, dict[str, str], bytes]:
     """POST `body` and read the answer, whatever its status: (status, headers, body). SystemExit
     when no server answers."""
-    return _request("POST", url, path, body, headers, timeout)
-
-
-def _request(method: str, url: str, path: str, body: bytes | None, headers: dict[str, str],
-             timeout: float) -> tuple[int, dict[str, str], bytes]:
-    http = urllib.request.Request(url.rstrip("/") + path, data=body, headers=headers, method=method)
+    http = urllib.request.Request(url.rstrip("/") + path, data=body, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(http, timeout=timeout) as reply:
             return reply.status, dict(reply.headers), reply.read()

@@ -335,6 +335,15 @@ def test_a_phase_gets_its_budget_and_is_marked_when_it_runs_past_it(tmp_path: Pa
     assert "phase engine: OVER its budget of 20 s by 15.0 s" in (tmp_path / gpucheck.PROGRESS_LOG).read_text()
 
 
+def test_serve_keeps_back_the_front_end_curves_budget_but_never_goes_under_its_floor() -> None:
+    profile = gpucheck.GPU
+    reserve, floor = profile.budgets["front_ends"], profile.budgets["serve_floor"]
+    assert gpucheck.serve_budget(400.0, profile) == 400.0 - reserve  # room for both
+    assert gpucheck.serve_budget(floor + reserve / 2, profile) == floor  # the curve gets what is over the floor
+    assert gpucheck.serve_budget(floor - 10, profile) == floor - 10  # under the floor: all of it, none kept back
+    assert profile.front_ends[:2] == (1, 8), "one process first, then the far end: a curve cut short spans the range"
+
+
 def test_a_front_end_count_that_cannot_start_is_recorded_and_one_with_no_time_left_skipped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

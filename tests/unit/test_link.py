@@ -21,6 +21,7 @@ from server.errors import DeadlineExceeded, InvalidInput, QueueFull, ServerBusy,
 from server.link import LinkClient, PlaneLink
 from server.link_frames import Frame, FrameReader, error_from, error_header, frame_bytes
 from server.scheduler.request import RequestRecord
+from tests.unit.waiting import eventually
 
 
 class FakeModel:
@@ -244,10 +245,7 @@ async def test_a_call_cancelled_before_it_starts_is_still_answered() -> None:
                                                      "o": None, "t": 0}, [x.tobytes()]))
     stream += b"".join(bytes(p) for p in frame_bytes({"k": "cancel", "i": 7}))
     end.data_received(stream)
-    for _ in range(100):
-        if transport.written:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: bool(transport.written), "the cancelled call is answered")
     answers = FrameReader().feed(transport.written)
     assert [a.header for a in answers] == [{"i": 7, "e": ["Cancelled", "the call was cancelled", None]}]
     assert not end._calls and not plane.seen  # never ran

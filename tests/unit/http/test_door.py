@@ -29,9 +29,12 @@ from tests.unit.waiting import eventually
 TOKEN = "an-inference-token-of-some-length"
 
 
-async def started(app: Any) -> tuple[HttpFrontEnd, int]:
+ANSWER_WITHIN_S = 5  # a broken protocol leaves the client waiting: it fails here rather than hangs
+
+
+async def started(app: Any, grace_s: float = 1) -> tuple[HttpFrontEnd, int]:
     listener = socket.create_server(("127.0.0.1", 0))
-    frontend = HttpFrontEnd(app, listener, log_level="warning", grace_s=1)
+    frontend = HttpFrontEnd(app, listener, log_level="warning", grace_s=grace_s)
     await frontend.start()
     return frontend, listener.getsockname()[1]
 
@@ -60,14 +63,19 @@ def get(path: str) -> bytes:
 
 
 async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
-    status_line = await reader.readline()
-    status = int(status_line.split()[1])
-    headers: dict[str, str] = {}
-    while (line := await reader.readline()) not in (b"\r\n", b""):
-        name, _, value = line.decode().partition(":")
-        headers[name.strip().lower()] = value.strip()
-    body = await reader.readexactly(int(headers.get("content-length", "0")))
-    return status, headers, body
+    """One answer, within ANSWER_WITHIN_S; every header name is asserted to come once (a dict
+    would hide a second)."""
+
+    async def read() -> tuple[int, dict[str, str], bytes]:
+        status = int((await reader.readline()).split()[1])
+        headers: dict[str, str] = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            assert name.strip().lower() not in headers, f"{name} twice"
+            headers[name.strip().lower()] = value.strip()
+        return status, headers, await reader.readexactly(int(headers.get("content-length", "0")))
+
+    return await asyncio.wait_for(read(), ANSWER_WITHIN_S)
 
 
 async def exchange(port: int, request: bytes) -> tuple[int, bytes]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,28 +24,11 @@ from server.dataplane import DataPlane
 from server.http.app import create_app
 from server.http.auth import AccessPolicy
 from server.http.door import WHOLE_BYTES
-from server.http.frontend import HttpFrontEnd
 from tests.unit.http.conftest import HOLD, Gate, infer_body
-from tests.unit.http.test_door import post
+from tests.unit.http.test_door import ANSWER_WITHIN_S, post, read_response, started
 from tests.unit.waiting import eventually
 
 ADMIN = "an-admin-token-long-enough-to-pass"
-ANSWER_WITHIN_S = 5  # a broken protocol leaves the client waiting: it fails here rather than hangs
-
-
-async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
-    """One answer; every header name is asserted to come once (a dict would hide a second)."""
-
-    async def read() -> tuple[int, dict[str, str], bytes]:
-        status = int((await reader.readline()).split()[1])
-        headers: dict[str, str] = {}
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.decode().partition(":")
-            assert name.strip().lower() not in headers, f"{name} twice"
-            headers[name.strip().lower()] = value.strip()
-        return status, headers, await reader.readexactly(int(headers.get("content-length", "0")))
-
-    return await asyncio.wait_for(read(), ANSWER_WITHIN_S)
 
 
 @pytest_asyncio.fixture
@@ -61,11 +43,8 @@ async def served(plane: DataPlane, monkeypatch: pytest.MonkeyPatch) -> AsyncIter
 
     monkeypatch.setattr(RequestResponseCycle, "send", spied)
     plane.start([])
-    listener = socket.create_server(("127.0.0.1", 0))
-    app = create_app(plane, access=AccessPolicy(model_control=True, admin_token=ADMIN))
-    frontend = HttpFrontEnd(app, listener, log_level="warning", grace_s=1)
-    await frontend.start()
-    yield listener.getsockname()[1], uvicorn_sent
+    frontend, port = await started(create_app(plane, access=AccessPolicy(model_control=True, admin_token=ADMIN)))
+    yield port, uvicorn_sent
     await frontend.drain()
 
 
@@ -143,10 +122,7 @@ async def test_an_oversized_control_body_is_refused_whole_and_the_connection_kep
 
 async def test_an_answer_during_shutdown_closes_its_connection(plane: DataPlane, gate: Gate) -> None:
     plane.start([])
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    frontend = HttpFrontEnd(create_app(plane), listener, log_level="warning", grace_s=5)
-    await frontend.start()
+    frontend, port = await started(create_app(plane), grace_s=5)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(post(infer_body(HOLD)))
     await eventually(gate.held.is_set, "the request is held in the engine")
