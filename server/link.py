@@ -106,13 +106,13 @@ class PlaneLink(_Stream):
         if kind == "infer" or kind == "raw":
             call = header["i"]
             work = self._infer(header, frame.payload) if kind == "infer" else self._raw(header, frame.payload)
-            task = asyncio.get_running_loop().create_task(work)
-            task.add_done_callback(lambda done: self._cancelled_unstarted(call, done))
-            self._calls[call] = task
+            self._calls[call] = asyncio.get_running_loop().create_task(work)
         elif kind == "cancel":
-            task = self._calls.get(header["i"])
+            call = header["i"]
+            task = self._calls.get(call)
             if task is not None:
                 task.cancel()
+                task.add_done_callback(lambda done: self._cancelled_unstarted(call, done))  # only these need it
         elif kind == "hello":
             self._hello(header)
         elif kind == "mapped":

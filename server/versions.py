@@ -24,4 +24,8 @@ def installed_versions(names: tuple[str, ...]) -> dict[str, str | None]:
 
 def tensorrt_version() -> str | None:
     """TensorRT's version under whichever name its wheel was installed, None when it is not."""
-    return next((v for v in installed_versions(TENSORRT_DISTRIBUTIONS).values() if v), None)
+    for name in TENSORRT_DISTRIBUTIONS:  # the first one found: each miss scans the installed packages
+        version = installed_versions((name,))[name]
+        if version:
+            return version
+    return None

@@ -40,7 +40,9 @@ class TokenSpec:
 
     input_ids: str  # the token tensor whose last dim is the sequence
     max_length: int
-    sequence_buckets: tuple[int, ...]  # the lengths a compiled engine gets sequences padded to; () none
+    # the lengths sequences are padded to on an engine compiled per shape, and on any engine when
+    # there is one (a fixed length); () none
+    sequence_buckets: tuple[int, ...]
 
 
 @dataclass(frozen=True)

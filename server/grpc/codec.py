@@ -56,9 +56,9 @@ class DeclaredRequest:
 
 
 def held_bytes(request: pb.ModelInferRequest) -> int:
-    """About what a request holds in memory, without serializing it (ByteSize of the whole
-    request would, on the loop): its raw contents' bytes, the encoded size of its strings (summed
-    by protobuf, not by a Python loop over millions of them), 8 per element of other typed
+    """About what a request holds in memory, without serializing all of it: its raw contents'
+    bytes, the encoded size of its strings (protobuf sizes them in one pass in C, encoding them
+    to a temporary copy, not a Python loop over millions of them), 8 per element of other typed
     contents (counted as sent, whatever the shapes declare)."""
     held = sum(len(raw) for raw in request.raw_input_contents)
     for tensor in request.inputs:

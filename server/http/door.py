@@ -11,7 +11,8 @@ the access gate would refuse it (401 comes before 429), goes the usual way.
 
 The same protocol offers the app a way to write a whole response in one piece
 (server/asgi/respond.py), which the infer route takes for its answers and errors (and the
-control plane for its 413).
+control plane for its 413); the endpoint's own 429, rare once the door refuses first, still
+goes as two ASGI messages.
 
 This subclasses uvicorn's httptools protocol and relies on its request cycle: its state
 (`response_started`, `response_complete`, `keep_alive`, `disconnected`,
@@ -22,7 +23,6 @@ tests drive keep-alive, pipelining, 100-continue, HTTP/1.0 and shutdown through 
 
 from __future__ import annotations
 
-import http
 import time
 from typing import Any
 
@@ -35,7 +35,6 @@ from server.http.auth import AccessGate
 from server.http.infer import BUSY, BUSY_BODY, INFER_PATH, FastInferApp, InferEndpoint, Scope
 from server.protocol.v2 import encode_error
 
-_STATUS_LINE = f"HTTP/1.1 {BUSY} {http.HTTPStatus(BUSY).phrase}\r\n".encode()
 WHOLE_BYTES = 64 << 10  # a body up to this is joined to its head (one write); a larger one is written apart
 _EXPECT = b"expect"
 _MAX_CACHED_BODIES = 256
@@ -114,7 +113,7 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             close = close or not cycle.keep_alive
             cycle.response_started = cycle.response_complete = True  # what follows of the body is dropped
             self.transport.write(b"".join([
-                _STATUS_LINE,
+                STATUS_LINE[BUSY],
                 *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers),
                 b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
                 b"\r\nretry-after: ", retry_after.encode(), b"\r\n",

@@ -36,7 +36,7 @@ class InferenceRequest:
 
     `shape_key` says which requests may share a batch; `longest` is a text request's sequence
     bucket (0 for other models), for the token budget: what it pads to on a compiled engine, at
-    most what it pads to on any other.
+    least what it pads to on any other (a batch's longest text, within the bucket).
     """
 
     feed: dict[str, np.ndarray]

@@ -44,8 +44,8 @@ class ModelPipeline:
         # prepared for, or the one length a single bucket declares (the artifact's sequence dim
         # may be fixed to it: server/engines/signature.py); any other engine takes the batch's
         # longest text as it is.
-        buckets = config.tokenize.sequence_buckets if config.tokenize else None
-        self._pad_to_bucket = bool(buckets) and (engine.compiles_per_shape or len(buckets or ()) == 1)
+        buckets = (config.tokenize.sequence_buckets or []) if config.tokenize else []
+        self._pad_to_bucket = bool(buckets) and (engine.compiles_per_shape or len(buckets) == 1)
         self._tokenize = config.tokenize
         self._buckets = config.batch_buckets or []
         self._outputs = [(t.name, t.source_name, numpy_dtype(t.datatype)) for t in config.outputs]
@@ -95,7 +95,8 @@ class ModelPipeline:
         """Pad every variable dim to the longest of the batch (to its sequence bucket where the
         engine needs bucket shapes: see __init__)."""
         shape = [max(p.shape[d] for p in parts) for d in range(1, parts[0].ndim)]
-        if shape and self._pad_to_bucket and self._tokenize is not None:
+        if shape and self._pad_to_bucket:
+            assert self._tokenize is not None
             shape[0] = self._tokenize.bucket(shape[0])
         if len(parts) == 1 and list(parts[0].shape[1:]) == shape:
             return _fill_rows(parts[0], rows)
