@@ -157,11 +157,11 @@ class ModelRepository:
             if not chosen.ready:
                 raise Unavailable(f"model '{name}' version {version} is not ready: {chosen.reason}")
             return chosen
-        ready = [m for v, m in sorted(versions.items()) if m.ready]
+        ready = [number for number, m in versions.items() if m.ready]
         if not ready:
             reasons = "; ".join(m.reason for m in versions.values() if m.reason)
             raise Unavailable(f"model '{name}' is not ready" + (f": {reasons}" if reasons else ""))
-        return ready[-1]
+        return versions[max(ready)]
 
     def versions(self, name: str) -> list[ModelVersion]:
         return [m for _, m in sorted(self._versions.get(name, {}).items())]

@@ -6,8 +6,10 @@ framework (a task, the app's layers, two sends). The door looks at a request's h
 parsed it and, for an infer call the server would refuse with a 429 anyway (in-flight bounds,
 or a full queue), writes the constant answer to the socket at once; its body is discarded as it
 arrives, and the connection is kept (closed for a client waiting for 100 Continue, which may
-never send its body, and for one that asked to close). Everything else, and every request when
-the access gate would refuse it (401 comes before 429), goes the usual way.
+never send its body, and for one that asked to close). An infer call it lets in goes straight
+to the infer endpoint with what the door read (the model, the headers, the body bytes it will
+hold): the access gate and the router in front of the endpoint would only ask again. Everything
+else, and every request the access gate would refuse (401 comes before 429), goes the usual way.
 
 The same protocol offers the app a way to write a whole response in one piece
 (server/asgi/respond.py), which the infer route takes for its answers and errors (and the
@@ -23,8 +25,9 @@ tests drive keep-alive, pipelining, 100-continue, HTTP/1.0 and shutdown through 
 
 from __future__ import annotations
 
+import functools
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
@@ -32,7 +35,7 @@ from server.asgi.disconnect import DISCONNECT_EXTENSION, disconnect_callbacks
 from server.asgi.respond import RESPOND_EXTENSION, Headers, Send
 from server.errors import BatchlineError, QueueFull
 from server.http.auth import AccessGate
-from server.http.infer import BUSY, BUSY_BODY, INFER_PATH, FastInferApp, InferEndpoint, Scope
+from server.http.infer import BUSY, BUSY_BODY, INFER_PATH, ASGIApp, FastInferApp, InferEndpoint, Scope
 from server.protocol.v2 import encode_error
 
 WHOLE_BYTES = 64 << 10  # a body up to this is joined to its head (one write); a larger one is written apart
@@ -40,8 +43,28 @@ _EXPECT = b"expect"
 _MAX_CACHED_BODIES = 256
 
 
+class Refused(NamedTuple):
+    """A 429 to answer now: its body, its Retry-After, and whether the connection closes."""
+
+    body: bytes
+    retry_after: str
+    close: bool
+
+
+class Admitted(NamedTuple):
+    """An infer call the access gate lets through and the bounds have room for, with what the
+    door read of its head: the protocol hands it to the endpoint directly, past the app's layers
+    that would only ask again."""
+
+    model: str
+    version: str | None
+    headers: dict[bytes, bytes]
+    reserved: int  # the body bytes it holds while in flight (InferEndpoint.reservation)
+
+
 class Door:
-    """Decides, from a request's head alone, which infer calls are refused before the app."""
+    """Decides, from a request's head alone, which infer calls are refused before the app, and
+    which go straight to the infer endpoint."""
 
     def __init__(self, gate: AccessGate, endpoint: InferEndpoint) -> None:
         self._gate = gate
@@ -55,31 +78,38 @@ class Door:
             return cls(app, app.app.endpoint)
         return None
 
-    def refusal(self, scope: Scope) -> tuple[bytes, str, bool] | None:
-        """(body, Retry-After, close) of a 429 to answer now, or None: the app decides."""
+    def decide(self, scope: Scope) -> Refused | Admitted | None:
+        """A 429 to answer now; an infer call for the endpoint; or None: not an infer call, or
+        one the gate refuses (401 comes before 429), which the app answers."""
         if scope["method"] != "POST":
             return None
         match = INFER_PATH.fullmatch(scope["path"])
         if match is None or not self._gate.admits(scope):
             return None
         headers = dict(scope["headers"])
-        close = headers.get(_EXPECT, b"").lower() == b"100-continue"
-        plane = self._endpoint.plane
-        if not self._endpoint.flight.has_room(self._endpoint.reservation(headers)):
+        endpoint = self._endpoint
+        reserved = endpoint.reservation(headers)
+        plane = endpoint.plane
+        if not endpoint.flight.has_room(reserved):
             body, retry_after = BUSY_BODY, "1"
-        elif plane is None:
-            return None  # the queues are in the server process: it refuses there
         else:
+            admitted = Admitted(match["model"], match["version"], headers, reserved)
+            if plane is None:
+                return admitted  # the queues are in the server process: it refuses there
             try:
-                plane.admit(match["model"], match["version"])
+                plane.admit(admitted.model, admitted.version)
             except QueueFull as exc:
                 body, retry_after = self._queue_full_body(exc), exc.retry_after
             except BatchlineError:
-                return None  # 404, 503: the app answers, its access log line with the request's id
+                return admitted  # 404, 503: the endpoint answers, its access log line with the request's id
             else:
-                return None
+                return admitted
         self._endpoint.log_refusal(scope, match["model"], BUSY, time.perf_counter_ns())
-        return body, retry_after, close
+        return Refused(body, retry_after, headers.get(_EXPECT, b"").lower() == b"100-continue")
+
+    def app_for(self, call: Admitted) -> ASGIApp:
+        """The ASGI app that answers an admitted call: the endpoint, given what the door read."""
+        return functools.partial(self._endpoint.admitted, call.model, call.version, call.headers, call.reserved)
 
     def _queue_full_body(self, error: QueueFull) -> bytes:
         body = self._bodies.get(error.message)
@@ -100,16 +130,19 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             self._last_started = cycle
             # A client that does not read its answers gets no more written for it here: the app's
             # path waits for the socket to drain, and pauses reading meanwhile.
-            refusal = None if self.flow.write_paused else door.refusal(cycle.scope)
-            if refusal is None:
+            decision = None if self.flow.write_paused else door.decide(cycle.scope)
+            if type(decision) is not Refused:
                 extensions = cycle.scope.setdefault("extensions", {})
                 extensions[DISCONNECT_EXTENSION] = []  # see connection_lost
                 # HttpFrontEnd turns uvicorn's access log off (the server writes its own), so
                 # what uvicorn's send would have logged is not missed
                 extensions[RESPOND_EXTENSION] = _respond_whole
+                # (`app` is not the server's own when uvicorn answers 503 for its concurrency limit)
+                if isinstance(decision, Admitted) and app is self.app:
+                    app = door.app_for(decision)
                 super()._start_asgi_task(cycle, app)
                 return
-            body, retry_after, close = refusal
+            body, retry_after, close = decision
             close = close or not cycle.keep_alive
             cycle.response_started = cycle.response_complete = True  # what follows of the body is dropped
             self.transport.write(b"".join([
@@ -167,7 +200,8 @@ async def _respond_whole(send: Send, status: int, headers: Headers, body: bytes)
     keep_alive = cycle.keep_alive
     head = [
         STATUS_LINE[status],
-        *(name + b": " + value + b"\r\n" for name, value in (*cycle.default_headers, *headers)),
+        _default_lines(cycle.default_headers),
+        *(name + b": " + value + b"\r\n" for name, value in headers),
         b"\r\n" if keep_alive else b"connection: close\r\n\r\n",
     ]
     cycle.response_started = cycle.response_complete = True
@@ -181,3 +215,18 @@ async def _respond_whole(send: Send, status: int, headers: Headers, body: bytes)
     if not keep_alive:
         cycle.transport.close()
     cycle.on_response()
+
+
+_default_head: tuple[list[tuple[bytes, bytes]], bytes] = ([], b"")
+
+
+def _default_lines(default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """uvicorn's default headers (server, date) as header lines, joined once per list: uvicorn
+    replaces the list when the date changes, once a second, and never changes one in place.
+    The list is held, so another one cannot take its identity."""
+    global _default_head
+    held, lines = _default_head
+    if held is not default_headers:
+        lines = b"".join(name + b": " + value + b"\r\n" for name, value in default_headers)
+        _default_head = (default_headers, lines)
+    return lines

@@ -89,9 +89,23 @@ class InferEndpoint:
         self.flight = flight or InFlight()  # shared with the server's other front ends
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, model: str, version: str | None) -> None:
-        started = time.perf_counter_ns()
         headers = dict(scope["headers"])
-        reserved = self.reservation(headers)
+        await self.admitted(model, version, headers, self.reservation(headers), scope, receive, send)
+
+    async def admitted(
+        self,
+        model: str,
+        version: str | None,
+        headers: dict[bytes, bytes],
+        reserved: int,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """Answer a call past the access gate, whose head has been read: its `headers` as a dict
+        and the body bytes it `reserved` (what `reservation` says of them). The server's HTTP
+        protocol calls this directly for the calls its door lets in (server/http/door.py)."""
+        started = time.perf_counter_ns()
         flight = self.flight
         if not flight.try_take(reserved):  # one check: the door's earlier one may be stale by now
             await self._refuse_busy(scope, send, headers, model, started)

@@ -17,9 +17,9 @@ import pytest_asyncio
 from server.dataplane import DataPlane
 from server.http.app import create_app
 from server.http.auth import AccessPolicy
-from server.http.door import Door
+from server.http.door import Admitted, Door, Refused
 from server.http.frontend import HttpFrontEnd
-from server.http.infer import INFER_PATH, InferEndpoint
+from server.http.infer import INFER_PATH, FastInferApp, InferEndpoint
 from server.inflight import InFlight
 from server.repository import ModelRepository
 from tests.unit.http.conftest import HOLD, Gate, infer_body
@@ -157,8 +157,8 @@ class RefusesMarked(Door):
     def __init__(self) -> None:
         pass
 
-    def refusal(self, scope: Any) -> tuple[bytes, str, bool] | None:
-        return (b'{"error":"marked"}', "1", False) if (b"x-refuse", b"1") in scope["headers"] else None
+    def decide(self, scope: Any) -> Refused | Admitted | None:
+        return Refused(b'{"error":"marked"}', "1", False) if (b"x-refuse", b"1") in scope["headers"] else None
 
 
 async def test_a_refused_request_taken_from_the_pipeline_lets_the_next_one_run(
@@ -220,11 +220,53 @@ async def test_what_the_door_leaves_to_the_app(plane: DataPlane) -> None:
         return {"type": "http", "method": method, "path": path, "headers": list(headers), "client": None}
 
     bearer = (b"authorization", f"Bearer {TOKEN}".encode())
-    assert door.refusal(scope("POST", "/v2/models/spin/infer", bearer)) is not None
-    assert door.refusal(scope("POST", "/v2/models/spin/infer")) is None, "no token: the gate answers 401 first"
-    assert door.refusal(scope("GET", "/v2/models/spin", bearer)) is None
-    assert door.refusal(scope("POST", "/v2/repository/index", bearer)) is None
+    length = (b"content-length", b"12")
+    refused = door.decide(scope("POST", "/v2/models/spin/infer", bearer))
+    assert isinstance(refused, Refused) and refused.retry_after == "1" and not refused.close
+    assert door.decide(scope("POST", "/v2/models/spin/infer", bearer, (b"expect", b"100-Continue"))) == Refused(
+        refused.body, "1", True), "a client waiting for 100 Continue may never send its body: closed"
+    assert door.decide(scope("POST", "/v2/models/spin/infer")) is None, "no token: the gate answers 401 first"
+    assert door.decide(scope("GET", "/v2/models/spin", bearer)) is None
+    assert door.decide(scope("POST", "/v2/repository/index", bearer)) is None
     endpoint.flight.requests = 0
-    assert door.refusal(scope("POST", "/v2/models/spin/infer", bearer)) is None, "within bounds: served"
-    assert door.refusal(scope("POST", "/v2/models/unknown/infer", bearer)) is None, "404 with its access log line"
+    assert door.decide(scope("POST", "/v2/models/spin/versions/2/infer", bearer, length)) == Admitted(
+        "spin", "2", {b"authorization": bearer[1], b"content-length": b"12"}, 12), "within bounds: to the endpoint"
+    assert door.decide(scope("POST", "/v2/models/unknown/infer", bearer)) == Admitted(
+        "unknown", None, {b"authorization": bearer[1]}, endpoint.reservation({})), "the endpoint answers 404"
     assert INFER_PATH.fullmatch("/v2/models/spin/versions/1/infer")
+
+
+async def test_an_admitted_infer_call_goes_to_the_endpoint_past_the_apps_layers(
+    plane: DataPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gate and the router asked once, at the door, not again per call; every other request,
+    and an infer call the gate refuses, still goes through them."""
+    plane.start([])
+    app = create_app(plane, access=AccessPolicy(inference_token=TOKEN))
+    routed: list[str] = []
+    route = FastInferApp.__call__
+
+    async def counted(self: FastInferApp, scope: Any, receive: Any, send: Any) -> None:
+        routed.append(scope["path"])
+        await route(self, scope, receive, send)
+
+    monkeypatch.setattr(FastInferApp, "__call__", counted)
+    frontend, port = await started(app)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    bearer = f"Authorization: Bearer {TOKEN}"
+    try:
+        writer.write(post(infer_body(1.0), bearer))
+        status, _, body = await read_response(reader)
+        assert status == 200 and orjson.loads(body)["outputs"][0]["data"] == [1.0]
+        writer.write(post(infer_body(1.0), bearer, path="/v2/models/unknown/infer"))
+        assert (await read_response(reader))[0] == 404, "the endpoint answers an unknown model"
+        assert routed == [], "admitted infer calls never reach the router"
+        writer.write(post(infer_body(1.0)))
+        status, headers, _ = await read_response(reader)
+        assert status == 401 and "bearer" in headers["www-authenticate"].lower(), "the gate answers, as before"
+        writer.write(get("/v2/health/live"))
+        assert (await read_response(reader))[0] == 200
+        assert routed == ["/v2/health/live"], "the gate's refusal is its own; the rest is routed"
+    finally:
+        writer.close()
+        await frontend.drain()
