@@ -12,15 +12,13 @@ goes through here.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
+from server.asgi.types import Message, Receive, Scope
 from server.errors import Unavailable
 
 T = TypeVar("T")
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Scope = MutableMapping[str, Any]
 
 WATCH_AFTER_S = 0.002
 DISCONNECT_EXTENSION = "batchline.disconnect"  # scope["extensions"][it]: called when the client leaves

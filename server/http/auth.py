@@ -20,24 +20,19 @@ import hmac
 import ipaddress
 import logging
 import string
-from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pydantic import SecretStr
 
+from server.asgi.respond import body_headers, send_response
+from server.asgi.types import ASGIApp, Receive, Scope, Send
 from server.http.errors import ControlDisabled, NotAuthenticated, Refusal, UnsupportedMediaType, error_parts
 from server.settings import ServerSettings
 
 if TYPE_CHECKING:
     from server.asgi.extension import HttpExtension
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +159,7 @@ class AccessGate:
                 for extension in self._extensions:  # its clients read its own error body
                     if extension.owns(scope["path"]):
                         body = extension.refusal_body(status, refusal.message)
-                await _answer(send, status, body, headers)
+                await send_response(scope, send, status, body_headers(body, headers), body)
                 return
         await self.app(scope, receive, send)
 
@@ -255,10 +250,3 @@ def _from_a_local_name(scope: Scope) -> bool:
     host = values[0].decode("latin-1").strip()
     name = host[: host.index("]") + 1] if host.startswith("[") and "]" in host else host.rpartition(":")[0] or host
     return is_loopback(name)
-
-
-async def _answer(send: Send, status: int, body: bytes, extra: dict[str, str]) -> None:
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(key.lower().encode(), value.encode("latin-1")) for key, value in extra.items()]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

@@ -32,10 +32,11 @@ from typing import Any, NamedTuple
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from server.asgi.disconnect import DISCONNECT_EXTENSION, disconnect_callbacks
-from server.asgi.respond import RESPOND_EXTENSION, Headers, Send
+from server.asgi.respond import RESPOND_EXTENSION, Headers, send_messages
+from server.asgi.types import ASGIApp, Scope, Send
 from server.errors import BatchlineError, QueueFull
 from server.http.auth import AccessGate
-from server.http.infer import BUSY, BUSY_BODY, INFER_PATH, ASGIApp, FastInferApp, InferEndpoint, Scope
+from server.http.infer import BUSY, BUSY_BODY, INFER_PATH, FastInferApp, InferEndpoint
 from server.protocol.v2 import encode_error
 
 WHOLE_BYTES = 64 << 10  # a body up to this is joined to its head (one write); a larger one is written apart
@@ -147,7 +148,7 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             cycle.response_started = cycle.response_complete = True  # what follows of the body is dropped
             self.transport.write(b"".join([
                 STATUS_LINE[BUSY],
-                *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers),
+                _default_lines(self.server_state.default_headers),
                 b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
                 b"\r\nretry-after: ", retry_after.encode(), b"\r\n",
                 b"connection: close\r\n\r\n" if close else b"\r\n",
@@ -188,8 +189,7 @@ async def _respond_whole(send: Send, status: int, headers: Headers, body: bytes)
     left for the garbage collector instead of freed at once."""
     cycle = getattr(send, "__self__", None)
     if not isinstance(cycle, RequestResponseCycle):  # a layer wrapped send: its way, then
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await send_messages(send, status, headers, body)
         return
     if cycle.flow.write_paused and not cycle.disconnected:
         await cycle.flow.drain()

@@ -12,9 +12,10 @@ from collections.abc import AsyncIterator
 
 import httpx
 
+from server.asgi.respond import body_headers, send_response
+from server.asgi.types import Receive, Scope, Send
 from server.errors import BatchlineError, Unavailable
 from server.http.errors import error_parts
-from server.http.infer import Receive, Scope, Send
 
 # Hop-by-hop headers (RFC 9110 7.6.1) belong to one connection, never passed on; this front
 # end's uvicorn writes its own Date and Server.
@@ -51,10 +52,10 @@ class ForwardApp:
                     raise
                 response = await self._client.send(self._client.build_request(method, url, headers=headers), stream=True)
         except httpx.TransportError:
-            await _error(send, Unavailable(UNREACHABLE))
+            await _error(scope, send, Unavailable(UNREACHABLE))
             return
         except BatchlineError as exc:  # the body passed a limit as it was read (413)
-            await _error(send, exc)
+            await _error(scope, send, exc)
             return
         try:
             await send({"type": "http.response.start", "status": response.status_code,
@@ -70,12 +71,9 @@ class ForwardApp:
         await self._client.aclose()
 
 
-async def _error(send: Send, error: Exception) -> None:
+async def _error(scope: Scope, send: Send, error: Exception) -> None:
     status, body, extra = error_parts(error)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *((k.lower().encode(), v.encode()) for k, v in extra.items())]})
-    await send({"type": "http.response.body", "body": body})
+    await send_response(scope, send, status, body_headers(body, extra), body)
 
 
 async def _body(receive: Receive) -> AsyncIterator[bytes]:

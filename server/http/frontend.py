@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from server.asgi.types import ASGIApp
 from server.http.door import Door, door_protocol
-from server.http.infer import ASGIApp
 from server.server import StartFailed
 
 GRACE_S = 30.0

@@ -18,13 +18,13 @@ import functools
 import re
 import time
 import zlib
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 from server.access_log import AccessLog
 from server.asgi.disconnect import unless_client_leaves
 from server.asgi.lengths import TOO_LONG, declared_length
-from server.asgi.respond import send_response
+from server.asgi.respond import JSON, body_headers, send_response
+from server.asgi.types import ASGIApp, Message, Receive, Scope, Send
 from server.dataplane import DataPlane
 from server.errors import Cancelled, InvalidInput, PayloadTooLarge
 from server.http import v2_infer
@@ -33,22 +33,15 @@ from server.inflight import BUSY_MESSAGE, InFlight, body_reservation
 from server.protocol.v2 import encode_error
 from server.scheduler.request import RequestRecord
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
 INFER_PATH = re.compile(r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer")
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode()
-_JSON = [(b"content-type", b"application/json")]
-_BINARY = [(b"content-type", b"application/octet-stream")]
+_BINARY = b"application/octet-stream"
 CLIENT_CLOSED = 499  # nginx's status for a client that left first: logged, never sent
 BUSY = 429
 # The refusal under overload is a constant: no encoding, no allocation per refused request.
 BUSY_BODY = encode_error(BUSY_MESSAGE)
-_BUSY_HEADERS = [*_JSON, (b"content-length", str(len(BUSY_BODY)).encode()), (b"retry-after", b"1")]
+_BUSY_HEADERS = body_headers(BUSY_BODY, {"Retry-After": "1"})
 _BUSY_CLOSE_HEADERS = [*_BUSY_HEADERS, (b"connection", b"close")]
 _BUSY_START = {"type": "http.response.start", "status": BUSY, "headers": _BUSY_HEADERS}
 _BUSY_CLOSE_START = {"type": "http.response.start", "status": BUSY, "headers": _BUSY_CLOSE_HEADERS}
@@ -174,7 +167,7 @@ class InferEndpoint:
             return await _send(scope, send, *error_parts(outcome))
         content, binary_header_length = outcome
         if binary_header_length is None:
-            return await _send(scope, send, 200, content, {}, _JSON)
+            return await _send(scope, send, 200, content, None)
         return await _send(scope, send, 200, content, {HEADER_LENGTH: str(binary_header_length)}, _BINARY)
 
     async def _body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
@@ -263,12 +256,9 @@ def _header_length(headers: dict[bytes, bytes]) -> int | None:
 
 
 async def _send(
-    scope: Scope, send: Send, status: int, body: bytes, extra: dict[str, str], base: list[tuple[bytes, bytes]] = _JSON
+    scope: Scope, send: Send, status: int, body: bytes, extra: dict[str, str] | None, content_type: bytes = JSON
 ) -> int:
-    headers = [*base, (b"content-length", str(len(body)).encode())]
-    if extra:
-        headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
-    await send_response(scope, send, status, headers, body)
+    await send_response(scope, send, status, body_headers(body, extra, content_type), body)
     return status
 
 

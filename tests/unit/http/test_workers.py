@@ -13,7 +13,7 @@ import orjson
 import pytest
 from pydantic import SecretStr
 
-from server.http.door import Door
+from server.http.door import Admitted, Door, Refused
 from server.http.forward import UNREACHABLE, ForwardApp
 from server.http.frontend import HttpFrontEnd
 from server.http.shared_port import reserve_port, reuse_port_socket
@@ -67,11 +67,12 @@ def test_a_front_ends_door_refuses_only_what_it_can_judge(tmp_path: Path) -> Non
     door = Door.of(app)
     assert door is not None
     scope = Exchange.of(b"{}").scope
-    assert door.refusal(scope) is None  # no queue here to look at: the server process refuses there
+    # no queue here to look at: the server process refuses there
+    assert isinstance(door.decide(scope), Admitted)
     endpoint = app.app.endpoint  # type: ignore[attr-defined]
     assert endpoint.flight.try_take(0)  # this front end's share of 2 in flight is 1
-    refused = door.refusal(scope)
-    assert refused is not None and refused[1] == "1"
+    refused = door.decide(scope)
+    assert isinstance(refused, Refused) and refused.retry_after == "1"
 
 
 async def test_the_server_process_app_serves_on_a_unix_socket(tmp_path: Path) -> None:
