@@ -44,30 +44,42 @@ class Frame:
 
 
 class FrameReader:
-    """Cuts a byte stream into frames; what arrives short waits for the rest."""
+    """Cuts a byte stream into frames; what arrives short waits for the rest. Frames that arrive
+    whole are views of the bytes read, not copies: a frame split across reads is copied once,
+    when its last piece comes (never again per piece: a frame of megabytes arrives in many)."""
 
     def __init__(self) -> None:
-        self._buffer = bytearray()
+        self._pending = bytearray()  # the start of a frame still short
+        self._needed = 0  # the bytes `_pending` must reach before a frame can be cut from it
 
     def feed(self, data: bytes) -> list[Frame]:
-        self._buffer += data
+        pending = self._pending
+        if pending:
+            pending += data
+            if len(pending) < self._needed:
+                return []
+            data = bytes(pending)
+            pending.clear()
+        view = memoryview(data)
         frames = []
         start = 0
-        buffer = self._buffer
-        while len(buffer) - start >= _LENGTHS.size:
-            header_bytes, payload_bytes = _LENGTHS.unpack_from(buffer, start)
+        size = len(data)
+        while size - start >= _LENGTHS.size:
+            header_bytes, payload_bytes = _LENGTHS.unpack_from(data, start)
             if header_bytes > MAX_HEADER_BYTES:
                 raise ValueError(f"a link header of {header_bytes} bytes: the stream is out of step")
             end = start + _LENGTHS.size + header_bytes + payload_bytes
-            if len(buffer) < end:
+            if size < end:
                 break
             body = start + _LENGTHS.size
-            header = orjson.loads(bytes(buffer[body:body + header_bytes]))
-            payload = bytes(buffer[body + header_bytes:end])  # its own bytes: the buffer moves on
-            frames.append(Frame(header, memoryview(payload)))
+            header = orjson.loads(view[body:body + header_bytes])
+            frames.append(Frame(header, view[body + header_bytes:end]))  # `data` is immutable: a view holds
             start = end
-        if start:
-            del buffer[:start]
+        rest = size - start
+        if rest:
+            pending += view[start:]
+            # its lengths were read (the loop stopped at its end), or they are still to come
+            self._needed = end - start if rest >= _LENGTHS.size else _LENGTHS.size
         return frames
 
 

@@ -291,3 +291,24 @@ async def test_outputs_go_inline_when_the_front_end_cannot_map_the_server_arena(
         assert ends[0]._arena is None and client._arena is not None  # inputs still in shared memory
     leftovers = [name for name in os.listdir("/dev/shm") if name.startswith(f"batchline-out-{os.getpid()}-")]
     assert not leftovers
+
+
+def test_whole_frames_are_views_and_a_split_one_is_copied_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    big = bytes(range(256)) * 64
+    stream = b"".join(bytes(p) for p in frame_bytes({"i": 1}, [big])) + b"".join(bytes(p) for p in frame_bytes({"i": 2}))
+    frames = FrameReader().feed(stream)
+    assert [f.header for f in frames] == [{"i": 1}, {"i": 2}] and frames[0].payload.obj is stream, "no copy"
+    reader = FrameReader()
+    joined = 0
+    real_bytes = bytes
+
+    def counted(source: object = b"") -> bytes:
+        nonlocal joined
+        joined += isinstance(source, bytearray)
+        return real_bytes(source)  # type: ignore[call-overload]
+
+    monkeypatch.setattr("server.link_frames.bytes", counted, raising=False)
+    pieces = [stream[i:i + 100] for i in range(0, len(stream), 100)]
+    frames = [frame for piece in pieces for frame in reader.feed(piece)]
+    assert [f.header for f in frames] == [{"i": 1}, {"i": 2}] and bytes(frames[0].payload) == big
+    assert joined <= 3, f"the pending bytes were joined {joined} times for {len(pieces)} pieces"
