@@ -59,6 +59,7 @@ async def infer_v2(
         decoded = await asyncio.to_thread(build_tensors, parsed, regions.input_window)
     else:
         decoded = build_tensors(parsed, regions.input_window)
+    del parsed  # the JSON's own lists and numbers, copied into arrays now: freed before the wait, not after
     wanted = decoded.outputs
     targets = regions.output_targets({o.name: o.region for o in wanted or () if o.region is not None})
     outputs = await plane.infer(
@@ -90,6 +91,7 @@ async def infer_v2_remote(
         decoded = await asyncio.to_thread(build_tensors, parsed)
     else:
         decoded = build_tensors(parsed)
+    del parsed  # as in infer_v2: freed before the wait
     wanted = decoded.outputs
     served, outputs = await link.infer(
         name, version, [(n, datatype, array) for n, (datatype, array) in decoded.inputs.items()], decoded.parameters,
