@@ -1,63 +1,115 @@
 """The server's own cost per request, without sockets: the real app (data plane, batcher,
-engine) driven in-process over ASGI by concurrent clients, and the CPU time it took per request,
-all threads together. What the server's Python path costs, apart from uvicorn and the kernel;
-its scope carries the disconnect callbacks the server's HTTP protocol provides.
+engine) driven in-process by concurrent clients, and the CPU time it took per request, all
+threads together. No kernel, no network and no load generator share the core, so a change of a
+few percent shows where a run over sockets on a shared machine drowns it in noise.
+
+  --through app        the ASGI app called directly: the server's Python path, without uvicorn
+  --through protocol   the server's HTTP protocol (uvicorn's httptools parser and the door in
+                       front of the app) fed whole requests by in-memory connections, each
+                       sending its next request when its answer is written
+  --answer engine      the model's engine, as served
+  --answer zeros       the engine answers zeros of its outputs' shapes at once: the data plane
+                       (admission, batching, the instance thread and back) without compute
+  --answer parsed      a constant answer once the body is parsed, checked and its tensors built:
+                       the HTTP path alone, no data plane
+
+The process takes the server's garbage-collector settings (server/heap.py), as `batchline serve`
+does; without them a run measures the collector more than the server.
 
     taskset -c 0 python -m loadtest.inprocess --model-repository /tmp/mlprepo --model mlp --clients 64
+    taskset -c 0 python -m loadtest.inprocess --model-repository /tmp/mlprepo --through protocol --answer parsed
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from loadtest import payloads
 from server.asgi.disconnect import DISCONNECT_EXTENSION
 
+THROUGH = ("app", "protocol")
+ANSWERS = ("engine", "zeros", "parsed")
 
-async def measure(repository: Path, model: str, clients: int, seconds: float) -> dict[str, float]:
+
+async def measure(
+    repository: Path, model: str, clients: int, seconds: float, through: str = "app", answer: str = "engine",
+) -> dict[str, float]:
     """req/s and CPU microseconds per request, over `seconds` after a second of warm-up."""
     from prometheus_client import CollectorRegistry
 
     from server.dataplane import DataPlane
+    from server.heap import HeapPolicy
     from server.http.app import create_app
     from server.repository import ModelRepository
 
+    if through not in THROUGH or answer not in ANSWERS:
+        raise ValueError(f"through one of {THROUGH}, answer one of {ANSWERS}")
+    thresholds = gc.get_threshold()
+    heap = HeapPolicy().install()
     plane = DataPlane(ModelRepository(repository, 1))  # one engine thread, as the pinned server runs
-    app = create_app(plane, metrics=CollectorRegistry())
+    with _answered_after_parse() if answer == "parsed" else contextlib.nullcontext():
+        app = create_app(plane, metrics=CollectorRegistry())
     plane.start([model])
     try:
         while not plane.server_ready():
             if plane.repository.versions(model) and not plane.model_ready(model, None):
                 raise SystemExit(f"inprocess: {model} did not load: {plane.repository.versions(model)[0].reason}")
             await asyncio.sleep(0.05)
+        if answer == "zeros":
+            _answer_zeros(plane.repository.get(model, None))
+        heap.settle()
         bodies = [r.body for r in payloads.build_requests(model, 1, False, 32, repository)]
-        served = 0
-        stop = False
-
-        async def client(first: int) -> None:
-            nonlocal served
-            index = first
-            while not stop:
-                body = bodies[index % len(bodies)]
-                index += 1
-                await _one(app, model, body)
-                served += 1
-
-        tasks = [asyncio.create_task(client(i)) for i in range(clients)]
+        served = [0]
+        stop = [False]
+        if through == "app":
+            waits = answer != "parsed"  # a constant answer never waits: each client then yields after each call
+            tasks = [asyncio.create_task(_client(app, model, bodies, i, served, stop, waits)) for i in range(clients)]
+        else:
+            tasks = []
+            _connect(app, model, bodies, clients, served, stop)
         await asyncio.sleep(1.0)
-        count, cpu, wall = served, time.process_time(), time.perf_counter()
+        count, cpu, wall, batches = served[0], time.process_time(), time.perf_counter(), _batches(plane, model)
         await asyncio.sleep(seconds)
-        count, cpu, wall = served - count, time.process_time() - cpu, time.perf_counter() - wall
-        stop = True
+        count, cpu, wall = served[0] - count, time.process_time() - cpu, time.perf_counter() - wall
+        items, runs = (after - before for after, before in zip(_batches(plane, model), batches, strict=True))
+        stop[0] = True
         await asyncio.gather(*tasks)
+        await asyncio.sleep(0.1)  # the protocol's requests in flight finish
     finally:
         await plane.stop()
-    return {"req_s": count / wall, "cpu_us_per_request": cpu / max(count, 1) * 1e6, "requests": count}
+        heap.uninstall()  # the process's collector as it was: a test process goes on
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
+    return {"req_s": count / wall, "cpu_us_per_request": cpu / max(count, 1) * 1e6, "requests": count,
+            "items_per_batch": items / max(runs, 1)}
+
+
+def _batches(plane: Any, model: str) -> tuple[int, int]:
+    """The items the model has run and the batches they ran in, so far."""
+    stats = plane.statistics(model, None)["model_stats"][0]
+    return stats["inference_count"], stats["execution_count"]
+
+
+async def _client(
+    app: Any, model: str, bodies: list[bytes], first: int, served: list[int], stop: list[bool], waits: bool,
+) -> None:
+    index = first
+    while not stop[0]:
+        await _one(app, model, bodies[index % len(bodies)])
+        index += 1
+        served[0] += 1
+        if not waits:
+            await asyncio.sleep(0)
 
 
 async def _one(app: Any, model: str, body: bytes) -> None:
@@ -89,6 +141,113 @@ async def _one(app: Any, model: str, body: bytes) -> None:
         raise SystemExit(f"inprocess: the server answered {status}")
 
 
+class _Connection(asyncio.Transport):
+    """A client's keep-alive connection in memory: its next request goes in when the server has
+    written its answer (in one write: the server writes answers under 64 KiB whole)."""
+
+    def __init__(self, requests: list[bytes], first: int, served: list[int], stop: list[bool]) -> None:
+        super().__init__()
+        self._requests = requests
+        self._next = first
+        self._served = served
+        self._stop = stop
+        self._closing = False
+        self.protocol: Any = None
+
+    def send_next(self) -> None:
+        if not self._stop[0] and not self._closing:
+            request = self._requests[self._next % len(self._requests)]
+            self._next += 1
+            self.protocol.data_received(request)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not bytes(data[:12]).startswith(b"HTTP/1.1 200"):
+            raise SystemExit(f"inprocess: the server answered {bytes(data[:200])!r}")
+        self._served[0] += 1
+        asyncio.get_running_loop().call_soon(self.send_next)
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": ("127.0.0.1", 1), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        self._closing = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+def _connect(app: Any, model: str, bodies: list[bytes], clients: int, served: list[int], stop: list[bool]) -> None:
+    """`clients` connections to the server's HTTP protocol, each sending its first request."""
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    from server.http.door import Door, door_protocol
+
+    door = Door.of(app)
+    assert door is not None
+    config = Config(app, http=door_protocol(door), lifespan="off", access_log=False, proxy_headers=False,
+                    log_level="warning")
+    config.load()
+    state = ServerState()
+    requests = [f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: local\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n".encode() + body for body in bodies]
+    for first in range(clients):
+        connection = _Connection(requests, first, served, stop)
+        connection.protocol = config.http_protocol_class(config=config, server_state=state, app_state={})
+        connection.protocol.connection_made(connection)
+        asyncio.get_running_loop().call_soon(connection.send_next)
+
+
+@contextlib.contextmanager
+def _answered_after_parse() -> Iterator[None]:
+    """Apps created meanwhile answer every infer call with a constant, once its body is parsed,
+    checked against the model and its tensors built."""
+    import orjson
+
+    from server.http import v2_infer
+    from server.protocol.v2 import build_tensors, parse_request
+
+    constant = orjson.dumps({"model_name": "constant", "model_version": "1", "outputs": []})
+
+    async def parsed_only(plane: Any, name: str, version: str | None, body: bytes, header_length: int | None,
+                          record: Any = None, received_ns: int | None = None) -> tuple[bytes, int | None]:
+        served = plane.admit(name, version)
+        parsed = parse_request(body, header_length)
+        plane.check_inputs(served, {d.name: (d.datatype, d.shape) for d in parsed.inputs})
+        build_tensors(parsed, plane.shared_memory.input_window)
+        return constant, None
+
+    real = v2_infer.infer_v2
+    v2_infer.infer_v2 = parsed_only  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        v2_infer.infer_v2 = real  # type: ignore[assignment]
+
+
+def _answer_zeros(version: Any) -> None:
+    """Every instance of the model answers zeros of its outputs' shapes, without running."""
+    from server.protocol.datatypes import numpy_dtype
+
+    outputs = [(t.source_name, numpy_dtype(t.datatype), [max(d, 1) for d in t.dims]) for t in version.config.outputs]
+
+    def zeros(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rows = next(iter(inputs.values())).shape[0]
+        return {name: np.zeros([rows, *dims], dtype) for name, dtype, dims in outputs}
+
+    for instance in version.instances:
+        instance.pipeline.engine.run = zeros
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.inprocess", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,12 +255,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=sorted(payloads.SPECS), default="mlp")
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--through", choices=THROUGH, default="app")
+    parser.add_argument("--answer", choices=ANSWERS, default="engine")
     args = parser.parse_args(argv)
     import uvloop
 
-    result = uvloop.run(measure(args.model_repository, args.model, args.clients, args.seconds))
+    result = uvloop.run(measure(args.model_repository, args.model, args.clients, args.seconds, args.through,
+                                args.answer))
     print(f"{result['req_s']:,.0f} req/s, {result['cpu_us_per_request']:.1f} us CPU per request (all threads), "
-          f"{args.clients} clients, {result['requests']:,} requests")
+          f"{args.clients} clients through the {args.through}, answer: {args.answer}, {result['requests']:,} requests, "
+          f"{result['items_per_batch']:.1f} items a batch")
     return 0
 
 
