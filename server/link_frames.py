@@ -43,10 +43,16 @@ class Frame:
     payload: memoryview
 
 
+_VIEW_SOURCE_BYTES = 64 << 10  # a payload views a source this small, or one it is half of at least
+
+
 class FrameReader:
-    """Cuts a byte stream into frames; what arrives short waits for the rest. Frames that arrive
-    whole are views of the bytes read, not copies: a frame split across reads is copied once,
-    when its last piece comes (never again per piece: a frame of megabytes arrives in many)."""
+    """Cuts a byte stream into frames; what arrives short waits for the rest. A frame's payload
+    is a view of the bytes read, not a copy, where it is most of them (or they are few): a view
+    keeps its whole source alive, and a small request's must not hold a large one's megabytes
+    while it waits for its batch. A frame split across reads is gathered as its pieces come and
+    joined once, when its last piece does (not once per piece: a frame of megabytes arrives in
+    many)."""
 
     def __init__(self) -> None:
         self._pending = bytearray()  # the start of a frame still short
@@ -73,7 +79,10 @@ class FrameReader:
                 break
             body = start + _LENGTHS.size
             header = orjson.loads(view[body:body + header_bytes])
-            frames.append(Frame(header, view[body + header_bytes:end]))  # `data` is immutable: a view holds
+            payload = view[body + header_bytes:end]  # `data` is immutable: a view of it holds
+            if size > _VIEW_SOURCE_BYTES and 2 * payload_bytes < size:
+                payload = memoryview(payload.tobytes())
+            frames.append(Frame(header, payload))
             start = end
         rest = size - start
         if rest:

@@ -186,10 +186,11 @@ async def _respond_whole(send: Send, status: int, headers: Headers, body: bytes)
     from the app's own code (server/asgi/respond.py says what they hold), so they are not checked
     against uvicorn's patterns. The request cycle is found through `send`, the cycle's own
     method, rather than held in the scope: that would make a reference cycle of every request,
-    left for the garbage collector instead of freed at once."""
+    left for the garbage collector instead of freed at once. A HEAD request's answer goes
+    uvicorn's way, which writes its head alone (the client reads no body after it)."""
     cycle = getattr(send, "__self__", None)
-    if not isinstance(cycle, RequestResponseCycle):  # a layer wrapped send: its way, then
-        await send_messages(send, status, headers, body)
+    if not isinstance(cycle, RequestResponseCycle) or cycle.scope["method"] == "HEAD":
+        await send_messages(send, status, headers, body)  # a layer wrapped send, or HEAD: its way
         return
     if cycle.flow.write_paused and not cycle.disconnected:
         await cycle.flow.drain()

@@ -270,3 +270,24 @@ async def test_an_admitted_infer_call_goes_to_the_endpoint_past_the_apps_layers(
     finally:
         writer.close()
         await frontend.drain()
+
+
+async def test_a_head_request_refused_by_the_gate_gets_no_body_and_its_connection_stays_in_step(
+    plane: DataPlane,
+) -> None:
+    """A HEAD answer is its head alone: a body after it would be read as the next answer."""
+    plane.start([])
+    frontend, port = await started(create_app(plane, access=AccessPolicy(inference_token=TOKEN)))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"HEAD /v2/models/spin HTTP/1.1\r\nHost: batchline\r\n\r\n" + get("/v2/health/live"))
+        status = int((await asyncio.wait_for(reader.readline(), ANSWER_WITHIN_S)).split()[1])
+        head = []
+        while (line := await asyncio.wait_for(reader.readline(), ANSWER_WITHIN_S)) != b"\r\n":
+            head.append(line.lower())
+        assert status == 401 and any(line.startswith(b"content-length: ") for line in head)
+        status, _, body = await read_response(reader)
+        assert (status, body) == (200, b"{}"), "the next answer follows the HEAD answer's head at once"
+    finally:
+        writer.close()
+        await frontend.drain()
