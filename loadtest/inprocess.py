@@ -29,6 +29,7 @@ import gc
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,55 +42,88 @@ THROUGH = ("app", "protocol")
 ANSWERS = ("engine", "zeros", "parsed")
 
 
+class Failed(RuntimeError):
+    """The server answered a request of the run with something other than 200."""
+
+
+@dataclass
+class _Load:
+    """What the clients of one run share: requests answered, whether to stop, the first failure."""
+
+    served: int = 0
+    stop: bool = False
+    failure: str | None = None
+
+    def fail(self, why: str) -> None:
+        self.failure = self.failure or why
+        self.stop = True
+
+
 async def measure(
     repository: Path, model: str, clients: int, seconds: float, through: str = "app", answer: str = "engine",
 ) -> dict[str, float]:
-    """req/s and CPU microseconds per request, over `seconds` after a second of warm-up."""
+    """req/s and CPU microseconds per request, over `seconds` after a second of warm-up; Failed
+    when any answer was not a 200 (or a connection closed)."""
     from prometheus_client import CollectorRegistry
 
     from server.dataplane import DataPlane
     from server.heap import HeapPolicy
     from server.http.app import create_app
+    from server.http.door import Door
     from server.repository import ModelRepository
 
     if through not in THROUGH or answer not in ANSWERS:
         raise ValueError(f"through one of {THROUGH}, answer one of {ANSWERS}")
     thresholds = gc.get_threshold()
     heap = HeapPolicy().install()
-    plane = DataPlane(ModelRepository(repository, 1))  # one engine thread, as the pinned server runs
-    with _answered_after_parse() if answer == "parsed" else contextlib.nullcontext():
-        app = create_app(plane, metrics=CollectorRegistry())
-    plane.start([model])
     try:
-        while not plane.server_ready():
-            if plane.repository.versions(model) and not plane.model_ready(model, None):
-                raise SystemExit(f"inprocess: {model} did not load: {plane.repository.versions(model)[0].reason}")
-            await asyncio.sleep(0.05)
-        if answer == "zeros":
-            _answer_zeros(plane.repository.get(model, None))
-        heap.settle()
-        bodies = [r.body for r in payloads.build_requests(model, 1, False, 32, repository)]
-        served = [0]
-        stop = [False]
-        if through == "app":
-            waits = answer != "parsed"  # a constant answer never waits: each client then yields after each call
-            tasks = [asyncio.create_task(_client(app, model, bodies, i, served, stop, waits)) for i in range(clients)]
-        else:
-            tasks = []
-            _connect(app, model, bodies, clients, served, stop)
-        await asyncio.sleep(1.0)
-        count, cpu, wall, batches = served[0], time.process_time(), time.perf_counter(), _batches(plane, model)
-        await asyncio.sleep(seconds)
-        count, cpu, wall = served[0] - count, time.process_time() - cpu, time.perf_counter() - wall
-        items, runs = (after - before for after, before in zip(_batches(plane, model), batches, strict=True))
-        stop[0] = True
-        await asyncio.gather(*tasks)
-        await asyncio.sleep(0.1)  # the protocol's requests in flight finish
-    finally:
-        await plane.stop()
-        heap.uninstall()  # the process's collector as it was: a test process goes on
+        plane = DataPlane(ModelRepository(repository, 1))  # one engine thread, as the pinned server runs
+        with _answered_after_parse() if answer == "parsed" else contextlib.nullcontext():
+            app = create_app(plane, metrics=CollectorRegistry())
+        door = Door.of(app)
+        assert door is not None
+        plane.start([model])
+        try:
+            return await _run(plane, app, door, model, clients, seconds, through, answer, repository, heap)
+        finally:
+            await plane.stop()
+    finally:  # the process's collector as it was, whatever happened: a test process goes on
+        heap.uninstall()
         gc.unfreeze()
         gc.set_threshold(*thresholds)
+
+
+async def _run(plane: Any, app: Any, door: Any, model: str, clients: int, seconds: float, through: str, answer: str,
+               repository: Path, heap: Any) -> dict[str, float]:
+    while not plane.server_ready():
+        if plane.repository.versions(model) and not plane.model_ready(model, None):
+            raise Failed(f"{model} did not load: {plane.repository.versions(model)[0].reason}")
+        await asyncio.sleep(0.05)
+    if answer == "zeros":
+        _answer_zeros(plane.repository.get(model, None))
+    heap.settle()
+    bodies = [r.body for r in payloads.build_requests(model, 1, False, 32, repository)]
+    load = _Load()
+    connections: list[_Connection] = []
+    if through == "app":
+        waits = answer != "parsed"  # a constant answer never waits: each client then yields after each call
+        tasks = [asyncio.create_task(_client(door, model, bodies, i, load, waits)) for i in range(clients)]
+    else:
+        tasks = []
+        connections = _connect(app, door, model, bodies, clients, load)
+    await asyncio.sleep(1.0)
+    count, cpu, wall, batches = load.served, time.process_time(), time.perf_counter(), _batches(plane, model)
+    await asyncio.sleep(seconds)
+    count, cpu, wall = load.served - count, time.process_time() - cpu, time.perf_counter() - wall
+    items, runs = (after - before for after, before in zip(_batches(plane, model), batches, strict=True))
+    closed = sum(c.is_closing() for c in connections)
+    load.stop = True
+    await asyncio.gather(*tasks)
+    await asyncio.sleep(0.1)  # the protocol's requests in flight finish
+    if closed:
+        load.fail(f"{closed} of {clients} connections were closed by the server during the run")
+    if load.failure is not None:
+        raise Failed(load.failure)
     return {"req_s": count / wall, "cpu_us_per_request": cpu / max(count, 1) * 1e6, "requests": count,
             "items_per_batch": items / max(runs, 1)}
 
@@ -100,24 +134,29 @@ def _batches(plane: Any, model: str) -> tuple[int, int]:
     return stats["inference_count"], stats["execution_count"]
 
 
-async def _client(
-    app: Any, model: str, bodies: list[bytes], first: int, served: list[int], stop: list[bool], waits: bool,
-) -> None:
+async def _client(door: Any, model: str, bodies: list[bytes], first: int, load: _Load, waits: bool) -> None:
     index = first
-    while not stop[0]:
-        await _one(app, model, bodies[index % len(bodies)])
+    while not load.stop:
+        await _one(door, model, bodies[index % len(bodies)], load)
         index += 1
-        served[0] += 1
+        load.served += 1
         if not waits:
             await asyncio.sleep(0)
 
 
-async def _one(app: Any, model: str, body: bytes) -> None:
+async def _one(door: Any, model: str, body: bytes, load: _Load) -> None:
+    """One call the way the server's HTTP protocol makes it: the door decides, the endpoint answers."""
+    from server.http.door import Admitted
+
     scope = {"type": "http", "method": "POST", "path": f"/v2/models/{model}/infer", "query_string": b"",
              "headers": [(b"host", b"local"), (b"content-type", b"application/json"),
                          (b"content-length", str(len(body)).encode())],
              "client": ("127.0.0.1", 1), "http_version": "1.1", "scheme": "http", "root_path": "",
              "extensions": {DISCONNECT_EXTENSION: []}}
+    decision = door.decide(scope)
+    if not isinstance(decision, Admitted):
+        load.fail(f"the door did not let the call in: {decision!r}")
+        return
     answered = asyncio.Event()
     sent = False
     status = 0
@@ -135,36 +174,46 @@ async def _one(app: Any, model: str, body: bytes) -> None:
         if message["type"] == "http.response.start":
             status = message["status"]
 
-    await app(scope, receive, send)
+    await door.app_for(decision)(scope, receive, send)
     answered.set()
     if status != 200:
-        raise SystemExit(f"inprocess: the server answered {status}")
+        load.fail(f"the server answered {status}")
 
 
 class _Connection(asyncio.Transport):
-    """A client's keep-alive connection in memory: its next request goes in when the server has
-    written its answer (in one write: the server writes answers under 64 KiB whole)."""
+    """A client's keep-alive connection in memory: its next request goes in once the server has
+    written the whole answer to the last (its head, then content-length bytes)."""
 
-    def __init__(self, requests: list[bytes], first: int, served: list[int], stop: list[bool]) -> None:
+    def __init__(self, requests: list[bytes], first: int, load: _Load) -> None:
         super().__init__()
         self._requests = requests
         self._next = first
-        self._served = served
-        self._stop = stop
+        self._load = load
         self._closing = False
+        self._owed = 0  # body bytes of the answer being written still to come
         self.protocol: Any = None
 
     def send_next(self) -> None:
-        if not self._stop[0] and not self._closing:
+        if not self._load.stop and not self._closing:
             request = self._requests[self._next % len(self._requests)]
             self._next += 1
             self.protocol.data_received(request)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        if not bytes(data[:12]).startswith(b"HTTP/1.1 200"):
-            raise SystemExit(f"inprocess: the server answered {bytes(data[:200])!r}")
-        self._served[0] += 1
-        asyncio.get_running_loop().call_soon(self.send_next)
+        data = bytes(data)
+        if not self._owed:
+            head, _, body = data.partition(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 200"):
+                self._load.fail(f"the server answered {head[:200]!r}")
+                return
+            lengths = [line for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")]
+            self._owed = int(lengths[0].partition(b":")[2]) if lengths else 0
+            data = body
+        self._owed -= len(data)
+        if self._owed <= 0:
+            self._owed = 0
+            self._load.served += 1
+            asyncio.get_running_loop().call_soon(self.send_next)
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return {"peername": ("127.0.0.1", 1), "sockname": ("127.0.0.1", 8000)}.get(name, default)
@@ -185,26 +234,27 @@ class _Connection(asyncio.Transport):
         return 0
 
 
-def _connect(app: Any, model: str, bodies: list[bytes], clients: int, served: list[int], stop: list[bool]) -> None:
+def _connect(app: Any, door: Any, model: str, bodies: list[bytes], clients: int, load: _Load) -> list[_Connection]:
     """`clients` connections to the server's HTTP protocol, each sending its first request."""
     from uvicorn.config import Config
     from uvicorn.server import ServerState
 
-    from server.http.door import Door, door_protocol
+    from server.http.door import door_protocol
 
-    door = Door.of(app)
-    assert door is not None
     config = Config(app, http=door_protocol(door), lifespan="off", access_log=False, proxy_headers=False,
                     log_level="warning")
     config.load()
     state = ServerState()
     requests = [f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: local\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body for body in bodies]
+    connections = []
     for first in range(clients):
-        connection = _Connection(requests, first, served, stop)
+        connection = _Connection(requests, first, load)
         connection.protocol = config.http_protocol_class(config=config, server_state=state, app_state={})
         connection.protocol.connection_made(connection)
         asyncio.get_running_loop().call_soon(connection.send_next)
+        connections.append(connection)
+    return connections
 
 
 @contextlib.contextmanager
@@ -235,14 +285,19 @@ def _answered_after_parse() -> Iterator[None]:
 
 
 def _answer_zeros(version: Any) -> None:
-    """Every instance of the model answers zeros of its outputs' shapes, without running."""
+    """Every instance of the model answers zeros of its outputs' shapes, without running. An
+    output of a variable size has no shape to answer with: such a model is refused."""
     from server.protocol.datatypes import numpy_dtype
 
-    outputs = [(t.source_name, numpy_dtype(t.datatype), [max(d, 1) for d in t.dims]) for t in version.config.outputs]
+    config = version.config
+    varying = [t.name for t in config.outputs if -1 in t.dims]
+    if varying:
+        raise ValueError(f"--answer zeros needs outputs of fixed shapes; {', '.join(varying)} varies")
+    outputs = [(t.source_name, numpy_dtype(t.datatype), list(t.dims)) for t in config.outputs]
 
     def zeros(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        rows = next(iter(inputs.values())).shape[0]
-        return {name: np.zeros([rows, *dims], dtype) for name, dtype, dims in outputs}
+        rows = [next(iter(inputs.values())).shape[0]] if config.batched else []
+        return {name: np.zeros([*rows, *dims], dtype) for name, dtype, dims in outputs}
 
     for instance in version.instances:
         instance.pipeline.engine.run = zeros
@@ -260,8 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import uvloop
 
-    result = uvloop.run(measure(args.model_repository, args.model, args.clients, args.seconds, args.through,
-                                args.answer))
+    try:
+        result = uvloop.run(measure(args.model_repository, args.model, args.clients, args.seconds, args.through,
+                                    args.answer))
+    except Failed as failed:
+        print(f"inprocess: {failed}", file=sys.stderr)
+        return 1
     print(f"{result['req_s']:,.0f} req/s, {result['cpu_us_per_request']:.1f} us CPU per request (all threads), "
           f"{args.clients} clients through the {args.through}, answer: {args.answer}, {result['requests']:,} requests, "
           f"{result['items_per_batch']:.1f} items a batch")

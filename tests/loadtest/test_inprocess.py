@@ -15,17 +15,35 @@ import pytest
 
 from loadtest import inprocess, mlp
 from server.config import load_model_config
+from server.http import v2_infer
 from server.layout import config_path
+
+
+def _collector() -> tuple[tuple[int, int, int], int, int]:
+    return gc.get_threshold(), gc.get_freeze_count(), len(gc.callbacks)
 
 
 @pytest.mark.parametrize(("through", "answer"), [("app", "engine"), ("protocol", "zeros"), ("app", "parsed"),
                                                  ("protocol", "parsed")])
 def test_a_short_run_serves_and_reports_its_cost(tmp_path: Path, through: str, answer: str) -> None:
     mlp.write_mlp_model(tmp_path)
-    thresholds = gc.get_threshold()
+    before, infer = _collector(), v2_infer.infer_v2
     result = asyncio.run(inprocess.measure(tmp_path, "mlp", clients=4, seconds=0.5, through=through, answer=answer))
     assert result["requests"] > 0 and result["req_s"] > 0 and result["cpu_us_per_request"] > 0
-    assert gc.get_threshold() == thresholds and gc.get_freeze_count() == 0
+    assert (result["items_per_batch"] == 0) == (answer == "parsed"), "parsed answers never reach the batcher"
+    assert _collector() == before and v2_infer.infer_v2 is infer, "the process is left as it was"
+
+
+@pytest.mark.parametrize("through", ["app", "protocol"])
+def test_a_run_whose_requests_fail_says_so_and_leaves_the_process_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, through: str
+) -> None:
+    mlp.write_mlp_model(tmp_path)
+    monkeypatch.setattr(inprocess.payloads, "build_requests", lambda *args: [SimpleNamespace(body=b"{}")])
+    before = _collector()
+    with pytest.raises(inprocess.Failed, match="400|closed"):
+        asyncio.run(inprocess.measure(tmp_path, "mlp", clients=4, seconds=0.3, through=through))
+    assert _collector() == before
 
 
 def test_zeros_answer_with_the_outputs_shapes(tmp_path: Path) -> None:
