@@ -63,7 +63,8 @@ server reads it (its config, its latest version, its artifact). digits and mlp: 
 that config (torch or ONNX Runtime), pinned to --threads as `--engine-threads` pins it.
 minilm: its own ONNX Runtime session (CPUExecutionProvider, --threads intra-op threads) + tokenizers
 (truncation at the config's max_length, padding to the longest text of the batch, or with
---length-sorted to neighbours in length; tokenization is timed as part of each batch), since batch
+--length-sorted to neighbours in length, or with --in-flight N to the best batches of N requests at a
+time, each N sorted by length; tokenization is timed as part of each batch), since batch
 formation is part of what it measures. Per batch size: 3 warm-up runs, then runs back to back for
 --duration seconds (at least 5 runs, at most 100,000); reports items/s, p50/p99 latency per batch,
 and the best batch size ("the engine ceiling")."""
@@ -119,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--threads", type=int, default=1, help="intra-op threads (ONNX Runtime) / torch.set_num_threads")
     engine.add_argument("--length-sorted", action="store_true",
                         help="minilm: batch texts of neighbouring token length (what a length-aware batcher can do)")
+    engine.add_argument("--in-flight", type=int, default=None, metavar="N",
+                        help="minilm: batches formed at best from N requests at a time, sorted by length "
+                             "(a ceiling a batcher can reach; every batch size must divide N)")
     engine.add_argument("--model-repository", type=Path, default=payloads.MODELS, help="model repository folder")
 
     closed = modes.add_parser("closed", parents=[common, http, items, wrk], help="closed-loop concurrency sweep (wrk)",
@@ -150,10 +154,11 @@ def run_engine(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
 
     parameters = {"model": args.model, "batch_sizes": args.batch_sizes, "duration_s": args.duration,
                   "threads": args.threads, "model_repository": str(args.model_repository),
-                  "length_sorted": args.length_sorted}
+                  "length_sorted": args.length_sorted, "in_flight": args.in_flight}
     record = runs.record(args, argv, parameters)
     results = [r.as_dict() for r in engine.sweep(args.model, args.model_repository, args.batch_sizes,
-                                                  args.duration, args.threads, args.length_sorted)]
+                                                  args.duration, args.threads, args.length_sorted,
+                                                  in_flight=args.in_flight)]
     best = max(results, key=lambda r: r["items_s"])
     record["results"] = results
     record["headline"] = {"engine_ceiling_items_s": best["items_s"], "best_batch_size": best["batch_size"]}

@@ -3,8 +3,10 @@
 The server can never beat its engine, so this is the bar the HTTP numbers are read against.
   minilm: ONNX Runtime session on CPUExecutionProvider, graph optimisation "all", plus the
           `tokenizers` Tokenizer of tokenizer.json, truncation 256, padding to the batch's
-          longest text (or, --length-sorted, batches of neighbouring lengths); tokenization is
-          timed with the run. Its own session, since batch formation is what is measured.
+          longest text (or, --length-sorted, batches of neighbouring lengths; or, --in-flight N,
+          the batches a batcher could form at best from N requests at a time, each N sorted by
+          length); tokenization is timed with the run. Its own session, since batch formation
+          is what is measured.
   digits, mlp: the server's own engine for the folder's config (server/engines: torch in any
           precision, or an ONNX Runtime variant), called directly with the given threads.
 A folder is read as the server reads it: its config.yaml, its highest version folder and the
@@ -105,7 +107,7 @@ def _onnx_session(path: Path, threads: int) -> Any:
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False) -> Loader:
+def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False, in_flight: int | None = None) -> Loader:
     from tokenizers import Tokenizer
 
     files = model_files(model_dir)
@@ -124,8 +126,11 @@ def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False) ->
     texts = sorted(SENTENCES, key=lambda t: len(tokenizer.encode(t).ids)) if length_sorted else list(SENTENCES)
 
     def prepare(batch_size: int) -> Runner:
-        batches = [[texts[(b * batch_size + i) % len(texts)] for i in range(batch_size)]
-                   for b in range(len(texts))]
+        if in_flight:
+            batches = in_flight_batches(list(SENTENCES), in_flight, batch_size, lambda t: len(tokenizer.encode(t).ids))
+        else:
+            batches = [[texts[(b * batch_size + i) % len(texts)] for i in range(batch_size)]
+                       for b in range(len(texts))]
 
         def run(index: int) -> float:
             start = time.perf_counter()
@@ -149,6 +154,21 @@ def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False) ->
         return run
 
     return prepare
+
+
+def in_flight_batches(texts: list[str], in_flight: int, batch_size: int, length: Callable[[str], int]) -> list[list[str]]:
+    """The batches a batcher could form at best from `in_flight` requests at a time: the texts
+    as clients send them (cycling through `texts`), taken `in_flight` at a time, each group sorted
+    by token length and cut into batches of `batch_size` (each then padded to its longest). One
+    group starts at each text, so every text leads one."""
+    if in_flight % batch_size:
+        raise ValueError(f"--in-flight {in_flight} is not a multiple of batch size {batch_size}")
+    lengths = {text: length(text) for text in texts}
+    batches = []
+    for first in range(len(texts)):
+        group = sorted((texts[(first * in_flight + i) % len(texts)] for i in range(in_flight)), key=lengths.__getitem__)
+        batches += [group[i:i + batch_size] for i in range(0, in_flight, batch_size)]
+    return batches
 
 
 def _batches(samples: np.ndarray, batch_size: int) -> list[np.ndarray]:
@@ -207,7 +227,7 @@ def measure(run: Runner, batch_size: int, duration_s: float, max_runs: int = MAX
 
 def sweep(
     model: str, repository: Path, batch_sizes: list[int], duration_s: float, threads: int, length_sorted: bool = False,
-    folder: Path | None = None,
+    folder: Path | None = None, in_flight: int | None = None,
 ) -> list[BatchResult]:
     """`model` names the payload (digits | minilm | mlp); `folder` the model folder to load (default:
     repository/model; a variant of it, e.g. repository/minilm-onnxruntime-int8, takes the same payload)."""
@@ -216,7 +236,12 @@ def sweep(
     if (model, engine) not in LOADERS:
         known = ", ".join(f"{m} on {e}" for m, e in LOADERS)
         raise ValueError(f"no engine-alone loader for {model} on {engine}; known: {known}")
-    prepare = LOADERS[(model, engine)](folder, threads, length_sorted)
+    if in_flight is not None:
+        if model != "minilm":
+            raise ValueError("--in-flight groups texts by length: minilm only")
+        prepare = minilm_loader(folder, threads, length_sorted, in_flight)
+    else:
+        prepare = LOADERS[(model, engine)](folder, threads, length_sorted)
     results = []
     for size in batch_sizes:
         run = prepare(size)
