@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="minilm: batch texts of neighbouring token length (what a length-aware batcher can do)")
     engine.add_argument("--in-flight", type=int, default=None, metavar="N",
                         help="minilm: batches formed at best from N requests at a time, sorted by length "
-                             "(a ceiling a batcher can reach; every batch size must divide N)")
+                             "(a ceiling a batcher can reach; every batch size must divide N; "
+                             "instead of --length-sorted)")
     engine.add_argument("--model-repository", type=Path, default=payloads.MODELS, help="model repository folder")
 
     closed = modes.add_parser("closed", parents=[common, http, items, wrk], help="closed-loop concurrency sweep (wrk)",

@@ -159,8 +159,8 @@ def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False, in
 def in_flight_batches(texts: list[str], in_flight: int, batch_size: int, length: Callable[[str], int]) -> list[list[str]]:
     """The batches a batcher could form at best from `in_flight` requests at a time: the texts
     as clients send them (cycling through `texts`), taken `in_flight` at a time, each group sorted
-    by token length and cut into batches of `batch_size` (each then padded to its longest). One
-    group starts at each text, so every text leads one."""
+    by token length and cut into batches of `batch_size` (each then padded to its longest);
+    len(texts) groups, one after another, as the clients send them (wrapping around the texts)."""
     if in_flight % batch_size:
         raise ValueError(f"--in-flight {in_flight} is not a multiple of batch size {batch_size}")
     lengths = {text: length(text) for text in texts}
