@@ -118,12 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--batch-sizes", type=runs.ints, default=doubling(1, 64), help="comma-separated")
     engine.add_argument("--duration", type=float, default=3.0, help="seconds of runs per batch size")
     engine.add_argument("--threads", type=int, default=1, help="intra-op threads (ONNX Runtime) / torch.set_num_threads")
-    engine.add_argument("--length-sorted", action="store_true",
-                        help="minilm: batch texts of neighbouring token length (what a length-aware batcher can do)")
-    engine.add_argument("--in-flight", type=int, default=None, metavar="N",
-                        help="minilm: batches formed at best from N requests at a time, sorted by length "
-                             "(a ceiling a batcher can reach; every batch size must divide N; "
-                             "instead of --length-sorted)")
+    grouping = engine.add_mutually_exclusive_group()
+    grouping.add_argument("--length-sorted", action="store_true",
+                          help="minilm: batch texts of neighbouring token length (what a length-aware batcher can do)")
+    grouping.add_argument("--in-flight", type=int, default=None, metavar="N",
+                          help="minilm: batches formed at best from N requests at a time, sorted by length "
+                               "(a ceiling a batcher can reach; every batch size must divide N)")
     engine.add_argument("--model-repository", type=Path, default=payloads.MODELS, help="model repository folder")
 
     closed = modes.add_parser("closed", parents=[common, http, items, wrk], help="closed-loop concurrency sweep (wrk)",

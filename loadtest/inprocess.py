@@ -3,7 +3,8 @@ engine) driven in-process by concurrent clients, and the CPU time it took per re
 threads together. No kernel, no network and no load generator share the core, so a change of a
 few percent shows where a run over sockets on a shared machine drowns it in noise.
 
-  --through app        the ASGI app called directly: the server's Python path, without uvicorn
+  --through app        the door's decision and the infer endpoint called directly, as the
+                       protocol calls them: the server's Python path, without uvicorn
   --through protocol   the server's HTTP protocol (uvicorn's httptools parser and the door in
                        front of the app) fed whole requests by in-memory connections, each
                        sending its next request when its answer is written

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from server.asgi.disconnect import DISCONNECT_EXTENSION, disconnect_callbacks
-from server.asgi.respond import RESPOND_EXTENSION, Headers, send_messages
+from server.asgi.respond import RESPOND_EXTENSION, Headers, body_headers, send_messages
 from server.asgi.types import ASGIApp, Scope, Send
 from server.errors import BatchlineError, QueueFull
 from server.http.auth import AccessGate
@@ -132,7 +132,7 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             # A client that does not read its answers gets no more written for it here: the app's
             # path waits for the socket to drain, and pauses reading meanwhile.
             decision = None if self.flow.write_paused else door.decide(cycle.scope)
-            if type(decision) is not Refused:
+            if not isinstance(decision, Refused):
                 extensions = cycle.scope.setdefault("extensions", {})
                 extensions[DISCONNECT_EXTENSION] = []  # see connection_lost
                 # HttpFrontEnd turns uvicorn's access log off (the server writes its own), so
@@ -146,14 +146,8 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             body, retry_after, close = decision
             close = close or not cycle.keep_alive
             cycle.response_started = cycle.response_complete = True  # what follows of the body is dropped
-            self.transport.write(b"".join([
-                STATUS_LINE[BUSY],
-                _default_lines(self.server_state.default_headers),
-                b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
-                b"\r\nretry-after: ", retry_after.encode(), b"\r\n",
-                b"connection: close\r\n\r\n" if close else b"\r\n",
-                body,
-            ]))
+            headers = body_headers(body, {"Retry-After": retry_after})
+            self.transport.write(b"".join([*_head(BUSY, self.server_state.default_headers, headers, not close), body]))
             if close:
                 self.transport.close()
             # As if the response completed later, as it does through the app: by then the parser
@@ -199,12 +193,7 @@ async def _respond_whole(send: Send, status: int, headers: Headers, body: bytes)
     if cycle.response_started:
         raise RuntimeError("a response was already started for this request")
     keep_alive = cycle.keep_alive
-    head = [
-        STATUS_LINE[status],
-        _default_lines(cycle.default_headers),
-        *(name + b": " + value + b"\r\n" for name, value in headers),
-        b"\r\n" if keep_alive else b"connection: close\r\n\r\n",
-    ]
+    head = _head(status, cycle.default_headers, headers, keep_alive)
     cycle.response_started = cycle.response_complete = True
     cycle.waiting_for_100_continue = False
     if len(body) <= WHOLE_BYTES:
@@ -216,6 +205,17 @@ async def _respond_whole(send: Send, status: int, headers: Headers, body: bytes)
     if not keep_alive:
         cycle.transport.close()
     cycle.on_response()
+
+
+def _head(status: int, default_headers: list[tuple[bytes, bytes]], headers: Headers, keep_alive: bool) -> list[bytes]:
+    """A response's status line and header lines, uvicorn's default headers first, and the blank
+    line; `connection: close` when the connection ends with it."""
+    return [
+        STATUS_LINE[status],
+        _default_lines(default_headers),
+        *(name + b": " + value + b"\r\n" for name, value in headers),
+        b"\r\n" if keep_alive else b"connection: close\r\n\r\n",
+    ]
 
 
 _default_head: tuple[list[tuple[bytes, bytes]], bytes] = ([], b"")

@@ -36,3 +36,6 @@ def test_in_flight_is_for_texts_only(tmp_path: Path) -> None:
         sweep("mlp", tmp_path, [1], 0.1, 1, in_flight=4)
     args = bench.build_parser().parse_args(["engine", "--model", "minilm", "--in-flight", "64", "--out", str(tmp_path)])
     assert args.in_flight == 64
+    with pytest.raises(SystemExit):  # two ways of grouping texts: one at a time
+        bench.build_parser().parse_args(["engine", "--model", "minilm", "--in-flight", "64", "--length-sorted",
+                                         "--out", str(tmp_path)])
