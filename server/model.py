@@ -274,17 +274,21 @@ class ModelVersion:
             return min(warmup.batch_cap, self.config.max_batch_size)
         if not (warmup.enabled and warmup.profile):
             return self.config.max_batch_size
-        profile = []
-        for size in self.config.batch_ladder():
-            feed = self._sample_feed(size)
+        feeds = {size: self._sample_feed(size) for size in self.config.batch_ladder()}
+        for feed in feeds.values():
             pipeline.run_batch([feed])  # each shape once untimed: first runs allocate
-            times = []
-            for _ in range(warmup.profile_repeats):
+        fastest = dict.fromkeys(feeds, float("inf"))
+        # Each repeat times every size in turn: a machine that slows down (or speeds up) while the
+        # ladder is timed weighs on every size alike. Timed one size after another, the sizes
+        # timed in a fast spell won, and the cap followed the machine's drift, not the model.
+        for _ in range(warmup.profile_repeats):
+            for size, feed in feeds.items():
                 start = time.perf_counter()
                 pipeline.run_batch([feed])
-                times.append(time.perf_counter() - start)
-            seconds = min(times)  # the least disturbed run: other work on the machine only adds time
-            profile.append({"batch_size": size, "seconds": seconds, "items_per_second": size / seconds})
+                # the least disturbed run: other work on the machine only adds time
+                fastest[size] = min(fastest[size], time.perf_counter() - start)
+        profile = [{"batch_size": size, "seconds": seconds, "items_per_second": size / seconds}
+                   for size, seconds in fastest.items()]
         self.stats.batch_profile = profile
         best = max(p["items_per_second"] for p in profile)
         return next(int(p["batch_size"]) for p in profile if p["items_per_second"] >= (1 - warmup.tolerance) * best)
@@ -385,6 +389,7 @@ class ModelVersion:
             asyncio.get_running_loop().create_future(),
             shape_key=admitted.shape_key,
             longest=admitted.longest,
+            length=admitted.length,
             priority=admitted.priority,
             deadline_ns=admitted.deadline_ns,
             received_ns=received_ns,
