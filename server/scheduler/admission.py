@@ -27,7 +27,8 @@ class Admitted:
     feed: dict[str, np.ndarray]
     batch_size: int
     shape_key: Hashable
-    longest: int
+    longest: int  # the sequence bucket of its longest text (0: not a text model)
+    length: int  # its longest text in tokens (0: not a text model)
     priority: int
     deadline_ns: int | None
 
@@ -255,13 +256,14 @@ class Admission:
             feed[tensor.source_name] = array
             if tensor.name not in self._padded:
                 key.append((tensor.name, array.shape[1:] if self._config.batched else array.shape))
-        longest = 0
+        longest = length = 0
         if tokens:
             assert self._config.tokenize is not None
-            longest = self._config.tokenize.bucket(next(iter(tokens.values())).shape[1])
+            length = next(iter(tokens.values())).shape[1]
+            longest = self._config.tokenize.bucket(length)
             if self._bucketed:  # only texts of the same length bucket share a batch
                 key.append(("sequence", (longest,)))
-        return Admitted(feed, batch_size, tuple(key), longest, priority, deadline_ns)
+        return Admitted(feed, batch_size, tuple(key), longest, length, priority, deadline_ns)
 
     def _options(self, parameters: dict[str, Any], received_ns: int | None) -> tuple[int, int | None]:
         """Priority level and deadline from the request's `priority` and `timeout` (microseconds)."""

@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -233,7 +233,10 @@ class Batcher:
 
     def _form_batch(self, policy: BatchPolicy) -> tuple[list[InferenceRequest], bool]:
         """The oldest live request of the highest level and the compatible ones behind it;
-        `blocked` says a compatible request had to stay behind for lack of room."""
+        `blocked` says a compatible request had to stay behind for lack of room. Texts join the
+        oldest nearest its length first (within a level): a batch pads to its longest text, so
+        in arrival order a quarter of its tokens can be padding. The oldest always goes, so no
+        request waits for more batches than there are requests ahead of it."""
         now = self._clock()
         for queue in self._queues:
             while queue and (queue[0].state is not RequestState.QUEUED or self._too_late(queue[0], now)):
@@ -246,28 +249,35 @@ class Batcher:
         batch, items, longest = [head], head.batch_size, head.longest
         if not self._settings.merge:
             return batch, False
+        candidates: Iterable[tuple[int, InferenceRequest]] = self._compatible(head, now)
+        if head.length:
+            candidates = sorted(candidates, key=lambda found: (found[0], abs(found[1].length - head.length)))
         blocked = False
-        for queue in self._queues:
+        for _, candidate in candidates:
+            grown = max(longest, candidate.longest)
+            if not policy.fits(items + candidate.batch_size, grown):
+                blocked = True
+                break
+            batch.append(candidate)
+            items += candidate.batch_size
+            longest = grown
+            if items >= policy.max_batch_size:
+                break
+        return batch, blocked
+
+    def _compatible(self, head: InferenceRequest, now: int) -> Iterator[tuple[int, InferenceRequest]]:
+        """The live queued requests that may share `head`'s batch with their level, highest level
+        first, oldest first; lazily, so a batch that fills early reads no further. One found too
+        late to finish in time is given up on the way."""
+        for level, queue in enumerate(self._queues):
             for candidate in queue:
                 if candidate is head or candidate.state is not RequestState.QUEUED:
                     continue
                 if self._too_late(candidate, now):
                     self._give_up_late(candidate, now)
                     continue
-                if candidate.shape_key != head.shape_key:
-                    continue
-                grown = max(longest, candidate.longest)
-                if not policy.fits(items + candidate.batch_size, grown):
-                    blocked = True
-                    break
-                batch.append(candidate)
-                items += candidate.batch_size
-                longest = grown
-                if items >= policy.max_batch_size:
-                    break
-            if blocked or items >= policy.max_batch_size:
-                break
-        return batch, blocked
+                if candidate.shape_key == head.shape_key:
+                    yield level, candidate
 
     async def _execute(
         self, instance: BatchRunner, batch: list[InferenceRequest], reason: DispatchReason, dispatched_ns: int

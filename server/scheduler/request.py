@@ -36,7 +36,8 @@ class InferenceRequest:
 
     `shape_key` says which requests may share a batch; `longest` is a text request's sequence
     bucket (0 for other models), for the token budget: what it pads to on a compiled engine, at
-    least what it pads to on any other (a batch's longest text, within the bucket).
+    least what it pads to on any other (a batch's longest text, within the bucket); `length` its
+    longest text in tokens (0 for other models), which the batcher groups by.
     """
 
     feed: dict[str, np.ndarray]
@@ -44,6 +45,7 @@ class InferenceRequest:
     future: asyncio.Future[dict[str, np.ndarray]]
     shape_key: Hashable = ()
     longest: int = 0
+    length: int = 0
     priority: int = 1
     deadline_ns: int | None = None
     arrival_ns: int = field(default_factory=time.perf_counter_ns)  # queued: the queue's clock starts

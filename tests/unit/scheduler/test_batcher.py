@@ -56,11 +56,11 @@ class FakeInstance:
         return [[len(f["x"]) for f in batch] for batch in self.batches]
 
 
-def request(values: list[float], *, key="a", longest=0, priority=1, deadline_ns=None) -> InferenceRequest:
+def request(values: list[float], *, key="a", longest=0, length=0, priority=1, deadline_ns=None) -> InferenceRequest:
     x = np.array(values, dtype=np.float32).reshape(-1, 1)
     return InferenceRequest(
         {"x": x}, len(values), asyncio.get_running_loop().create_future(),
-        shape_key=key, longest=longest, priority=priority, deadline_ns=deadline_ns,
+        shape_key=key, longest=longest, length=length, priority=priority, deadline_ns=deadline_ns,
     )
 
 
@@ -345,6 +345,48 @@ async def test_the_token_budget_caps_a_text_batch() -> None:
     await settle()
     assert fake.sizes()[1] == [1, 1, 1]  # 3 x 30 tokens fit; a 4th would make 120
     assert stats.dispatch_reasons["full"] == 1
+
+
+async def test_texts_join_the_oldest_nearest_its_length_first() -> None:
+    """In arrival order the batch after the first would be 9, 3, 2 (padded to 9: 27 tokens, 13
+    of them padding); nearest the oldest's 9 tokens it is 9, 8, 10 (30 tokens, 3 padding)."""
+    fake = FakeInstance()
+    b, _ = batcher([fake], max_batch=3)
+    b.submit(request([0.0], length=5))
+    await settle()
+    for length in (9, 3, 2, 8, 10, 16):
+        b.submit(request([float(length)], length=length))
+    fake.release(0)
+    await settle()
+    assert [f["x"].item() for f in fake.batches[1]] == [9.0, 8.0, 10.0]
+    fake.release(1)
+    await settle()
+    assert [f["x"].item() for f in fake.batches[2]] == [3.0, 2.0, 16.0], "the oldest left always goes first"
+
+
+async def test_length_never_outranks_priority() -> None:
+    fake = FakeInstance()
+    b, _ = batcher([fake], max_batch=2, levels=2)
+    b.submit(request([0.0], length=5))
+    await settle()
+    b.submit(request([1.0], length=10, priority=1))
+    b.submit(request([2.0], length=10, priority=2))
+    b.submit(request([3.0], length=30, priority=1))
+    fake.release(0)
+    await settle()
+    assert [f["x"].item() for f in fake.batches[1]] == [1.0, 3.0]
+
+
+async def test_other_models_batch_in_arrival_order() -> None:
+    fake = FakeInstance()
+    b, _ = batcher([fake], max_batch=3)
+    b.submit(request([0.0]))
+    await settle()
+    for value in (1.0, 2.0, 3.0, 4.0):
+        b.submit(request([value]))
+    fake.release(0)
+    await settle()
+    assert [f["x"].item() for f in fake.batches[1]] == [1.0, 2.0, 3.0]
 
 
 async def test_a_failing_batch_fails_only_its_requests() -> None:

@@ -145,6 +145,7 @@ def test_only_texts_of_one_length_bucket_share_a_batch() -> None:
     short, also_short, long = admitted("hi"), admitted("hello there"), admitted("a sentence of many more words " * 3)
     assert short.shape_key == also_short.shape_key != long.shape_key
     assert (short.longest, long.longest) == (8, 64)  # the budget counts padded tokens
+    assert (short.length, also_short.length) == (3, 4)  # the batcher groups by the tokens themselves
 
 
 
