@@ -61,11 +61,14 @@ The HTTP modes but shm and fanout never start a server: start it yourself, e.g. 
 ENGINE_HELP = """The engine alone, called directly: no HTTP, no queue. The model folder is read as the
 server reads it (its config, its latest version, its artifact). digits and mlp: the server's own engine for
 that config (torch or ONNX Runtime), pinned to --threads as `--engine-threads` pins it.
-minilm: its own ONNX Runtime session (CPUExecutionProvider, --threads intra-op threads) + tokenizers
+minilm: the texts of the --bodies request bodies `bench closed` sends (the same 32 by default), through
+its own ONNX Runtime session (CPUExecutionProvider, --threads intra-op threads) + tokenizers
 (truncation at the config's max_length, padding to the longest text of the batch, or with
---length-sorted to neighbours in length, or with --in-flight N to the best batches of N requests at a
-time, each N sorted by length; tokenization is timed as part of each batch), since batch
-formation is part of what it measures. Per batch size: 3 warm-up runs, then runs back to back for
+--length-sorted to neighbours in length; tokenization is timed as part of each batch), since batch
+formation is part of what it measures. With --in-flight N, the server's own path instead: each
+request tokenized alone as the server admits it, then the server's pipeline and engine for the
+batch, on the best batches of N requests at a time (each N sorted by length): the ceiling a served
+run at N clients is read against. Per batch size: 3 warm-up runs, then runs back to back for
 --duration seconds (at least 5 runs, at most 100,000); reports items/s, p50/p99 latency per batch,
 and the best batch size ("the engine ceiling")."""
 
@@ -104,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     items = argparse.ArgumentParser(add_help=False)
     items.add_argument("--items", type=int, default=1, help="items (batch rows) per request")
     http.add_argument("--timeout", type=float, default=10.0, help="seconds a request may take before it counts as an error")
-    http.add_argument("--bodies", type=int, default=32, help="different request bodies, sent in turn")
+    http.add_argument("--bodies", type=int, default=payloads.DEFAULT_BODIES, help="different request bodies, sent in turn")
     http.add_argument("--generator-cpu", type=int, metavar="N",
                       help="pin the load generator to CPU N (taskset for wrk, sched_setaffinity for the Python client)")
     wrk = argparse.ArgumentParser(add_help=False)
@@ -122,8 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     grouping.add_argument("--length-sorted", action="store_true",
                           help="minilm: batch texts of neighbouring token length (what a length-aware batcher can do)")
     grouping.add_argument("--in-flight", type=int, default=None, metavar="N",
-                          help="minilm: batches formed at best from N requests at a time, sorted by length "
-                               "(a ceiling a batcher can reach; every batch size must divide N)")
+                          help="minilm: the server's own tokenizer, pipeline and engine on the batches formed at "
+                               "best from N requests at a time, sorted by length (a ceiling a batcher can reach; "
+                               "every batch size must divide N)")
+    engine.add_argument("--bodies", type=int, default=payloads.DEFAULT_BODIES,
+                        help="minilm: the texts of this many request bodies, as `bench closed --bodies` sends them")
     engine.add_argument("--model-repository", type=Path, default=payloads.MODELS, help="model repository folder")
 
     closed = modes.add_parser("closed", parents=[common, http, items, wrk], help="closed-loop concurrency sweep (wrk)",
@@ -155,11 +161,11 @@ def run_engine(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
 
     parameters = {"model": args.model, "batch_sizes": args.batch_sizes, "duration_s": args.duration,
                   "threads": args.threads, "model_repository": str(args.model_repository),
-                  "length_sorted": args.length_sorted, "in_flight": args.in_flight}
+                  "length_sorted": args.length_sorted, "in_flight": args.in_flight, "bodies": args.bodies}
     record = runs.record(args, argv, parameters)
     results = [r.as_dict() for r in engine.sweep(args.model, args.model_repository, args.batch_sizes,
                                                   args.duration, args.threads, args.length_sorted,
-                                                  in_flight=args.in_flight)]
+                                                  in_flight=args.in_flight, bodies=args.bodies)]
     best = max(results, key=lambda r: r["items_s"])
     record["results"] = results
     record["headline"] = {"engine_ceiling_items_s": best["items_s"], "best_batch_size": best["batch_size"]}

@@ -1,12 +1,14 @@
 """The engine alone, no server: items/s and latency per batch size ("the engine ceiling").
 
 The server can never beat its engine, so this is the bar the HTTP numbers are read against.
-  minilm: ONNX Runtime session on CPUExecutionProvider, graph optimisation "all", plus the
-          `tokenizers` Tokenizer of tokenizer.json, truncation 256, padding to the batch's
-          longest text (or, --length-sorted, batches of neighbouring lengths; or, --in-flight N,
-          the batches a batcher could form at best from N requests at a time, each N sorted by
-          length); tokenization is timed with the run. Its own session, since batch formation
-          is what is measured.
+  minilm: the texts `bench closed` sends (those of its --bodies request bodies, 32 by default)
+          through an ONNX Runtime session on CPUExecutionProvider, graph optimisation "all",
+          plus the `tokenizers` Tokenizer of tokenizer.json, truncation 256, padding to the
+          batch's longest text (or, --length-sorted, batches of neighbouring lengths);
+          tokenization is timed with the run. Its own session, since batch formation is what is
+          measured. --in-flight N: the server's own path instead (each request tokenized as
+          admission does, the server's pipeline and engine), on the batches a batcher could form
+          at best from N requests at a time, each N sorted by length.
   digits, mlp: the server's own engine for the folder's config (server/engines: torch in any
           precision, or an ONNX Runtime variant), called directly with the given threads.
 A folder is read as the server reads it: its config.yaml, its highest version folder and the
@@ -23,9 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from loadtest import mlp
-from loadtest.payloads import SENTENCES, digits_images
+from loadtest import mlp, payloads
+from loadtest.payloads import digits_images
 from server.config import ModelConfig, load_model_config
+from server.engines.base import Engine
 from server.engines.registry import artifact_file
 from server.engines.timing import time_runs
 from server.layout import config_path, version_dir, version_numbers
@@ -107,7 +110,8 @@ def _onnx_session(path: Path, threads: int) -> Any:
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False, in_flight: int | None = None) -> Loader:
+def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False, texts: list[str] | None = None) -> Loader:
+    """Its own session and tokenizer on batches of `texts` (default: those `bench closed` sends)."""
     from tokenizers import Tokenizer
 
     files = model_files(model_dir)
@@ -123,14 +127,12 @@ def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False, in
 
     # length_sorted: batches of neighbours in token length, the best a length-aware batcher can
     # form from this payload (the server's sequence buckets approach it).
-    texts = sorted(SENTENCES, key=lambda t: len(tokenizer.encode(t).ids)) if length_sorted else list(SENTENCES)
+    sent = payloads.texts_sent() if texts is None else texts
+    ordered = sorted(sent, key=lambda t: len(tokenizer.encode(t).ids)) if length_sorted else list(sent)
 
     def prepare(batch_size: int) -> Runner:
-        if in_flight:
-            batches = in_flight_batches(list(SENTENCES), in_flight, batch_size, lambda t: len(tokenizer.encode(t).ids))
-        else:
-            batches = [[texts[(b * batch_size + i) % len(texts)] for i in range(batch_size)]
-                       for b in range(len(texts))]
+        batches = [[ordered[(b * batch_size + i) % len(ordered)] for i in range(batch_size)]
+                   for b in range(len(ordered))]
 
         def run(index: int) -> float:
             start = time.perf_counter()
@@ -144,16 +146,51 @@ def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False, in
             session.run(None, feed)  # every output, as the server's engine runs them
             return tokenized - start
 
-        # Padding to the longest text of a batch costs compute: report how much of it is padding.
-        real = padded = 0
-        for batch in batches:
-            encodings = tokenizer.encode_batch(batch)
-            real += sum(sum(e.attention_mask) for e in encodings)
-            padded += len(encodings) * len(encodings[0].ids)
-        run.extra = {"padding_share": round(1 - real / padded, 3), "tokens_per_batch": round(padded / len(batches), 1)}  # type: ignore[attr-defined]
+        lengths = {text: len(tokenizer.encode(text).ids) for text in ordered}
+        run.extra = _padding(batches, lengths)  # type: ignore[attr-defined]
         return run
 
     return prepare
+
+
+def served_text_loader(model_dir: Path, threads: int, texts: list[str], in_flight: int) -> Loader:
+    """The server's own path for a text model on the best batches `in_flight` requests at a time
+    allow (in_flight_batches): each request tokenized alone, as admission tokenizes it, then the
+    server's pipeline for the batch (token tensors padded to the batch's longest and merged, the
+    server's engine for the config, outputs cut per request). What admission and an instance
+    run, minus HTTP and the queue: the ceiling the server is read against."""
+    from server.preprocess import TextTokenizer
+    from server.workers.pipeline import ModelPipeline, paddable_inputs
+
+    files, config, engine = _server_engine(model_dir, threads)
+    spec = config.tokenize
+    if spec is None:
+        raise ValueError(f"{model_dir} is not a text model (no preprocess.tokenize)")
+    tokenizer = TextTokenizer(spec, files.find(spec.tokenizer).parent)
+    pipeline = ModelPipeline(config, engine, paddable_inputs(config, tokenizer.outputs))
+    lengths = {text: tokenizer.encode([text])[spec.input_ids].shape[1] for text in texts}
+
+    def prepare(batch_size: int) -> Runner:
+        batches = in_flight_batches(texts, in_flight, batch_size, lengths.__getitem__)
+
+        def run(index: int) -> float:
+            start = time.perf_counter()
+            feeds = [tokenizer.encode([text]) for text in batches[index % len(batches)]]
+            tokenized = time.perf_counter()
+            pipeline.run_batch(feeds)
+            return tokenized - start
+
+        run.extra = _padding(batches, lengths)  # type: ignore[attr-defined]
+        return run
+
+    return prepare
+
+
+def _padding(batches: list[list[str]], lengths: dict[str, int]) -> dict[str, float]:
+    """Padding to a batch's longest text costs compute: how much of the batches' tokens it is."""
+    real = sum(lengths[text] for batch in batches for text in batch)
+    padded = sum(len(batch) * max(lengths[text] for text in batch) for batch in batches)
+    return {"padding_share": round(1 - real / padded, 3), "tokens_per_batch": round(padded / len(batches), 1)}
 
 
 def in_flight_batches(texts: list[str], in_flight: int, batch_size: int, length: Callable[[str], int]) -> list[list[str]]:
@@ -185,16 +222,21 @@ def mlp_loader(model_dir: Path, threads: int, length_sorted: bool = False) -> Lo
     return _server_engine_loader(model_dir, threads, mlp.items(1024, 0))
 
 
-def _server_engine_loader(model_dir: Path, threads: int, samples: np.ndarray) -> Loader:
+def _server_engine(model_dir: Path, threads: int) -> tuple[ModelFiles, ModelConfig, Engine]:
     """The server's own engine for the model's config (torch, any precision, or ONNX Runtime),
-    with `threads` threads, called directly: exactly what an instance runs, minus the server."""
+    with `threads` threads, on the CPU."""
     from server.devices import Device
     from server.engines import create_engine
     from server.quantize.runner import with_threads
 
     files = model_files(model_dir)
     config = with_threads(files.config, threads)  # as a build's timing pins them
-    engine = create_engine(config, files.version_dir, Device("CPU"))
+    return files, config, create_engine(config, files.version_dir, Device("CPU"))
+
+
+def _server_engine_loader(model_dir: Path, threads: int, samples: np.ndarray) -> Loader:
+    """The server's engine called directly: exactly what an instance runs, minus the server."""
+    _, config, engine = _server_engine(model_dir, threads)
     name = config.inputs[0].source_name
 
     def prepare(batch_size: int) -> Runner:
@@ -227,19 +269,22 @@ def measure(run: Runner, batch_size: int, duration_s: float, max_runs: int = MAX
 
 def sweep(
     model: str, repository: Path, batch_sizes: list[int], duration_s: float, threads: int, length_sorted: bool = False,
-    folder: Path | None = None, in_flight: int | None = None,
+    folder: Path | None = None, in_flight: int | None = None, bodies: int = payloads.DEFAULT_BODIES,
 ) -> list[BatchResult]:
     """`model` names the payload (digits | minilm | mlp); `folder` the model folder to load (default:
-    repository/model; a variant of it, e.g. repository/minilm-onnxruntime-int8, takes the same payload)."""
+    repository/model; a variant of it, e.g. repository/minilm-onnxruntime-int8, takes the same payload).
+    minilm's texts are those of `bodies` request bodies, as `bench closed --bodies` sends them."""
     folder = folder or repository / model
     engine = model_files(folder).config.engine
-    if (model, engine) not in LOADERS:
-        known = ", ".join(f"{m} on {e}" for m, e in LOADERS)
-        raise ValueError(f"no engine-alone loader for {model} on {engine}; known: {known}")
     if in_flight is not None:
         if model != "minilm":
             raise ValueError("--in-flight groups texts by length: minilm only")
-        prepare = minilm_loader(folder, threads, length_sorted, in_flight)
+        prepare = served_text_loader(folder, threads, payloads.texts_sent(bodies), in_flight)
+    elif (model, engine) not in LOADERS:
+        known = ", ".join(f"{m} on {e}" for m, e in LOADERS)
+        raise ValueError(f"no engine-alone loader for {model} on {engine}; known: {known}")
+    elif model == "minilm":
+        prepare = minilm_loader(folder, threads, length_sorted, payloads.texts_sent(bodies))
     else:
         prepare = LOADERS[(model, engine)](folder, threads, length_sorted)
     results = []

@@ -117,6 +117,15 @@ def items_for(model: str, items: int, offset: int, repository: Path = MODELS) ->
     raise ValueError(f"unknown model {model!r}; known: {', '.join(SPECS)}")
 
 
+DEFAULT_BODIES = 32  # the distinct bodies a bench mode sends in turn (--bodies)
+
+
+def texts_sent(bodies: int = DEFAULT_BODIES) -> list[str]:
+    """The texts `bench closed --model minilm --bodies N` sends, one a request, in the order sent:
+    an engine benchmark read against that load must time these, not all of SENTENCES."""
+    return [str(text) for text in items_for("minilm", bodies, 0).reshape(-1)]
+
+
 def _bytes_elements(array: np.ndarray) -> bytes:
     parts = []
     for text in array.reshape(-1):

@@ -1,15 +1,18 @@
 """`bench engine --in-flight N`: the batches a batcher could form at best from N requests at a
-time. Checks the batches, not the engine's speed."""
+time, through the server's own tokenizer and pipeline; and every minilm mode times the texts the
+load sends. Checks the batches and the texts, not the engine's speed."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from loadtest import bench, mlp
+from loadtest import bench, mlp, payloads
 from loadtest.engine import in_flight_batches, sweep
+from tests.integration.conftest import linked_repository
 
 
 def test_each_group_of_requests_in_flight_is_sorted_by_length_and_cut_into_batches() -> None:
@@ -39,3 +42,19 @@ def test_in_flight_is_for_texts_only(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):  # two ways of grouping texts: one at a time
         bench.build_parser().parse_args(["engine", "--model", "minilm", "--in-flight", "64", "--length-sorted",
                                          "--out", str(tmp_path)])
+
+
+def test_the_texts_timed_are_the_texts_the_load_sends() -> None:
+    for bodies in (8, 32, 50):
+        sent = [json.loads(r.body)["inputs"][0]["data"][0] for r in payloads.build_requests("minilm", 1, False, bodies)]
+        assert payloads.texts_sent(bodies) == sent
+    assert len(set(payloads.texts_sent())) == 32 < len(payloads.SENTENCES), "the default load leaves texts out"
+
+
+def test_in_flight_runs_the_servers_own_path_on_the_loads_texts(tmp_path: Path) -> None:
+    repository = linked_repository(tmp_path / "models", ("minilm",))
+    [result] = sweep("minilm", repository, [2], 0.2, 1, in_flight=4, bodies=8)
+    report = result.as_dict()
+    assert report["batch_size"] == 2 and report["runs"] >= 5 and report["items_s"] > 0
+    assert report["tokenize_ms_p50"] > 0  # each request tokenized, as admission does, inside the timed run
+    assert 0 <= report["padding_share"] < 0.5
