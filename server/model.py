@@ -4,7 +4,8 @@ Loading builds one engine per placement, warms every instance up (profiling the 
 when asked), and only then reports ready; a failure leaves the version unavailable with the
 reason, and other models unaffected. Warm-up and profiling run on the instance's own thread,
 the one that will serve its batches: what an engine prepares per thread (torch's CUDA graphs)
-is then prepared once, where it is used.
+is then prepared once, where it is used. Versions load side by side, but a batch profile times
+alone (server/load_gate.py): beside another model's load it times the neighbour, not the model.
 
 While serving, an instance stuck in its engine past execution_timeout_seconds is replaced by a
 fresh one, built and warmed up the same way, so the version keeps serving; the stuck thread is
@@ -31,6 +32,7 @@ from server.engines import create_engine
 from server.engines.registry import ENGINES
 from server.errors import BatchlineError, EngineError, InvalidInput, Unavailable
 from server.gpu import driver_versions, identity
+from server.load_gate import LOADS
 from server.preprocess import TextTokenizer
 from server.protocol.datatypes import numpy_dtype
 from server.recording import TrafficRecorder
@@ -131,22 +133,25 @@ class ModelVersion:
             for index, device in enumerate(placements(self.config.instance_group)):
                 self.instances.append(self._new_instance(device, f"{self.config.name}-{self.version}-{index}"))
             self._instance_count = len(self.instances)
-            self.stats.batch_cap = self.instances[0].run_on_thread(self._batch_cap)
+            with LOADS.alone(self.label) if self._times_batch_ladder() else contextlib.nullcontext():
+                self.stats.batch_cap = self.instances[0].run_on_thread(self._batch_cap)
         except BaseException:
             self._close_instances()
             raise
 
     def _new_instance(self, device: Device, label: str) -> ModelInstance:
         """An instance on `device`, warmed up on its own thread: at load, and in place of a stuck one."""
-        engine = create_engine(self.config, self.path, device)
-        instance = ModelInstance(
-            ModelPipeline(self.config, engine, self._pads), device, label, timeout_s=self.config.execution_timeout_seconds
-        )
-        try:
-            instance.run_on_thread(self._warm_up)
-        except BaseException:
-            instance.close()
-            raise
+        with LOADS.building(label):
+            engine = create_engine(self.config, self.path, device)
+            instance = ModelInstance(
+                ModelPipeline(self.config, engine, self._pads), device, label,
+                timeout_s=self.config.execution_timeout_seconds,
+            )
+            try:
+                instance.run_on_thread(self._warm_up)
+            except BaseException:
+                instance.close()
+                raise
         return instance
 
     async def _replace(self, stuck: BatchRunner) -> BatchRunner:
@@ -265,6 +270,10 @@ class ModelVersion:
             fitted[name] = tokens
         return fitted
 
+    def _times_batch_ladder(self) -> bool:
+        warmup = self.config.warmup
+        return self.config.batched and warmup.batch_cap is None and warmup.enabled and warmup.profile
+
     def _batch_cap(self, pipeline: ModelPipeline) -> int:
         """Time the batch ladder; the cap is where more batch stops buying throughput."""
         warmup = self.config.warmup
@@ -272,7 +281,7 @@ class ModelVersion:
             return 1
         if warmup.batch_cap is not None:
             return min(warmup.batch_cap, self.config.max_batch_size)
-        if not (warmup.enabled and warmup.profile):
+        if not self._times_batch_ladder():
             return self.config.max_batch_size
         feeds = {size: self._sample_feed(size) for size in self.config.batch_ladder()}
         for feed in feeds.values():

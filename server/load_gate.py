@@ -1,0 +1,68 @@
+"""Models load side by side; a batch profile times alone.
+
+A model's batch cap comes from timing its batch ladder at load (warm-up `profile`). Timed while
+another model builds its engine or warms up on the same cores, every size runs slower by an amount
+that changes from run to run, and the cap follows the neighbour, not the model: minilm's, timed
+beside digits' load on one core, came out anywhere from 2 to 64 between starts of one server. So
+a profile waits until no instance is being built and no other profile runs, and an instance
+waits to be built while a profile runs or waits. Either wait is bounded: an engine build that
+hangs (or a TensorRT build that takes many minutes) must not keep every other model from serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+
+logger = logging.getLogger(__name__)
+
+WAIT_S = 120.0
+
+
+class LoadGate:
+    def __init__(self, wait_s: float = WAIT_S) -> None:
+        self._changed = threading.Condition()
+        self._building = 0
+        self._timing = 0  # profiles running: one, or more only after a wait ran out
+        self._waiting_to_time = 0
+        self._wait_s = wait_s
+
+    @contextlib.contextmanager
+    def building(self, label: str) -> Iterator[None]:
+        """An instance built and warmed up: beside other builds, never during a profile."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: not self._timing and not self._waiting_to_time, self._wait_s):
+                logger.warning("instance %s waited %.0f s for another model's batch profile and is built beside it",
+                               label, self._wait_s)
+            self._building += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._building -= 1
+                self._changed.notify_all()
+
+    @contextlib.contextmanager
+    def alone(self, label: str) -> Iterator[None]:
+        """A batch profile: once no instance is being built and no other profile runs."""
+        with self._changed:
+            self._waiting_to_time += 1
+            try:
+                quiet = self._changed.wait_for(lambda: not self._timing and not self._building, self._wait_s)
+            finally:
+                self._waiting_to_time -= 1
+            if not quiet:
+                logger.warning("model %s waited %.0f s for other models to load and times its batch ladder beside "
+                               "them: its batch cap may be off (warmup.batch_cap fixes it)", label, self._wait_s)
+            self._timing += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._timing -= 1
+                self._changed.notify_all()
+
+
+LOADS = LoadGate()  # one per process: the models of a process share its cores
