@@ -67,8 +67,9 @@ its own ONNX Runtime session (CPUExecutionProvider, --threads intra-op threads) 
 --length-sorted to neighbours in length; tokenization is timed as part of each batch), since batch
 formation is part of what it measures. With --in-flight N, the server's own path instead: each
 request tokenized alone as the server admits it, then the server's pipeline and engine for the
-batch, on the best batches of N requests at a time (each N sorted by length): the ceiling a served
-run at N clients is read against. Per batch size: 3 warm-up runs, then runs back to back for
+batch, on the batches the server's batcher forms when N clients send these texts (the oldest
+request and those of its length bucket nearest its length; each batch size a cap): the ceiling a
+served run at N clients is read against. Per batch size: 3 warm-up runs, then runs back to back for
 --duration seconds (at least 5 runs, at most 100,000); reports items/s, p50/p99 latency per batch,
 and the best batch size ("the engine ceiling")."""
 
@@ -125,9 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     grouping.add_argument("--length-sorted", action="store_true",
                           help="minilm: batch texts of neighbouring token length (what a length-aware batcher can do)")
     grouping.add_argument("--in-flight", type=int, default=None, metavar="N",
-                          help="minilm: the server's own tokenizer, pipeline and engine on the batches formed at "
-                               "best from N requests at a time, sorted by length (a ceiling a batcher can reach; "
-                               "every batch size must divide N)")
+                          help="minilm: the server's own tokenizer, pipeline and engine on the batches its "
+                               "batcher forms from N clients (each batch size a cap)")
     engine.add_argument("--bodies", type=int, default=payloads.DEFAULT_BODIES,
                         help="minilm: the texts of this many request bodies, as `bench closed --bodies` sends them")
     engine.add_argument("--model-repository", type=Path, default=payloads.MODELS, help="model repository folder")
@@ -177,6 +177,11 @@ def run_engine(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
             row += [r.get("tokenize_ms_p50"), r.get("padding_share")]
         record["notes"].append("minilm pads each batch to its longest text: padding share is the part of "
                                "the batch's tokens that are padding, computed but thrown away.")
+    if args.in_flight is not None:
+        headers[0] = "batch cap"
+        headers.append("mean batch")
+        for row, r in zip(rows, results):
+            row.append(r.get("mean_batch"))
     summary = [(f"engine ceiling ({args.model}, {args.threads} thread(s)): {best['items_s']:,.0f} items/s "
                f"at batch {best['batch_size']}")]
 

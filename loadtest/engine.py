@@ -7,8 +7,8 @@ The server can never beat its engine, so this is the bar the HTTP numbers are re
           batch's longest text (or, --length-sorted, batches of neighbouring lengths);
           tokenization is timed with the run. Its own session, since batch formation is what is
           measured. --in-flight N: the server's own path instead (each request tokenized as
-          admission does, the server's pipeline and engine), on the batches a batcher could form
-          at best from N requests at a time, each N sorted by length.
+          admission does, the server's pipeline and engine), on the batches the server's batcher
+          forms when N clients send these texts (each batch size a cap).
   digits, mlp: the server's own engine for the folder's config (server/engines: torch in any
           precision, or an ONNX Runtime variant), called directly with the given threads.
 A folder is read as the server reads it: its config.yaml, its highest version folder and the
@@ -44,6 +44,7 @@ class BatchResult:
     latencies_s: list[float]
     tokenize_s: list[float]
     extra: dict[str, Any] = field(default_factory=dict)
+    items: int | None = None  # items the runs held, where batches are not all batch_size (None: they are)
 
     def as_dict(self) -> dict[str, Any]:
         ms = np.array(self.latencies_s) * 1000
@@ -51,7 +52,7 @@ class BatchResult:
             "batch_size": self.batch_size,
             "runs": self.runs,
             "elapsed_s": round(self.elapsed_s, 3),
-            "items_s": round(self.batch_size * self.runs / self.elapsed_s, 1),
+            "items_s": round((self.batch_size * self.runs if self.items is None else self.items) / self.elapsed_s, 1),
             "latency_ms": {
                 "p50": round(float(np.percentile(ms, 50)), 3),
                 "p99": round(float(np.percentile(ms, 99)), 3),
@@ -154,11 +155,12 @@ def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False, te
 
 
 def served_text_loader(model_dir: Path, threads: int, texts: list[str], in_flight: int) -> Loader:
-    """The server's own path for a text model on the best batches `in_flight` requests at a time
-    allow (in_flight_batches): each request tokenized alone, as admission tokenizes it, then the
-    server's pipeline for the batch (token tensors padded to the batch's longest and merged, the
-    server's engine for the config, outputs cut per request). What admission and an instance
-    run, minus HTTP and the queue: the ceiling the server is read against."""
+    """The server's own path for a text model, on the batches its batcher forms when `in_flight`
+    clients send `texts` (in_flight_batches), each batch size a cap: each request tokenized alone,
+    as admission tokenizes it, then the server's pipeline for the batch (token tensors padded to
+    the batch's longest and merged, the server's engine for the config, outputs cut per request).
+    What admission and an instance run, minus HTTP and the queue: the ceiling a served run at
+    `in_flight` clients is read against."""
     from server.preprocess import TextTokenizer
     from server.workers.pipeline import ModelPipeline, paddable_inputs
 
@@ -169,9 +171,10 @@ def served_text_loader(model_dir: Path, threads: int, texts: list[str], in_fligh
     tokenizer = TextTokenizer(spec, files.find(spec.tokenizer).parent)
     pipeline = ModelPipeline(config, engine, paddable_inputs(config, tokenizer.outputs))
     lengths = {text: tokenizer.encode([text])[spec.input_ids].shape[1] for text in texts}
+    bucket = spec.bucket if spec.sequence_buckets else None  # as admission keys a batch
 
     def prepare(batch_size: int) -> Runner:
-        batches = in_flight_batches(texts, in_flight, batch_size, lengths.__getitem__)
+        batches = in_flight_batches(texts, in_flight, batch_size, lengths.__getitem__, bucket)
 
         def run(index: int) -> float:
             start = time.perf_counter()
@@ -180,10 +183,40 @@ def served_text_loader(model_dir: Path, threads: int, texts: list[str], in_fligh
             pipeline.run_batch(feeds)
             return tokenized - start
 
-        run.extra = _padding(batches, lengths)  # type: ignore[attr-defined]
+        run.extra = _padding(batches, lengths) | {  # type: ignore[attr-defined]
+            "mean_batch": round(sum(map(len, batches)) / len(batches), 1)}
+        run.batch_items = [len(batch) for batch in batches]  # type: ignore[attr-defined]
         return run
 
     return prepare
+
+
+def in_flight_batches(
+    texts: list[str], in_flight: int, batch_size: int, length: Callable[[str], int],
+    bucket: Callable[[int], int] | None = None,
+) -> list[list[str]]:
+    """The batches the server's batcher forms when `in_flight` clients each send the next text
+    of `texts` in turn (as `bench closed` sends its bodies) as soon as its last is answered: the
+    oldest request waiting and, of its length bucket (`bucket`; None: one for all), those nearest
+    its length (the oldest first among equals), up to `batch_size`; then their clients send
+    again. len(texts) * in_flight // batch_size batches, the first once every client has sent."""
+    if bucket is None:
+        def bucket(_: int) -> int:
+            return 0
+
+    sent = in_flight
+    waiting = [texts[i % len(texts)] for i in range(in_flight)]  # arrival order, oldest first
+    batches = []
+    for _ in range(max(1, len(texts) * in_flight // batch_size)):
+        oldest = length(waiting[0])
+        same = [i for i in range(1, len(waiting)) if bucket(length(waiting[i])) == bucket(oldest)]
+        chosen = [0, *sorted(same, key=lambda i: abs(length(waiting[i]) - oldest))[:batch_size - 1]]
+        batches.append([waiting[i] for i in chosen])
+        taken = set(chosen)
+        waiting = [text for i, text in enumerate(waiting) if i not in taken]
+        waiting += [texts[(sent + k) % len(texts)] for k in range(len(chosen))]
+        sent += len(chosen)
+    return batches
 
 
 def _padding(batches: list[list[str]], lengths: dict[str, int]) -> dict[str, float]:
@@ -191,21 +224,6 @@ def _padding(batches: list[list[str]], lengths: dict[str, int]) -> dict[str, flo
     real = sum(lengths[text] for batch in batches for text in batch)
     padded = sum(len(batch) * max(lengths[text] for text in batch) for batch in batches)
     return {"padding_share": round(1 - real / padded, 3), "tokens_per_batch": round(padded / len(batches), 1)}
-
-
-def in_flight_batches(texts: list[str], in_flight: int, batch_size: int, length: Callable[[str], int]) -> list[list[str]]:
-    """The batches a batcher could form at best from `in_flight` requests at a time: the texts
-    as clients send them (cycling through `texts`), taken `in_flight` at a time, each group sorted
-    by token length and cut into batches of `batch_size` (each then padded to its longest);
-    len(texts) groups, one after another, as the clients send them (wrapping around the texts)."""
-    if in_flight % batch_size:
-        raise ValueError(f"--in-flight {in_flight} is not a multiple of batch size {batch_size}")
-    lengths = {text: length(text) for text in texts}
-    batches = []
-    for first in range(len(texts)):
-        group = sorted((texts[(first * in_flight + i) % len(texts)] for i in range(in_flight)), key=lengths.__getitem__)
-        batches += [group[i:i + batch_size] for i in range(0, in_flight, batch_size)]
-    return batches
 
 
 def _batches(samples: np.ndarray, batch_size: int) -> list[np.ndarray]:
@@ -292,5 +310,8 @@ def sweep(
         run = prepare(size)
         result = measure(run, size, duration_s)
         result.extra.update(getattr(run, "extra", {}))
+        sizes = getattr(run, "batch_items", None)  # batches of their own sizes, each at most `size`
+        if sizes is not None:  # run i ran batch i (mod len): count the items the timed runs held
+            result.items = sum(sizes[i % len(sizes)] for i in range(result.runs))
         results.append(result)
     return results
