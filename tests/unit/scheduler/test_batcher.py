@@ -22,9 +22,13 @@ LIVE: list[FakeInstance] = []
 async def release_everything():
     """Let every batch a test left blocked finish before its event loop closes."""
     yield
-    for fake in LIVE:
-        for gate in fake._gates:
+    for _ in range(100):  # a released batch lets the next one form: release until none is left
+        blocked = [gate for fake in LIVE for gate in fake._gates if not gate.is_set()]
+        if not blocked:
+            break
+        for gate in blocked:
             gate.set()
+        await settle()
     LIVE.clear()
     await settle()
 
@@ -362,6 +366,18 @@ async def test_texts_join_the_oldest_nearest_its_length_first() -> None:
     fake.release(1)
     await settle()
     assert [f["x"].item() for f in fake.batches[2]] == [3.0, 2.0, 16.0], "the oldest left always goes first"
+
+
+async def test_lengths_are_compared_within_a_window_of_the_oldest() -> None:
+    fake = FakeInstance()
+    b, _ = batcher([fake], max_batch=2)  # a window of LENGTH_WINDOW x 2 = 8 requests behind the oldest
+    b.submit(request([0.0], length=5))
+    await settle()
+    for length in (30, 45, 50, 55, 60, 65, 70, 75, 80, 29):
+        b.submit(request([float(length)], length=length))
+    fake.release(0)
+    await settle()
+    assert [f["x"].item() for f in fake.batches[1]] == [30.0, 45.0], "29 is past the window"
 
 
 async def test_length_never_outranks_priority() -> None:
