@@ -4,9 +4,10 @@ A model's batch cap comes from timing its batch ladder at load (warm-up `profile
 another model builds its engine or warms up on the same cores, every size runs slower by an amount
 that changes from run to run, and the cap follows the neighbour, not the model: minilm's, timed
 beside digits' load on one core, came out anywhere from 2 to 64 between starts of one server. So
-a profile waits until no instance is being built and no other profile runs, and an instance
-waits to be built while a profile runs or waits. Either wait is bounded: an engine build that
-hangs (or a TensorRT build that takes many minutes) must not keep every other model from serving.
+a profile waits until nothing is being built and no other profile runs, and a build waits
+while a profile runs (seconds). The profile's wait is bounded: an engine build that hangs (or a
+TensorRT build that takes many minutes) must not keep every other model from serving. A
+replacement for an instance stuck while serving never waits: its model is short of an instance.
 """
 
 from __future__ import annotations
@@ -26,15 +27,15 @@ class LoadGate:
         self._changed = threading.Condition()
         self._building = 0
         self._timing = 0  # profiles running: one, or more only after a wait ran out
-        self._waiting_to_time = 0
         self._wait_s = wait_s
 
     @contextlib.contextmanager
-    def building(self, label: str) -> Iterator[None]:
-        """An instance built and warmed up: beside other builds, never during a profile."""
+    def building(self, label: str, wait: bool = True) -> Iterator[None]:
+        """An instance built and warmed up, or an artifact built at load: beside other builds,
+        and (`wait`) not while a profile runs; a profile waits for it either way."""
         with self._changed:
-            if not self._changed.wait_for(lambda: not self._timing and not self._waiting_to_time, self._wait_s):
-                logger.warning("instance %s waited %.0f s for another model's batch profile and is built beside it",
+            if wait and not self._changed.wait_for(lambda: not self._timing, self._wait_s):
+                logger.warning("%s waited %.0f s for another model's batch profile and is built beside it",
                                label, self._wait_s)
             self._building += 1
         try:
@@ -48,11 +49,7 @@ class LoadGate:
     def alone(self, label: str) -> Iterator[None]:
         """A batch profile: once no instance is being built and no other profile runs."""
         with self._changed:
-            self._waiting_to_time += 1
-            try:
-                quiet = self._changed.wait_for(lambda: not self._timing and not self._building, self._wait_s)
-            finally:
-                self._waiting_to_time -= 1
+            quiet = self._changed.wait_for(lambda: not self._timing and not self._building, self._wait_s)
             if not quiet:
                 logger.warning("model %s waited %.0f s for other models to load and times its batch ladder beside "
                                "them: its batch cap may be off (warmup.batch_cap fixes it)", label, self._wait_s)

@@ -5,7 +5,8 @@ when asked), and only then reports ready; a failure leaves the version unavailab
 reason, and other models unaffected. Warm-up and profiling run on the instance's own thread,
 the one that will serve its batches: what an engine prepares per thread (torch's CUDA graphs)
 is then prepared once, where it is used. Versions load side by side, but a batch profile times
-alone (server/load_gate.py): beside another model's load it times the neighbour, not the model.
+alone among loads (server/load_gate.py): beside another model's load it times the neighbour, not
+the model.
 
 While serving, an instance stuck in its engine past execution_timeout_seconds is replaced by a
 fresh one, built and warmed up the same way, so the version keeps serving; the stuck thread is
@@ -139,9 +140,10 @@ class ModelVersion:
             self._close_instances()
             raise
 
-    def _new_instance(self, device: Device, label: str) -> ModelInstance:
-        """An instance on `device`, warmed up on its own thread: at load, and in place of a stuck one."""
-        with LOADS.building(label):
+    def _new_instance(self, device: Device, label: str, replacing: bool = False) -> ModelInstance:
+        """An instance on `device`, warmed up on its own thread: at load, and in place of a stuck
+        one (`replacing`: at once, even beside another model's batch profile)."""
+        with LOADS.building(f"instance {label}", wait=not replacing):
             engine = create_engine(self.config, self.path, device)
             instance = ModelInstance(
                 ModelPipeline(self.config, engine, self._pads), device, label,
@@ -170,7 +172,7 @@ class ModelVersion:
                 " no more are started: restart the server to free them"
             )
         logger.warning("model %s: replacing instance %s, stuck in the engine", self.label, stuck.label)
-        fresh = await asyncio.to_thread(self._new_instance, stuck.device, stuck.label)
+        fresh = await asyncio.to_thread(self._new_instance, stuck.device, stuck.label, True)
         if self._closed:  # unloaded while the fresh one warmed up
             await asyncio.to_thread(fresh.close)
             raise Unavailable(f"model {self.label} was unloaded")
@@ -342,6 +344,7 @@ class ModelVersion:
             max_queue_size=batching.default_queue_policy.max_queue_size,
             merge=True,
             preserve_ordering=batching.preserve_ordering,
+            by_length=not batching.preserve_ordering and not self.instances[0].pipeline.pads_to_bucket,
         )
 
     async def infer(

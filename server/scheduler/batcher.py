@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 # Texts are chosen by length among this many times the cap of the oldest compatible requests:
 # nearly all the padding a whole queue would save (a simulation of minilm's traffic at 64
 # clients and a cap of 8: 27% of a batch's tokens padding in arrival order, 6% within 4 caps, 4%
-# over the whole queue), at a cost per batch that does not grow with the queue.
+# over the whole queue), with a sort that does not grow with the queue.
 LENGTH_WINDOW = 4
 
 
@@ -70,6 +70,9 @@ class QueueSettings:
     levels: int = 1
     max_queue_size: int = 0  # 0: unbounded
     merge: bool = True  # False: every request runs alone (no dynamic batching configured)
+    # texts join the oldest nearest its length: off where a batch costs the same in any order
+    # (padded to its sequence bucket) and under preserve_ordering (answers wait for the oldest)
+    by_length: bool = True
     preserve_ordering: bool = False
 
 
@@ -241,10 +244,10 @@ class Batcher:
     def _form_batch(self, policy: BatchPolicy) -> tuple[list[InferenceRequest], bool]:
         """The oldest live request of the highest level and the compatible ones behind it;
         `blocked` says a compatible request had to stay behind for lack of room. Texts join the
-        oldest nearest its length first (within a level, of the LENGTH_WINDOW x cap oldest
-        compatible, so a long queue costs no more per batch): a batch pads to its longest text,
-        and in arrival order a quarter of its tokens can be padding. The oldest always goes, so
-        no request waits for more batches than there are requests ahead of it."""
+        oldest nearest its length first (of the LENGTH_WINDOW x cap oldest compatible, sorted by
+        level, then by nearness in length; `by_length`): a batch pads to its longest text, and
+        in arrival order a quarter of its tokens can be padding. The oldest always goes, so no
+        request waits for more batches than there are requests ahead of it."""
         now = self._clock()
         for queue in self._queues:
             while queue and (queue[0].state is not RequestState.QUEUED or self._too_late(queue[0], now)):
@@ -258,7 +261,7 @@ class Batcher:
         if not self._settings.merge:
             return batch, False
         candidates: Iterable[tuple[int, InferenceRequest]] = self._compatible(head, now)
-        if head.length:
+        if head.length and self._settings.by_length:
             window = itertools.islice(candidates, LENGTH_WINDOW * policy.max_batch_size)
             candidates = sorted(window, key=lambda found: (found[0], abs(found[1].length - head.length)))
         blocked = False

@@ -51,6 +51,12 @@ class ModelPipeline:
         self._outputs = [(t.name, t.source_name, numpy_dtype(t.datatype)) for t in config.outputs]
 
     @property
+    def pads_to_bucket(self) -> bool:
+        """Whether token tensors go up to their sequence bucket (then a batch of texts costs
+        the same whatever lengths it holds within the bucket)."""
+        return self._pad_to_bucket
+
+    @property
     def batched(self) -> bool:
         """Whether feeds carry a leading batch dim (so a batch can be cut into smaller ones)."""
         return self._batched

@@ -1,83 +1,106 @@
-"""Models load side by side; a batch profile times alone, and neither waits forever."""
+"""Models load side by side; a batch profile times alone, and nothing waits forever."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 import pytest
 
 from server.load_gate import LoadGate
 
 
-def in_thread(target, *args) -> threading.Thread:
-    thread = threading.Thread(target=target, args=args, daemon=True)
-    thread.start()
-    return thread
+class Holder:
+    """A thread inside one of the gate's sections until released: `inside` says it got in."""
+
+    def __init__(self, section: AbstractContextManager[None]) -> None:
+        self.inside, self._release = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._hold, args=(section,), daemon=True)
+        self._thread.start()
+
+    def _hold(self, section: AbstractContextManager[None]) -> None:
+        with section:
+            self.inside.set()
+            self._release.wait(10)
+
+    def release(self) -> None:
+        self._release.set()
+        self._thread.join(10)
 
 
-def test_builds_overlap_a_profile_waits_for_them_and_later_builds_wait_for_the_profile() -> None:
+@pytest.fixture
+def holders() -> Iterator[list[Holder]]:
+    made: list[Holder] = []
+    yield made
+    for holder in made:
+        holder.release()
+
+
+def hold(holders: list[Holder], section: AbstractContextManager[None]) -> Holder:
+    holders.append(Holder(section))
+    return holders[-1]
+
+
+KEPT_OUT = 0.2  # seconds a thread the gate should keep out is given to get in anyway
+
+
+def test_a_profile_waits_for_every_build_in_progress(holders: list[Holder]) -> None:
     gate = LoadGate(wait_s=30)
-    events: list[str] = []
-    first_built, release_first = threading.Event(), threading.Event()
-    second_inside = threading.Event()
-
-    def build(name: str, inside: threading.Event, release: threading.Event | None) -> None:
-        with gate.building(name):
-            events.append(f"{name} builds")
-            inside.set()
-            if release is not None:
-                release.wait(10)
-            events.append(f"{name} built")
-
-    def profile() -> None:
-        with gate.alone("m/1"):
-            events.append("profile")
-            time.sleep(0.05)
-            events.append("profiled")
-
-    in_thread(build, "a", first_built, release_first)
-    assert first_built.wait(5)
-    profiler = in_thread(profile)
-    time.sleep(0.05)
-    late = in_thread(build, "b", second_inside, None)  # asked for while the profile waits
-    time.sleep(0.05)
-    assert events == ["a builds"], "the profile waits for the build in progress; the new build waits for it"
-    release_first.set()
-    profiler.join(5)
-    late.join(5)
-    assert events == ["a builds", "a built", "profile", "profiled", "b builds", "b built"]
+    first = hold(holders, gate.building("a"))
+    assert first.inside.wait(5)
+    profile = hold(holders, gate.alone("m/1"))
+    second = hold(holders, gate.building("b"))  # no profile runs yet: builds go on beside each other
+    assert second.inside.wait(5)
+    first.release()
+    assert not profile.inside.wait(KEPT_OUT), "b is still building"
+    second.release()
+    assert profile.inside.wait(5)
 
 
-def test_two_builds_run_side_by_side() -> None:
+def test_a_build_waits_while_a_profile_runs_but_a_replacement_does_not(holders: list[Holder]) -> None:
     gate = LoadGate(wait_s=30)
-    both = threading.Barrier(2, timeout=5)
-
-    def build(name: str) -> None:
-        with gate.building(name):
-            both.wait()  # breaks (and the join finds it alive or raising) unless both are inside at once
-
-    threads = [in_thread(build, name) for name in ("a", "b")]
-    for thread in threads:
-        thread.join(10)
-    assert not both.broken
+    profile = hold(holders, gate.alone("m/1"))
+    assert profile.inside.wait(5)
+    build = hold(holders, gate.building("b"))
+    replacement = hold(holders, gate.building("stuck", wait=False))
+    assert replacement.inside.wait(5), "a model short of an instance gets it back at once"
+    assert not build.inside.wait(KEPT_OUT)
+    profile.release()
+    assert build.inside.wait(5)
 
 
-def test_a_build_that_never_ends_keeps_no_profile_waiting_forever(caplog: pytest.LogCaptureFixture) -> None:
+def test_two_profiles_take_turns(holders: list[Holder]) -> None:
+    gate = LoadGate(wait_s=30)
+    first = hold(holders, gate.alone("m/1"))
+    assert first.inside.wait(5)
+    second = hold(holders, gate.alone("n/1"))
+    assert not second.inside.wait(KEPT_OUT)
+    first.release()
+    assert second.inside.wait(5)
+
+
+def test_a_build_that_never_ends_keeps_no_profile_waiting_forever(
+    holders: list[Holder], caplog: pytest.LogCaptureFixture
+) -> None:
     gate = LoadGate(wait_s=0.2)
-    stuck, inside = threading.Event(), threading.Event()
-
-    def build() -> None:
-        with gate.building("hung"):
-            inside.set()
-            stuck.wait(10)
-
-    in_thread(build)
-    assert inside.wait(5)
+    assert hold(holders, gate.building("hung")).inside.wait(5)
     started = time.monotonic()
     with caplog.at_level(logging.WARNING), gate.alone("m/1"):
         waited = time.monotonic() - started
-    stuck.set()
     assert 0.2 <= waited < 5
     assert "times its batch ladder beside them" in caplog.text and "warmup.batch_cap" in caplog.text
+
+
+def test_a_profile_that_never_ends_keeps_no_build_waiting_forever(
+    holders: list[Holder], caplog: pytest.LogCaptureFixture
+) -> None:
+    gate = LoadGate(wait_s=0.2)
+    assert hold(holders, gate.alone("m/1")).inside.wait(5)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING), gate.building("instance b"):
+        waited = time.monotonic() - started
+    assert 0.2 <= waited < 5
+    assert "instance b waited" in caplog.text

@@ -335,3 +335,33 @@ def test_a_compiled_torch_model_compiles_every_bucket_at_warm_up(caplog: pytest.
         assert not [m for m in caplog.messages if m.startswith("compiled")]
     finally:
         version._close_instances()
+
+
+@pytest.mark.parametrize(("compiles", "buckets", "preserve", "by_length"), [
+    (False, [8, 16], False, True),  # a batch runs its longest text: its order saves padding
+    (True, [8, 16], False, False),  # padded to the bucket: any order costs the same
+    (False, [16], False, False),  # one bucket, one length for every batch
+    (False, [8, 16], True, False),  # answers leave in arrival order: none waits on a reordering
+])
+def test_texts_are_batched_by_length_only_where_that_saves_padding(
+    monkeypatch: pytest.MonkeyPatch, tokenizer_folder: Path, compiles: bool, buckets: list[int], preserve: bool,
+    by_length: bool,
+) -> None:
+    install(monkeypatch, compiles)
+    config = text_model(buckets, dynamic_batching={"preserve_ordering": preserve})
+    version = ModelVersion(ModelConfig.model_validate(config), 1, tokenizer_folder)
+
+    async def submitted() -> list[int]:
+        await version.load()
+        assert version.ready, version.reason
+        queued: list[int] = []
+        assert version._batcher is not None
+        assert version._batcher._settings.by_length is by_length
+        sent = version._batcher.submit
+        monkeypatch.setattr(version._batcher, "submit", lambda request: (queued.append(request.length), sent(request)))
+        texts = np.array([["batchline warms up"], ["this model"]], dtype=object)
+        await version.infer({"text": ("BYTES", texts)})
+        await version.unload()
+        return queued
+
+    assert asyncio.run(submitted()) == [5], "its longest text in tokens, [CLS] and [SEP] included"
