@@ -61,15 +61,15 @@ The HTTP modes but shm and fanout never start a server: start it yourself, e.g. 
 ENGINE_HELP = """The engine alone, called directly: no HTTP, no queue. The model folder is read as the
 server reads it (its config, its latest version, its artifact). digits and mlp: the server's own engine for
 that config (torch or ONNX Runtime), pinned to --threads as `--engine-threads` pins it.
-minilm: the texts of the --bodies request bodies `bench closed` sends (the same 32 by default), through
+minilm: the texts of the --bodies one-item request bodies `bench closed` sends (32 by default), through
 its own ONNX Runtime session (CPUExecutionProvider, --threads intra-op threads) + tokenizers
 (truncation at the config's max_length, padding to the longest text of the batch, or with
 --length-sorted to neighbours in length; tokenization is timed as part of each batch), since batch
 formation is part of what it measures. With --in-flight N, the server's own path instead: each
 request tokenized alone as the server admits it, then the server's pipeline and engine for the
-batch, on the batches the server's batcher forms when N clients send these texts (the oldest
-request and those of its length bucket nearest its length; each batch size a cap): the ceiling a
-served run at N clients is read against. Per batch size: 3 warm-up runs, then runs back to back for
+batch, on the batches the server's batcher forms when N clients send these texts, each from a text
+of its own as `bench closed`'s connections do (the oldest request and those of its length bucket
+nearest its length; each batch size a cap): the ceiling a served run at N clients is read against. Per batch size: 3 warm-up runs, then runs back to back for
 --duration seconds (at least 5 runs, at most 100,000); reports items/s, p50/p99 latency per batch,
 and the best batch size ("the engine ceiling")."""
 
@@ -125,11 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     grouping = engine.add_mutually_exclusive_group()
     grouping.add_argument("--length-sorted", action="store_true",
                           help="minilm: batch texts of neighbouring token length (what a length-aware batcher can do)")
-    grouping.add_argument("--in-flight", type=int, default=None, metavar="N",
+    grouping.add_argument("--in-flight", type=runs.count, default=None, metavar="N",
                           help="minilm: the server's own tokenizer, pipeline and engine on the batches its "
                                "batcher forms from N clients (each batch size a cap)")
-    engine.add_argument("--bodies", type=int, default=payloads.DEFAULT_BODIES,
-                        help="minilm: the texts of this many request bodies, as `bench closed --bodies` sends them")
+    engine.add_argument("--bodies", type=runs.count, default=payloads.DEFAULT_BODIES,
+                        help="minilm: the texts of this many one-item request bodies, as `bench closed --bodies` "
+                             "sends them")
     engine.add_argument("--model-repository", type=Path, default=payloads.MODELS, help="model repository folder")
 
     closed = modes.add_parser("closed", parents=[common, http, items, wrk], help="closed-loop concurrency sweep (wrk)",

@@ -32,6 +32,7 @@ from server.engines.base import Engine
 from server.engines.registry import artifact_file
 from server.engines.timing import time_runs
 from server.layout import config_path, version_dir, version_numbers
+from server.scheduler.batcher import LENGTH_WINDOW
 
 MAX_RUNS_PER_BATCH = 100_000
 
@@ -168,7 +169,8 @@ def served_text_loader(model_dir: Path, threads: int, texts: list[str], in_fligh
     spec = config.tokenize
     if spec is None:
         raise ValueError(f"{model_dir} is not a text model (no preprocess.tokenize)")
-    tokenizer = TextTokenizer(spec, files.find(spec.tokenizer).parent)
+    found = files.find(spec.tokenizer)  # in the version folder, or the build source's
+    tokenizer = TextTokenizer(spec, found.parents[len(Path(spec.tokenizer).parts) - 1])
     pipeline = ModelPipeline(config, engine, paddable_inputs(config, tokenizer.outputs))
     lengths = {text: tokenizer.encode([text])[spec.input_ids].shape[1] for text in texts}
     bucket = spec.bucket if spec.sequence_buckets else None  # as admission keys a batch
@@ -195,27 +197,31 @@ def in_flight_batches(
     texts: list[str], in_flight: int, batch_size: int, length: Callable[[str], int],
     bucket: Callable[[int], int] | None = None,
 ) -> list[list[str]]:
-    """The batches the server's batcher forms when `in_flight` clients each send the next text
-    of `texts` in turn (as `bench closed` sends its bodies) as soon as its last is answered: the
-    oldest request waiting and, of its length bucket (`bucket`; None: one for all), those nearest
-    its length (the oldest first among equals), up to `batch_size`; then their clients send
-    again. len(texts) * in_flight // batch_size batches, the first once every client has sent."""
+    """The batches the server's batcher forms when `in_flight` clients each walk `texts` from a
+    text of their own (client i from text i, as `bench closed`'s connections start), sending the
+    next as soon as the last is answered: the oldest request waiting and, of the LENGTH_WINDOW x
+    batch_size oldest of its length bucket (`bucket`; None: one for all), those nearest its
+    length (the oldest first among equals), up to `batch_size`; then their clients send again.
+    len(texts) * in_flight // batch_size batches (at least one), the first once every client has sent."""
+    if in_flight < 1 or batch_size < 1:
+        raise ValueError("clients in flight and the batch size must be at least 1")
     if bucket is None:
         def bucket(_: int) -> int:
             return 0
 
-    sent = in_flight
-    waiting = [texts[i % len(texts)] for i in range(in_flight)]  # arrival order, oldest first
+    def text(request: tuple[int, int]) -> str:
+        return texts[(request[0] + request[1]) % len(texts)]
+
+    waiting = [(client, 0) for client in range(in_flight)]  # (client, its requests before), oldest first
     batches = []
     for _ in range(max(1, len(texts) * in_flight // batch_size)):
-        oldest = length(waiting[0])
-        same = [i for i in range(1, len(waiting)) if bucket(length(waiting[i])) == bucket(oldest)]
-        chosen = [0, *sorted(same, key=lambda i: abs(length(waiting[i]) - oldest))[:batch_size - 1]]
-        batches.append([waiting[i] for i in chosen])
+        oldest = length(text(waiting[0]))
+        same = [i for i in range(1, len(waiting)) if bucket(length(text(waiting[i]))) == bucket(oldest)]
+        window = same[:LENGTH_WINDOW * batch_size]
+        chosen = [0, *sorted(window, key=lambda i: abs(length(text(waiting[i])) - oldest))[:batch_size - 1]]
+        batches.append([text(waiting[i]) for i in chosen])
         taken = set(chosen)
-        waiting = [text for i, text in enumerate(waiting) if i not in taken]
-        waiting += [texts[(sent + k) % len(texts)] for k in range(len(chosen))]
-        sent += len(chosen)
+        waiting = [w for i, w in enumerate(waiting) if i not in taken] + [(c, k + 1) for c, k in (waiting[i] for i in chosen)]
     return batches
 
 
@@ -305,13 +311,19 @@ def sweep(
         prepare = minilm_loader(folder, threads, length_sorted, payloads.texts_sent(bodies))
     else:
         prepare = LOADERS[(model, engine)](folder, threads, length_sorted)
+    return run_sizes(prepare, batch_sizes, duration_s)
+
+
+def run_sizes(prepare: Loader, batch_sizes: list[int], duration_s: float) -> list[BatchResult]:
+    """`measure` each batch size's runner; where its batches are of their own sizes (at most the
+    batch size: `batch_items`), the items its timed runs held."""
     results = []
     for size in batch_sizes:
         run = prepare(size)
         result = measure(run, size, duration_s)
         result.extra.update(getattr(run, "extra", {}))
-        sizes = getattr(run, "batch_items", None)  # batches of their own sizes, each at most `size`
-        if sizes is not None:  # run i ran batch i (mod len): count the items the timed runs held
+        sizes = getattr(run, "batch_items", None)
+        if sizes is not None:  # timed run i ran batch i (mod len), as time_runs numbers them
             result.items = sum(sizes[i % len(sizes)] for i in range(result.runs))
         results.append(result)
     return results

@@ -121,8 +121,8 @@ DEFAULT_BODIES = 32  # the distinct bodies a bench mode sends in turn (--bodies)
 
 
 def texts_sent(bodies: int = DEFAULT_BODIES) -> list[str]:
-    """The texts `bench closed --model minilm --bodies N` sends, one a request, in the order sent:
-    an engine benchmark read against that load must time these, not all of SENTENCES."""
+    """The texts `bench closed --model minilm --bodies N` sends (at one item a request), in body
+    order: an engine benchmark read against that load must time these, not all of SENTENCES."""
     return [str(text) for text in items_for("minilm", bodies, 0).reshape(-1)]
 
 

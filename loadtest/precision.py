@@ -70,7 +70,8 @@ def _engine_round(args: argparse.Namespace, variant: variants.Variant, entry: di
     print(f"{variant.name} ({variant.engine}, {variant.precision}): engine alone, round {round_ + 1}", file=sys.stderr)
     try:
         results = [r.as_dict() for r in engine.sweep(args.model, args.model_repository, args.batch_sizes,
-                                                      args.engine_duration, args.threads, folder=variant.folder)]
+                                                      args.engine_duration, args.threads, folder=variant.folder,
+                                                      bodies=args.bodies)]
     except Exception as exc:  # noqa: BLE001 - a broken artifact is a finding about that variant, not the end of the run
         entry["skipped"] = f"the engine failed: {type(exc).__name__}: {exc}"
         return

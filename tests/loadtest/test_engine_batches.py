@@ -11,20 +11,27 @@ from pathlib import Path
 import pytest
 
 from loadtest import bench, mlp, payloads
-from loadtest.engine import in_flight_batches, sweep
+from loadtest.engine import in_flight_batches, run_sizes, sweep
+from server.engines.timing import WARMUP_RUNS
+from server.scheduler.batcher import LENGTH_WINDOW
 from tests.integration.conftest import linked_repository
 
 
 def test_the_oldest_waiting_takes_those_nearest_its_length_and_their_clients_send_again() -> None:
     texts = ["a", "bbbbbbbbb", "ccc", "dd", "eeeeeeee", "ffffffffff"]
-    batches = in_flight_batches(texts, 4, 2, len)
-    assert batches[0] == ["a", "dd"], "of a, bbbbbbbbb, ccc, dd: the oldest and the nearest its length"
-    assert batches[1] == ["bbbbbbbbb", "eeeeeeee"], "then e and f are sent; of two as near, the older"
-    assert batches[2] == ["ccc", "a"], "then the cycle starts again: a and bbbbbbbbb are sent"
-    assert len(batches) == len(texts) * 4 // 2
+    batches = in_flight_batches(texts, 4, 2, len)  # clients 0-3 start at a, bbbbbbbbb, ccc, dd
+    assert batches[0] == ["a", "dd"], "the oldest, and the nearest its length"
+    assert batches[1] == ["bbbbbbbbb", "bbbbbbbbb"], "client 0 sent its next text, which is client 1's"
+    assert batches[2] == ["ccc", "ccc"], "of two as near, the older: client 1's, not client 0's"
+    assert len(batches) == len(texts) * 4 // 2 and all(len(batch) == 2 for batch in batches)
     sent = Counter(text for batch in batches for text in batch)
-    assert sum(sent.values()) == 2 * len(batches)
-    assert max(sent.values()) - min(sent.values()) <= 2, "every text about as often as the clients send it"
+    assert max(sent.values()) - min(sent.values()) <= 4, "every text about as often as the clients send it"
+
+
+def test_lengths_are_compared_within_the_servers_window() -> None:
+    texts = ["x" * n for n in (30, 45, 50, 55, 60, 65, 70, 75, 80, 29)]
+    assert LENGTH_WINDOW * 2 == 8
+    assert in_flight_batches(texts, 10, 2, len)[0] == [texts[0], texts[1]], "29 is past the 8 behind the oldest"
 
 
 def test_texts_of_another_length_bucket_never_share_a_batch() -> None:
@@ -33,6 +40,23 @@ def test_texts_of_another_length_bucket_never_share_a_batch() -> None:
     assert batches[0] == ["aa", "cc", "eee"], "a batch short of its cap rather than a text of another bucket"
     assert all(len({len(t) <= 4 for t in batch}) == 1 for batch in batches)
     assert in_flight_batches(texts, 5, 4, len)[0] == ["aa", "cc", "eee", "bbbbbb"], "without buckets, one for all"
+
+
+def test_items_are_counted_as_the_timed_runs_held_them() -> None:
+    called: list[int] = []
+
+    def prepare(batch_size: int):
+        def run(index: int) -> None:
+            called.append(index)
+
+        run.batch_items = [1, 2, 3]  # type: ignore[attr-defined]
+        return run
+
+    [result] = run_sizes(prepare, [3], 0.05)
+    timed = called[WARMUP_RUNS:]
+    assert timed == list(range(result.runs))
+    assert result.items == sum([1, 2, 3][i % 3] for i in timed)
+    assert result.as_dict()["items_s"] == round(result.items / result.elapsed_s, 1)
 
 
 def test_in_flight_is_for_texts_only(tmp_path: Path) -> None:
