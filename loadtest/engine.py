@@ -174,9 +174,11 @@ def served_text_loader(model_dir: Path, threads: int, texts: list[str], in_fligh
     pipeline = ModelPipeline(config, engine, paddable_inputs(config, tokenizer.outputs))
     lengths = {text: tokenizer.encode([text])[spec.input_ids].shape[1] for text in texts}
     bucket = spec.bucket if spec.sequence_buckets else None  # as admission keys a batch
+    batching = config.dynamic_batching
+    by_length = not (batching and batching.preserve_ordering) and not pipeline.pads_to_bucket  # as the model's queue
 
     def prepare(batch_size: int) -> Runner:
-        batches = in_flight_batches(texts, in_flight, batch_size, lengths.__getitem__, bucket)
+        batches = in_flight_batches(texts, in_flight, batch_size, lengths.__getitem__, bucket, by_length)
 
         def run(index: int) -> float:
             start = time.perf_counter()
@@ -195,13 +197,14 @@ def served_text_loader(model_dir: Path, threads: int, texts: list[str], in_fligh
 
 def in_flight_batches(
     texts: list[str], in_flight: int, batch_size: int, length: Callable[[str], int],
-    bucket: Callable[[int], int] | None = None,
+    bucket: Callable[[int], int] | None = None, by_length: bool = True,
 ) -> list[list[str]]:
     """The batches the server's batcher forms when `in_flight` clients each walk `texts` from a
     text of their own (client i from text i, as `bench closed`'s connections start), sending the
     next as soon as the last is answered: the oldest request waiting and, of the LENGTH_WINDOW x
     batch_size oldest of its length bucket (`bucket`; None: one for all), those nearest its
-    length (the oldest first among equals), up to `batch_size`; then their clients send again.
+    length (the oldest first among equals; `by_length` off: in arrival order), up to
+    `batch_size`; then their clients send again.
     len(texts) * in_flight // batch_size batches (at least one), the first once every client has sent."""
     if in_flight < 1 or batch_size < 1:
         raise ValueError("clients in flight and the batch size must be at least 1")
@@ -217,8 +220,9 @@ def in_flight_batches(
     for _ in range(max(1, len(texts) * in_flight // batch_size)):
         oldest = length(text(waiting[0]))
         same = [i for i in range(1, len(waiting)) if bucket(length(text(waiting[i]))) == bucket(oldest)]
-        window = same[:LENGTH_WINDOW * batch_size]
-        chosen = [0, *sorted(window, key=lambda i: abs(length(text(waiting[i])) - oldest))[:batch_size - 1]]
+        if by_length:
+            same = sorted(same[:LENGTH_WINDOW * batch_size], key=lambda i: abs(length(text(waiting[i])) - oldest))
+        chosen = [0, *same[:batch_size - 1]]
         batches.append([text(waiting[i]) for i in chosen])
         taken = set(chosen)
         waiting = [w for i, w in enumerate(waiting) if i not in taken] + [(c, k + 1) for c, k in (waiting[i] for i in chosen)]

@@ -4,10 +4,10 @@ the previous reply arrives.
 Why wrk and not a Python client: the server under test answers thousands of requests per second
 on one core; a Python client on the other core would saturate first and measure itself. wrk's
 C event loop sends the pre-formatted bodies (loadtest/payloads.py, cycled) at a small fraction of
-that cost. Connection i starts at body i, so the requests in flight hold different bodies, as
-independent clients' would: started at the same body, the connections walked the bodies nearly
-in step, and a text model's batches held one text repeated, with none of the padding that mixed
-lengths cost (minilm served 5-12% more than the same batches timed without a server).
+that cost. Connection i starts at body i (mod the bodies), so the requests in flight hold as
+many different bodies as there are, as independent clients' would: started at the same body,
+the connections walked the bodies nearly in step, and a text model's batches held one text
+repeated, without the padding that mixed lengths cost (minilm's served rate was flattered).
 
 Latency is measured by the Lua script, not taken from wrk's histogram: wrk 4 "corrects" its
 histogram before reporting it (stats_correct in wrk.c): every latency v above the expected

@@ -335,6 +335,10 @@ class ModelVersion:
             max_batch_tokens=batching.max_batch_tokens,
         )
 
+    def _every_instance_pads_to_bucket(self) -> bool:
+        """Then a batch of texts costs the same in any order (False before instances exist)."""
+        return bool(self.instances) and all(i.pipeline.pads_to_bucket for i in self.instances)
+
     def _queue_settings(self) -> QueueSettings:
         batching = self.config.dynamic_batching
         if batching is None:
@@ -344,7 +348,7 @@ class ModelVersion:
             max_queue_size=batching.default_queue_policy.max_queue_size,
             merge=True,
             preserve_ordering=batching.preserve_ordering,
-            by_length=not batching.preserve_ordering and not self.instances[0].pipeline.pads_to_bucket,
+            by_length=not batching.preserve_ordering and not self._every_instance_pads_to_bucket(),
         )
 
     async def infer(

@@ -40,6 +40,7 @@ def test_texts_of_another_length_bucket_never_share_a_batch() -> None:
     assert batches[0] == ["aa", "cc", "eee"], "a batch short of its cap rather than a text of another bucket"
     assert all(len({len(t) <= 4 for t in batch}) == 1 for batch in batches)
     assert in_flight_batches(texts, 5, 4, len)[0] == ["aa", "cc", "eee", "bbbbbb"], "without buckets, one for all"
+    assert in_flight_batches(texts, 5, 4, len, by_length=False)[0] == texts[:4], "where the server keeps arrival order"
 
 
 def test_items_are_counted_as_the_timed_runs_held_them() -> None:

@@ -47,12 +47,21 @@ def hold(holders: list[Holder], section: AbstractContextManager[None]) -> Holder
 KEPT_OUT = 0.2  # seconds a thread the gate should keep out is given to get in anyway
 
 
+def waiting(gate: LoadGate, threads: int = 1) -> None:
+    """Until `threads` threads wait at the gate."""
+    deadline = time.monotonic() + 5
+    while len(gate._changed._waiters) < threads:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "nobody came to wait at the gate"
+        time.sleep(0.005)
+
+
 def test_a_profile_waits_for_every_build_in_progress(holders: list[Holder]) -> None:
     gate = LoadGate(wait_s=30)
     first = hold(holders, gate.building("a"))
     assert first.inside.wait(5)
     profile = hold(holders, gate.alone("m/1"))
-    second = hold(holders, gate.building("b"))  # no profile runs yet: builds go on beside each other
+    waiting(gate)
+    second = hold(holders, gate.building("b"))  # a profile waits, none runs: builds go on beside each other
     assert second.inside.wait(5)
     first.release()
     assert not profile.inside.wait(KEPT_OUT), "b is still building"

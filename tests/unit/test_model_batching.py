@@ -36,7 +36,9 @@ def test_every_dynamic_batching_field_reaches_the_batcher() -> None:
         "preserve_ordering": True,
     })
     assert model._policy() == BatchPolicy(max_batch_size=64, preferred=(4, 16), max_delay_ns=1_500_000)
-    assert model._queue_settings() == QueueSettings(levels=3, max_queue_size=5, merge=True, preserve_ordering=True)
+    assert model._queue_settings() == QueueSettings(
+        levels=3, max_queue_size=5, merge=True, preserve_ordering=True, by_length=False,  # answers wait for the oldest
+    )
 
 
 def test_preferred_sizes_above_the_measured_cap_are_dropped() -> None:
