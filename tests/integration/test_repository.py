@@ -23,7 +23,8 @@ def scratch_url(scratch_repository: Path) -> Iterator[str]:
         client = triton.InferenceServerClient(url.removeprefix("http://"))
         for _ in range(600):
             states = {e["name"]: e.get("state") for e in client.get_model_repository_index()}
-            if states.get("digits") in ("READY", "UNAVAILABLE") and states.get("broken") == "UNAVAILABLE":
+            # every model settled: one's batch profile may wait for another's load, in any order
+            if {"digits", "broken"} <= states.keys() and "LOADING" not in states.values():
                 break
             time.sleep(0.1)
         yield url
