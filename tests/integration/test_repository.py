@@ -24,7 +24,7 @@ def scratch_url(scratch_repository: Path) -> Iterator[str]:
         for _ in range(600):
             states = {e["name"]: e.get("state") for e in client.get_model_repository_index()}
             # every model settled: one's batch profile may wait for another's load, in any order
-            if {"digits", "broken"} <= states.keys() and "LOADING" not in states.values():
+            if states and all(state in ("READY", "UNAVAILABLE") for state in states.values()):
                 break
             time.sleep(0.1)
         yield url
