@@ -91,25 +91,18 @@ def test_two_profiles_take_turns(holders: list[Holder]) -> None:
     assert second.inside.wait(5)
 
 
-def test_a_build_that_never_ends_keeps_no_profile_waiting_forever(
-    holders: list[Holder], caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(("stuck", "waiter", "warning"), [
+    ("building", "alone", "m/1 waited 0 s for other models to load and times its batch ladder beside them"),
+    ("alone", "building", "instance b waited 0 s for another model's batch profile"),
+])
+def test_a_load_or_profile_that_never_ends_keeps_nothing_waiting_forever(
+    holders: list[Holder], caplog: pytest.LogCaptureFixture, stuck: str, waiter: str, warning: str
 ) -> None:
     gate = LoadGate(wait_s=0.2)
-    assert hold(holders, gate.building("hung")).inside.wait(5)
+    sections = {"building": lambda: gate.building("instance b"), "alone": lambda: gate.alone("m/1")}
+    assert hold(holders, sections[stuck]()).inside.wait(5)
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING), gate.alone("m/1"):
+    with caplog.at_level(logging.WARNING), sections[waiter]():
         waited = time.monotonic() - started
     assert 0.2 <= waited < 5
-    assert "times its batch ladder beside them" in caplog.text and "warmup.batch_cap" in caplog.text
-
-
-def test_a_profile_that_never_ends_keeps_no_build_waiting_forever(
-    holders: list[Holder], caplog: pytest.LogCaptureFixture
-) -> None:
-    gate = LoadGate(wait_s=0.2)
-    assert hold(holders, gate.alone("m/1")).inside.wait(5)
-    started = time.monotonic()
-    with caplog.at_level(logging.WARNING), gate.building("instance b"):
-        waited = time.monotonic() - started
-    assert 0.2 <= waited < 5
-    assert "instance b waited" in caplog.text
+    assert warning in caplog.text
