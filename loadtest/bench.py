@@ -69,9 +69,10 @@ formation is part of what it measures. With --in-flight N, the server's own path
 request tokenized alone as the server admits it, then the server's pipeline and engine for the
 batch, on the batches the server's batcher forms when N clients send these texts, each from a text
 of its own as `bench closed`'s connections do (the oldest request and those of its length bucket
-nearest its length; each batch size a cap): the ceiling a served run at N clients is read against. Per batch size: 3 warm-up runs, then runs back to back for
---duration seconds (at least 5 runs, at most 100,000); reports items/s, p50/p99 latency per batch,
-and the best batch size ("the engine ceiling")."""
+nearest its length; each batch size a cap): the ceiling a served run at N clients is read against.
+Per batch size: 3 warm-up runs, then runs back to back for --duration seconds (at least 5 runs, at
+most 100,000); reports items/s, p50/p99 latency per batch, and the best batch size ("the engine
+ceiling")."""
 
 CLOSED_HELP = """Closed loop with wrk (Debian package `wrk`): for each --concurrency level C, wrk keeps
 C keep-alive connections (C threads, one connection each) each sending its next request as soon
@@ -108,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     items = argparse.ArgumentParser(add_help=False)
     items.add_argument("--items", type=int, default=1, help="items (batch rows) per request")
     http.add_argument("--timeout", type=float, default=10.0, help="seconds a request may take before it counts as an error")
-    http.add_argument("--bodies", type=int, default=payloads.DEFAULT_BODIES, help="different request bodies, sent in turn")
+    http.add_argument("--bodies", type=runs.count, default=payloads.DEFAULT_BODIES,
+                      help="different request bodies, sent in turn")
     http.add_argument("--generator-cpu", type=int, metavar="N",
                       help="pin the load generator to CPU N (taskset for wrk, sched_setaffinity for the Python client)")
     wrk = argparse.ArgumentParser(add_help=False)

@@ -130,7 +130,8 @@ def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False, te
     # length_sorted: batches of neighbours in token length, the best a length-aware batcher can
     # form from this payload (the server's sequence buckets approach it).
     sent = payloads.texts_sent() if texts is None else texts
-    ordered = sorted(sent, key=lambda t: len(tokenizer.encode(t).ids)) if length_sorted else list(sent)
+    lengths = {text: len(tokenizer.encode(text).ids) for text in sent}
+    ordered = sorted(sent, key=lengths.__getitem__) if length_sorted else list(sent)
 
     def prepare(batch_size: int) -> Runner:
         batches = [[ordered[(b * batch_size + i) % len(ordered)] for i in range(batch_size)]
@@ -148,7 +149,6 @@ def minilm_loader(model_dir: Path, threads: int, length_sorted: bool = False, te
             session.run(None, feed)  # every output, as the server's engine runs them
             return tokenized - start
 
-        lengths = {text: len(tokenizer.encode(text).ids) for text in ordered}
         run.extra = _padding(batches, lengths)  # type: ignore[attr-defined]
         return run
 
@@ -162,6 +162,7 @@ def served_text_loader(model_dir: Path, threads: int, texts: list[str], in_fligh
     the batch's longest and merged, the server's engine for the config, outputs cut per request).
     What admission and an instance run, minus HTTP and the queue: the ceiling a served run at
     `in_flight` clients is read against."""
+    from server.model import texts_by_length
     from server.preprocess import TextTokenizer
     from server.workers.pipeline import ModelPipeline, paddable_inputs
 
@@ -174,8 +175,7 @@ def served_text_loader(model_dir: Path, threads: int, texts: list[str], in_fligh
     pipeline = ModelPipeline(config, engine, paddable_inputs(config, tokenizer.outputs))
     lengths = {text: tokenizer.encode([text])[spec.input_ids].shape[1] for text in texts}
     bucket = spec.bucket if spec.sequence_buckets else None  # as admission keys a batch
-    batching = config.dynamic_batching
-    by_length = not (batching and batching.preserve_ordering) and not pipeline.pads_to_bucket  # as the model's queue
+    by_length = texts_by_length(config, [pipeline])  # as the model's queue orders them
 
     def prepare(batch_size: int) -> Runner:
         batches = in_flight_batches(texts, in_flight, batch_size, lengths.__getitem__, bucket, by_length)

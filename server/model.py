@@ -335,10 +335,6 @@ class ModelVersion:
             max_batch_tokens=batching.max_batch_tokens,
         )
 
-    def _every_instance_pads_to_bucket(self) -> bool:
-        """Then a batch of texts costs the same in any order (False before instances exist)."""
-        return bool(self.instances) and all(i.pipeline.pads_to_bucket for i in self.instances)
-
     def _queue_settings(self) -> QueueSettings:
         batching = self.config.dynamic_batching
         if batching is None:
@@ -348,7 +344,7 @@ class ModelVersion:
             max_queue_size=batching.default_queue_policy.max_queue_size,
             merge=True,
             preserve_ordering=batching.preserve_ordering,
-            by_length=not batching.preserve_ordering and not self._every_instance_pads_to_bucket(),
+            by_length=texts_by_length(self.config, [i.pipeline for i in self.instances]),
         )
 
     async def infer(
@@ -472,6 +468,16 @@ def _gpu_identities(instances: list[ModelInstance]) -> tuple[dict[int, str], str
     driver, cuda = driver_versions()
     return {index: identity(index) or "unknown GPU" for index in indices}, (
         f"driver {driver or 'unknown'}, CUDA {cuda or 'unknown'}")
+
+
+def texts_by_length(config: ModelConfig, pipelines: list[ModelPipeline]) -> bool:
+    """Whether texts join a batch nearest its oldest's length: not under preserve_ordering (the
+    answers behind a reordered one wait), nor where every pipeline pads to the sequence bucket
+    (a batch then costs the same in any order; none known yet: by length)."""
+    batching = config.dynamic_batching
+    if batching is not None and batching.preserve_ordering:
+        return False
+    return not (pipelines and all(p.pads_to_bucket for p in pipelines))
 
 
 def _placement(instances: list[ModelInstance], gpus: dict[int, str], driver: str) -> str:
