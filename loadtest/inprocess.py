@@ -8,6 +8,9 @@ few percent shows where a run over sockets on a shared machine drowns it in nois
   --through protocol   the server's HTTP protocol (uvicorn's httptools parser and the door in
                        front of the app) fed whole requests by in-memory connections, each
                        sending its next request when its answer is written
+  --through link       both ends of the link a front-end process (--http-workers) calls the
+                       server process over, in this one process over a Unix socket: each call
+                       the decoded tensors of a request, as a front end sends them (no HTTP)
   --answer engine      the model's engine, as served
   --answer zeros       the engine answers zeros of its outputs' shapes at once: the data plane
                        (admission, batching, the instance thread and back) without compute
@@ -19,6 +22,7 @@ does; without them a run measures the collector more than the server.
 
     taskset -c 0 python -m loadtest.inprocess --model-repository /tmp/mlprepo --model mlp --clients 64
     taskset -c 0 python -m loadtest.inprocess --model-repository /tmp/mlprepo --through protocol --answer parsed
+    taskset -c 0 python -m loadtest.inprocess --model-repository /tmp/mlprepo --through link --answer zeros
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ import asyncio
 import contextlib
 import gc
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +44,7 @@ import numpy as np
 from loadtest import payloads
 from server.asgi.disconnect import DISCONNECT_EXTENSION
 
-THROUGH = ("app", "protocol")
+THROUGH = ("app", "protocol", "link")
 ANSWERS = ("engine", "zeros", "parsed")
 
 
@@ -75,6 +80,8 @@ async def measure(
 
     if through not in THROUGH or answer not in ANSWERS:
         raise ValueError(f"through one of {THROUGH}, answer one of {ANSWERS}")
+    if through == "link" and answer == "parsed":
+        raise ValueError("--through link has no HTTP to parse: answer engine or zeros")
     thresholds = gc.get_threshold()
     heap = HeapPolicy().install()
     try:
@@ -106,12 +113,22 @@ async def _run(plane: Any, app: Any, door: Any, model: str, clients: int, second
     bodies = [r.body for r in payloads.build_requests(model, 1, False, 32, repository)]
     load = _Load()
     connections: list[_Connection] = []
-    if through == "app":
-        waits = answer != "parsed"  # a constant answer never waits: each client then yields after each call
-        tasks = [asyncio.create_task(_client(door, model, bodies, i, load, waits)) for i in range(clients)]
-    else:
-        tasks = []
-        connections = _connect(app, door, model, bodies, clients, load)
+    async with contextlib.AsyncExitStack() as stack:
+        if through == "app":
+            waits = answer != "parsed"  # a constant answer never waits: each client then yields after each call
+            tasks = [asyncio.create_task(_client(door, model, bodies, i, load, waits)) for i in range(clients)]
+        elif through == "link":
+            link = await stack.enter_async_context(_linked(plane))
+            calls = [_decoded(body) for body in bodies]
+            tasks = [asyncio.create_task(_link_client(link, model, calls, i, load)) for i in range(clients)]
+        else:
+            tasks = []
+            connections = _connect(app, door, model, bodies, clients, load)
+        return await _timed(plane, model, clients, seconds, load, tasks, connections)
+
+
+async def _timed(plane: Any, model: str, clients: int, seconds: float, load: _Load, tasks: list[asyncio.Task[None]],
+                 connections: list[_Connection]) -> dict[str, float]:
     await asyncio.sleep(1.0)
     count, cpu, wall, batches = load.served, time.process_time(), time.perf_counter(), _batches(plane, model)
     await asyncio.sleep(seconds)
@@ -179,6 +196,50 @@ async def _one(door: Any, model: str, body: bytes, load: _Load) -> None:
     answered.set()
     if status != 200:
         load.fail(f"the server answered {status}")
+
+
+@contextlib.asynccontextmanager
+async def _linked(plane: Any) -> AsyncIterator[Any]:
+    """A front end's link to this process's data plane, over a Unix socket in a temporary folder."""
+    import functools
+
+    from server.http.v2_infer import infer_v2
+    from server.link import LinkClient, PlaneLink
+
+    with tempfile.TemporaryDirectory(prefix="batchline-inprocess-") as folder:
+        raw = functools.partial(infer_v2, plane)
+        server = await asyncio.get_running_loop().create_unix_server(
+            lambda: PlaneLink(plane, raw), str(Path(folder) / "link.sock"))
+        link = await LinkClient.connect(str(Path(folder) / "link.sock"), lambda: None)
+        try:
+            yield link
+        finally:
+            link.close()
+            server.close()
+            await server.wait_closed()
+
+
+def _decoded(body: bytes) -> list[tuple[str, str, np.ndarray]]:
+    """A request's input tensors as a front end sends them once it has parsed the body."""
+    from server.protocol.v2 import build_tensors, parse_request
+
+    decoded = build_tensors(parse_request(body, None))
+    return [(name, datatype, array) for name, (datatype, array) in decoded.inputs.items()]
+
+
+async def _link_client(link: Any, model: str, calls: list[list[tuple[str, str, np.ndarray]]], first: int,
+                       load: _Load) -> None:
+    from server.errors import BatchlineError
+
+    index = first
+    while not load.stop:
+        try:
+            await link.infer(model, None, calls[index % len(calls)], {}, None, None, time.perf_counter_ns())
+        except BatchlineError as exc:
+            load.fail(f"the server process refused a call: {exc.message}")
+            return
+        index += 1
+        load.served += 1
 
 
 class _Connection(asyncio.Transport):

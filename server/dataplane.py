@@ -8,7 +8,7 @@ arrays, and failures are the typed errors of `server.errors`. Each front end own
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -176,16 +176,40 @@ class DataPlane:
         received_ns: int | None = None,
         checked_batch_size: int | None = None,
     ) -> list[Output]:
-        """Run one call on `model` (from `admit`): its inputs as named arrays and its parameters
+        """Run one call on `model` (from `admit`): `start_call`, awaited."""
+        call = DataPlane.start_call(model, inputs, parameters, outputs, record, received_ns, checked_batch_size)
+        return call.outputs(await call.future)
+
+    @staticmethod
+    def start_call(
+        model: ModelVersion,
+        inputs: dict[str, tuple[str, np.ndarray]],
+        parameters: dict[str, Any],
+        outputs: list[str] | None = None,
+        record: RequestRecord | None = None,
+        received_ns: int | None = None,
+        checked_batch_size: int | None = None,
+    ) -> Call:
+        """Start one call on `model` (from `admit`): its inputs as named arrays and its parameters
         (priority, timeout and what the model's admission reads) in; the `outputs` asked for
         (None: all), checked before any compute, out in that order. Requests from every front
         end share the model's queue and batches. `received_ns` (perf_counter_ns) is when the
         front end took the request in: its `timeout` counts from there, not from admission.
         `checked_batch_size`: what `check_inputs` said of these inputs' declared shapes (the
-        arrays were built to them), so they are not checked twice."""
+        arrays were built to them), so they are not checked twice. Refusals raise here; what
+        the call meets later comes through its future."""
         selection = output_tensors(model.config, outputs)
-        results = await model.infer(inputs, parameters, record, received_ns, checked_batch_size)
-        return [(name, datatype, results[name]) for name, datatype in selection]
+        return Call(model.start_request(inputs, parameters, record, received_ns, checked_batch_size), selection)
+
+
+class Call(NamedTuple):
+    """A started call: the future of the model's outputs, and the outputs asked for."""
+
+    future: asyncio.Future[dict[str, np.ndarray]]
+    selection: list[tuple[str, str]]  # (name, datatype), in the order asked for
+
+    def outputs(self, results: dict[str, np.ndarray]) -> list[Output]:
+        return [(name, datatype, results[name]) for name, datatype in self.selection]
 
 
 def refuse_when_full(model: ModelVersion) -> None:

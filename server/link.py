@@ -16,12 +16,13 @@ arena the other could not map sends everything inline.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from server.arena import Arena
-from server.dataplane import DataPlane
+from server.dataplane import Call, DataPlane
 from server.errors import BatchlineError, Cancelled, Unavailable
 from server.link_frames import (
     Frame,
@@ -89,13 +90,17 @@ class _Stream(asyncio.Protocol):
 
 
 class PlaneLink(_Stream):
-    """The server process's end of one front end's link: each call runs on the data plane."""
+    """The server process's end of one front end's link: each call runs on the data plane.
+
+    An infer call is started on the data plane as its frame arrives and answered from its
+    future's done callback, without a task of its own: a task and its coroutines cost about as
+    much as the rest of the call here. Every outcome (outputs, error, cancel) is answered."""
 
     def __init__(self, plane: DataPlane, infer_raw: RawInfer) -> None:
         super().__init__()
         self._plane = plane
         self._infer_raw = infer_raw
-        self._calls: dict[int, asyncio.Task[None]] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}  # calls not yet answered, by id
         self._peer_arena: Arena | None = None  # the front end's: inputs
         self._arena: Arena | None = None  # this side's: outputs, once the front end has mapped it
 
@@ -103,16 +108,19 @@ class PlaneLink(_Stream):
         header = frame.header
         free_slots(self._arena, header.get("f", ()))
         kind = header.get("k")
-        if kind == "infer" or kind == "raw":
+        if kind == "infer":
+            self._start(header, frame.payload)
+        elif kind == "raw":
             call = header["i"]
-            work = self._infer(header, frame.payload) if kind == "infer" else self._raw(header, frame.payload)
-            self._calls[call] = asyncio.get_running_loop().create_task(work)
+            record = RequestRecord() if header.get("r") else None
+            task = asyncio.get_running_loop().create_task(self._infer_raw(
+                header["m"], header["v"], bytes(frame.payload), header["h"], record, header["t"]))
+            self._calls[call] = task
+            task.add_done_callback(functools.partial(self._answer_raw, call, record))
         elif kind == "cancel":
-            call = header["i"]
-            task = self._calls.get(call)
-            if task is not None:
-                task.cancel()
-                task.add_done_callback(lambda done: self._cancelled_unstarted(call, done))  # only these need it
+            running = self._calls.get(header["i"])
+            if running is not None:
+                running.cancel()  # answered by its done callback, as cancelled
         elif kind == "hello":
             self._hello(header)
         elif kind == "mapped":
@@ -120,12 +128,6 @@ class PlaneLink(_Stream):
                 self._arena.forget_file()  # mapped there, or never to be: either way no file is left
                 if not header.get("outputs_mapped"):
                     self._arena = None
-
-    def _cancelled_unstarted(self, call: int, task: asyncio.Task[None]) -> None:
-        """A call cancelled before it started never ran its own answer: answer it here."""
-        if task.cancelled():
-            self._calls.pop(call, None)
-            self.send(error_header(call, Cancelled(CANCELLED)))
 
     def _hello(self, header: dict[str, Any]) -> None:
         if header.get("arena"):
@@ -141,7 +143,8 @@ class PlaneLink(_Stream):
         self.send({"k": "hello", "arena": self._arena.path if self._arena else None,
                    "inputs_mapped": self._peer_arena is not None})
 
-    async def _infer(self, header: dict[str, Any], payload: memoryview) -> None:
+    def _start(self, header: dict[str, Any], payload: memoryview) -> None:
+        """Start a decoded call on the data plane; a refusal is answered at once."""
         call = header["i"]
         record = RequestRecord() if header.get("r") else None
         plane = self._plane
@@ -151,32 +154,39 @@ class PlaneLink(_Stream):
             if record is not None:
                 record.model_version = model.version
             batch_size = plane.check_inputs(model, {n: (d, list(a.shape)) for n, d, a in inputs})
-            outputs = await plane.infer(
+            started = plane.start_call(
                 model, {n: (d, a) for n, d, a in inputs}, header["p"], header["o"], record, header["t"], batch_size)
-            metas, data, _ = pack_tensors(outputs, self._arena)  # the front end frees the slots once read
-        except BaseException as exc:  # noqa: BLE001 - every call is answered, so its input slots are freed
+        except Exception as exc:  # every call is answered, so its input slots are freed
             self._answer_failure(call, exc)
             return
-        finally:
-            self._calls.pop(call, None)
-        reply: dict[str, Any] = {"i": call, "out": metas, "ver": model.version}
+        self._calls[call] = started.future
+        started.future.add_done_callback(functools.partial(self._answer, call, started, model.version, record))
+
+    def _answer(
+        self, call: int, started: Call, version: int, record: RequestRecord | None, future: asyncio.Future[Any],
+    ) -> None:
+        if self._calls.pop(call, None) is None:
+            return  # the link was lost: nobody is left to answer
+        try:
+            metas, data, _ = pack_tensors(started.outputs(future.result()), self._arena)  # freed once read there
+        except BaseException as exc:  # noqa: BLE001 - cancelled too: every call is answered
+            self._answer_failure(call, exc)
+            return
+        reply: dict[str, Any] = {"i": call, "out": metas, "ver": version}
         if record is not None:
             reply["rec"] = record_fields(record)
         self.send(reply, data)
 
-    async def _raw(self, header: dict[str, Any], payload: memoryview) -> None:
-        """A call this process decodes itself: one that names the client's shared memory, whose
-        regions are registered here."""
-        call = header["i"]
-        record = RequestRecord() if header.get("r") else None
+    def _answer_raw(self, call: int, record: RequestRecord | None, task: asyncio.Task[tuple[bytes, int | None]]) -> None:
+        """A call this process decoded itself (it names the client's shared memory, whose
+        regions are registered here), answered."""
+        if self._calls.pop(call, None) is None:
+            return
         try:
-            content, binary_header_length = await self._infer_raw(
-                header["m"], header["v"], bytes(payload), header["h"], record, header["t"])
+            content, binary_header_length = task.result()
         except BaseException as exc:  # noqa: BLE001 - every call is answered
             self._answer_failure(call, exc)
             return
-        finally:
-            self._calls.pop(call, None)
         reply: dict[str, Any] = {"i": call, "raw": binary_header_length}
         if record is not None:
             reply["rec"] = record_fields(record)
@@ -190,9 +200,9 @@ class PlaneLink(_Stream):
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The front end is gone: its calls are dropped (nobody is left to answer)."""
-        for task in self._calls.values():
-            task.cancel()
-        self._calls.clear()
+        calls, self._calls = self._calls, {}
+        for running in calls.values():
+            running.cancel()
         if self._arena is not None:
             self._arena.forget_file()  # a front end that died before the handshake ended
         self.transport = None

@@ -133,7 +133,7 @@ class BatchlineCollector(Collector):
             _add(histograms["compute"], labels, stats.compute_seconds)
             _add(histograms["batch"], labels, stats.batch_sizes)
             queue_depth.add_metric(labels, model.queue_depth)
-            pending.add_metric(labels, stats.pending)
+            pending.add_metric(labels, model.pending_requests)
             in_flight.add_metric(labels, model.batches_in_flight)
             ready.add_metric(labels, 1.0 if model.ready else 0.0)
             in_service.add_metric(labels, stats.instances_in_service)

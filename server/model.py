@@ -22,6 +22,7 @@ import contextlib
 import enum
 import logging
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from server.load_gate import LOADS
 from server.preprocess import TextTokenizer
 from server.protocol.datatypes import numpy_dtype
 from server.recording import TrafficRecorder
-from server.scheduler.admission import Admission
+from server.scheduler.admission import Admission, Admitted
 from server.scheduler.batcher import Batcher, BatchRunner, QueueSettings
 from server.scheduler.policy import BatchPolicy
 from server.scheduler.request import InferenceRequest, RequestRecord
@@ -355,42 +356,51 @@ class ModelVersion:
         received_ns: int | None = None,
         checked_batch_size: int | None = None,
     ) -> dict[str, np.ndarray]:
-        """Admit, queue and await one request's outputs (API names); `record` collects its times.
-        Its clock (durations, the `timeout` deadline) starts at `received_ns`, when its front end
-        took it in (None: now). `checked_batch_size`: the front end checked the inputs' names,
-        datatypes and shapes already (None: admission checks them)."""
+        """`start_request`, awaited: one request's outputs (API names)."""
+        return await self.start_request(inputs, parameters, record, received_ns, checked_batch_size)
+
+    def start_request(
+        self,
+        inputs: dict[str, tuple[str, np.ndarray]],
+        parameters: dict[str, Any] | None = None,
+        record: RequestRecord | None = None,
+        received_ns: int | None = None,
+        checked_batch_size: int | None = None,
+    ) -> asyncio.Future[dict[str, np.ndarray]]:
+        """Admit and queue one request: the future of its outputs (API names); `record` collects
+        its times. Its clock (durations, the `timeout` deadline) starts at `received_ns`, when its
+        front end took it in (None: now). `checked_batch_size`: the front end checked the inputs'
+        names, datatypes and shapes already (None: admission checks them). A small request is
+        admitted and queued here, with no task of its own (a task and its coroutines cost more
+        than the rest of a small request's queueing); one whose admission goes to a worker thread
+        gets one. Cancelling the future drops a request still queued."""
         if self._batcher is None or self._admission is None or not self.ready:
             raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready")
+        batcher, admission = self._batcher, self._admission
         started = received_ns or time.perf_counter_ns()
-        self.stats.pending += 1
         try:
-            return await self._admit_and_wait(self._batcher, self._admission, inputs, parameters or {}, record, started,
-                                              checked_batch_size)
-        finally:
-            self.stats.pending -= 1
-
-    async def _admit_and_wait(
-        self,
-        batcher: Batcher,
-        admission: Admission,
-        inputs: dict[str, tuple[str, np.ndarray]],
-        parameters: dict[str, Any],
-        record: RequestRecord | None,
-        received_ns: int,
-        checked_batch_size: int | None,
-    ) -> dict[str, np.ndarray]:
-        self._admitting += 1
-        self._admitted.clear()
-        try:
-            admitted = await admission.admit(inputs, parameters, received_ns, checked_batch_size)
+            admitted = admission.admit_or_offload(inputs, parameters or {}, started, checked_batch_size)
         except InvalidInput:
             self.stats.count_failure("invalid")
             raise
-        finally:
-            self._admitting -= 1
-            if not self._admitting:
-                self._admitted.set()
-        # An unload that began meanwhile waited for this request: it is queued and drained.
+        if isinstance(admitted, Admitted):
+            future = self._queued(batcher, admission, admitted, inputs, record, started)
+        else:
+            self._admitting += 1  # counted now: an unload from here on waits for it
+            self._admitted.clear()
+            future = asyncio.ensure_future(self._queued_later(batcher, admission, admitted, inputs, record, started))
+        return future
+
+    def _queued(
+        self,
+        batcher: Batcher,
+        admission: Admission,
+        admitted: Admitted,
+        inputs: dict[str, tuple[str, np.ndarray]],
+        record: RequestRecord | None,
+        received_ns: int,
+    ) -> asyncio.Future[dict[str, np.ndarray]]:
+        # An unload that began during an admission off the loop waited for it: it is queued and drained.
         if self._closed or self.state not in (ModelState.READY, ModelState.UNLOADING):
             raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready: {self.reason}")
         if record is not None:
@@ -410,11 +420,39 @@ class ModelVersion:
         batcher.submit(request)
         if self.recorder is not None:  # queued: admitted, and not refused for a full queue
             self.recorder.offer(inputs, admitted.batch_size)
-        return await request.future
+        return request.future
+
+    async def _queued_later(
+        self,
+        batcher: Batcher,
+        admission: Admission,
+        admitting: Awaitable[Admitted],
+        inputs: dict[str, tuple[str, np.ndarray]],
+        record: RequestRecord | None,
+        received_ns: int,
+    ) -> dict[str, np.ndarray]:
+        """A request whose admission runs on a worker thread (counted in `_admitting` by `start_request`)."""
+        try:
+            admitted = await admitting
+        except InvalidInput:
+            self.stats.count_failure("invalid")
+            raise
+        finally:
+            self._admitting -= 1
+            if not self._admitting:
+                self._admitted.set()
+        return await self._queued(batcher, admission, admitted, inputs, record, received_ns)
 
     @property
     def queue_depth(self) -> int:
         return self._batcher.queue_depth if self._batcher else 0
+
+    @property
+    def pending_requests(self) -> int:
+        """Requests admitted and not yet answered: in admission off the loop, queued, or in a
+        batch running."""
+        batcher = self._batcher
+        return self._admitting + (batcher.queue_depth + batcher.requests_running if batcher else 0)
 
     @property
     def batches_in_flight(self) -> int:

@@ -80,7 +80,6 @@ class ModelStatistics:
     failures: Counter[str] = field(default_factory=Counter)  # keys: OUTCOMES but success
     batch_profile: list[dict[str, float]] = field(default_factory=list)
     batch_cap: int = 0
-    pending: int = 0  # admitted, not yet answered
     instance_busy_ns: Counter[str] = field(default_factory=Counter)
     request_seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
     queue_seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Hashable
+from collections.abc import Awaitable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,16 +188,25 @@ class Admission:
         self, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any], received_ns: int | None = None,
         checked_batch_size: int | None = None,
     ) -> Admitted:
+        """`admit_or_offload`, awaited."""
+        admitted = self.admit_or_offload(inputs, parameters, received_ns, checked_batch_size)
+        return admitted if isinstance(admitted, Admitted) else await admitted
+
+    def admit_or_offload(
+        self, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any], received_ns: int | None = None,
+        checked_batch_size: int | None = None,
+    ) -> Admitted | Awaitable[Admitted]:
         """Cheap checks first (options, shapes, batch size, bytes per item), then the per-item
-        work (UTF-8, tokenizing) inline when small, on a worker thread when not. A `timeout`
-        counts from `received_ns` (when the front end took the request in; None: now).
+        work (UTF-8, tokenizing): done here when small, so most requests are admitted without a
+        task or a suspension of their own; else an awaitable of it, run on a worker thread. A
+        `timeout` counts from `received_ns` (when the front end took the request in; None: now).
         `checked_batch_size`: what check_declared found for these inputs' shapes (None: check)."""
         priority, deadline_ns = self._options(parameters, received_ns)
         batch_size = _checked(self._config, inputs) if checked_batch_size is None else checked_batch_size
         if bytes_items(self._config, inputs) > INLINE_ITEMS:
-            return await asyncio.to_thread(self._prepared, inputs, batch_size, priority, deadline_ns, True)
+            return asyncio.to_thread(self._prepared, inputs, batch_size, priority, deadline_ns, True)
         if check_item_bytes(self._config, inputs) > INLINE_TEXT_BYTES:
-            return await asyncio.to_thread(self._prepared, inputs, batch_size, priority, deadline_ns, False)
+            return asyncio.to_thread(self._prepared, inputs, batch_size, priority, deadline_ns, False)
         return self._prepared(inputs, batch_size, priority, deadline_ns, False)
 
     def _prepared(

@@ -105,6 +105,7 @@ class Batcher:
         self._queues: list[deque[InferenceRequest]] = [deque() for _ in range(settings.levels)]
         self._queued = 0  # live requests waiting (dead ones are dropped lazily from the deques)
         self._running: set[asyncio.Task[None]] = set()
+        self._running_requests = 0  # in the batches running
         self._wake: asyncio.TimerHandle | None = None
         self._stats = stats
         self._clock = clock
@@ -125,6 +126,11 @@ class Batcher:
     @property
     def batches_running(self) -> int:
         return len(self._running)
+
+    @property
+    def requests_running(self) -> int:
+        """Requests in the batches running, not yet answered."""
+        return self._running_requests
 
     @property
     def instances_in_service(self) -> int:
@@ -220,6 +226,7 @@ class Batcher:
                 if request.expiry is not None:
                     request.expiry.cancel()
             self._queued -= len(batch)
+            self._running_requests += len(batch)
             task = asyncio.create_task(self._execute(self._idle.pop(chosen), batch, decision.reason, now))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
@@ -343,6 +350,7 @@ class Batcher:
                 self._release(request, lambda r=request, o=outputs: r.resolve(o))
         finally:
             self._running.discard(asyncio.current_task())  # this batch no longer counts as busy
+            self._running_requests -= len(batch)
             if retired:
                 self._retire(instance)
             else:

@@ -24,7 +24,7 @@ def _collector() -> tuple[tuple[int, int, int], int, int]:
 
 
 @pytest.mark.parametrize(("through", "answer"), [("app", "engine"), ("protocol", "zeros"), ("app", "parsed"),
-                                                 ("protocol", "parsed")])
+                                                 ("protocol", "parsed"), ("link", "engine"), ("link", "zeros")])
 def test_a_short_run_serves_and_reports_its_cost(tmp_path: Path, through: str, answer: str) -> None:
     mlp.write_mlp_model(tmp_path)
     before, infer = _collector(), v2_infer.infer_v2
@@ -44,6 +44,21 @@ def test_a_run_whose_requests_fail_says_so_and_leaves_the_process_as_it_was(
     with pytest.raises(inprocess.Failed, match="400|closed"):
         asyncio.run(inprocess.measure(tmp_path, "mlp", clients=4, seconds=0.3, through=through))
     assert _collector() == before
+
+
+def test_a_link_run_whose_calls_are_refused_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mlp.write_mlp_model(tmp_path)
+    unknown = b'{"inputs": [{"name": "nope", "datatype": "FP32", "shape": [1, 1], "data": [1.0]}]}'
+    monkeypatch.setattr(inprocess.payloads, "build_requests", lambda *args: [SimpleNamespace(body=unknown)])
+    before = _collector()
+    with pytest.raises(inprocess.Failed, match="refused a call: unexpected input 'nope'"):
+        asyncio.run(inprocess.measure(tmp_path, "mlp", clients=4, seconds=0.3, through="link"))
+    assert _collector() == before
+
+
+def test_a_link_run_has_no_http_to_parse(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no HTTP to parse"):
+        asyncio.run(inprocess.measure(tmp_path, "mlp", clients=1, seconds=0.1, through="link", answer="parsed"))
 
 
 def test_zeros_answer_with_the_outputs_shapes(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import get_args
 
@@ -32,9 +33,11 @@ class StubModel:
     def __init__(self) -> None:
         self.calls = 0
 
-    async def infer(self, inputs, parameters, record=None, received_ns=None, checked_batch_size=None):
+    def start_request(self, inputs, parameters, record=None, received_ns=None, checked_batch_size=None):
         self.calls += 1
-        return {"y": inputs["x"][1] * 2}
+        answered = asyncio.get_running_loop().create_future()
+        answered.set_result({"y": inputs["x"][1] * 2})
+        return answered
 
 
 class StubRepository:

@@ -10,7 +10,7 @@ import contextlib
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -47,9 +47,15 @@ class FakePlane:
     def check_inputs(self, model: FakeModel, declared: dict[str, tuple[str, list[int]]]) -> int:
         return next(iter(declared.values()))[1][0]
 
-    async def infer(self, model: FakeModel, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any],
-                    outputs: list[str] | None, record: RequestRecord | None, received_ns: int | None,
-                    batch_size: int | None) -> list[tuple[str, str, np.ndarray]]:
+    def start_call(self, model: FakeModel, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any],
+                   outputs: list[str] | None, record: RequestRecord | None, received_ns: int | None,
+                   batch_size: int | None) -> FakeCall:
+        return FakeCall(asyncio.ensure_future(
+            self._run(model, inputs, parameters, outputs, record, received_ns, batch_size)))
+
+    async def _run(self, model: FakeModel, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any],
+                   outputs: list[str] | None, record: RequestRecord | None, received_ns: int | None,
+                   batch_size: int | None) -> list[tuple[str, str, np.ndarray]]:
         self.seen.append({"parameters": parameters, "outputs": outputs, "batch_size": batch_size,
                           "received_ns": received_ns})
         self.started.set()
@@ -65,6 +71,15 @@ class FakePlane:
             record.queue_ns, record.compute_ns = 5, 7
         return [(f"{name}_doubled", datatype, array * 2 if datatype != "BYTES" else array)
                 for name, (datatype, array) in inputs.items()]
+
+
+class FakeCall(NamedTuple):
+    """A started call as the link reads it: a future, and the outputs it asked for."""
+
+    future: asyncio.Future[list[tuple[str, str, np.ndarray]]]
+
+    def outputs(self, results: list[tuple[str, str, np.ndarray]]) -> list[tuple[str, str, np.ndarray]]:
+        return results
 
 
 async def _raw(*arguments: Any) -> tuple[bytes, int | None]:

@@ -39,6 +39,7 @@ class StubVersion:
     config: ModelConfig = CONFIG
     stats: ModelStatistics = field(default_factory=ModelStatistics)
     queue_depth: int = 3
+    pending_requests: int = 4
     batches_in_flight: int = 1
     ready: bool = True
 
@@ -78,7 +79,6 @@ def test_every_model_metric_moves_exactly_with_the_statistics() -> None:
     stats.record_busy("toy-1-0", 10_000_000)
     stats.dispatch_reasons["idle"] += 1
     stats.request_seconds.observe(0.004)
-    stats.pending = 4
     samples = scrape(BatchlineCollector(StubRepository(version), gpus=list))
 
     assert samples[("batchline_requests_total", labels(outcome="success"))] == 2

@@ -14,7 +14,7 @@ import yaml
 import server.repository
 from server.errors import EngineError, InvalidInput, Unavailable
 from server.repository import ModelRepository
-from server.scheduler.admission import Admission
+from server.scheduler.admission import Admission, Admitted
 from tests.unit.fault_engines import Faults, injected_faults, rows
 from tests.unit.onnx_models import DOUBLING_CONFIG, doubling, write_model
 from tests.unit.waiting import eventually
@@ -156,16 +156,22 @@ async def test_a_request_in_admission_when_the_swap_comes_is_still_answered(
     waits for it."""
     doubling(repository.root / "double" / "2")
     entered, proceed = asyncio.Event(), asyncio.Event()
-    real_admit = Admission.admit
+    real_admission = Admission.admit_or_offload
 
-    async def slow_admit(self: Admission, inputs: dict, parameters: dict, received_ns: int | None = None,  # type: ignore[no-untyped-def]
-                         checked_batch_size: int | None = None):
-        if float(inputs["x"][1][0][0]) == 5.0:
+    def slow_admission(self: Admission, inputs: dict, parameters: dict, received_ns: int | None = None,  # type: ignore[no-untyped-def]
+                       checked_batch_size: int | None = None):
+        admitted = real_admission(self, inputs, parameters, received_ns, checked_batch_size)
+        if float(inputs["x"][1][0][0]) != 5.0:
+            return admitted
+
+        async def off_the_loop() -> Admitted:  # as a big text's admission is
             entered.set()
             await proceed.wait()
-        return await real_admit(self, inputs, parameters, received_ns, checked_batch_size)
+            return admitted if isinstance(admitted, Admitted) else await admitted
 
-    monkeypatch.setattr(Admission, "admit", slow_admit)
+        return off_the_loop()
+
+    monkeypatch.setattr(Admission, "admit_or_offload", slow_admission)
     old = repository.get("double")
     slow = asyncio.create_task(old.infer({"x": rows(5.0)}))
     await asyncio.wait_for(entered.wait(), 5)

@@ -253,7 +253,7 @@ async def test_a_disconnect_while_the_body_arrives_sends_and_queues_nothing(
     await call(app, exchange)
     assert exchange.sent == []
     model = plane.repository.get("spin")
-    assert model.queue_depth == 0 and model.stats.pending == 0
+    assert model.queue_depth == 0 and model.pending_requests == 0
     assert gate.ran() == [] and stats(plane)["failures"] == {}
 
 
@@ -279,7 +279,7 @@ async def test_a_disconnect_while_queued_drops_the_request_before_compute(
     await asyncio.wait_for(busy_task, 10)
     assert busy.status == 200
     assert gate.ran() == [HOLD], "the engine ran the request of a client that had left"
-    assert model.stats.pending == 0
+    assert model.pending_requests == 0
 
 
 class SlowSend(Exchange):
@@ -306,14 +306,19 @@ class ResultAsClientLeaves:
     def get(self, name: str, version: str | None = None) -> ResultAsClientLeaves:
         return self
 
-    async def infer(
+    def start_request(
         self, inputs: dict[str, Any], parameters: Any, record: Any = None, received_ns: Any = None,
         checked_batch_size: Any = None,
-    ) -> dict[str, np.ndarray]:
-        await eventually(lambda: self.exchange.receive_calls == 2, "the endpoint watches the connection")
-        self.exchange.disconnect()
-        await asyncio.sleep(0)  # the disconnect is seen while the result is on its way back
-        return {"y": inputs["x"][1]}
+    ) -> asyncio.Future[dict[str, np.ndarray]]:
+        result: asyncio.Future[dict[str, np.ndarray]] = asyncio.get_running_loop().create_future()
+
+        async def answer_as_the_client_leaves() -> None:
+            await eventually(lambda: self.exchange.receive_calls == 2, "the endpoint watches the connection")
+            result.set_result({"y": inputs["x"][1]})
+            self.exchange.disconnect()  # seen in the same loop turn as the result
+
+        self.answering = asyncio.ensure_future(answer_as_the_client_leaves())
+        return result
 
 
 async def test_a_disconnect_as_the_result_arrives_never_cancels_the_answer() -> None:
@@ -340,13 +345,12 @@ class NeverAnswers:
     def get(self, name: str, version: str | None = None) -> NeverAnswers:
         return self
 
-    async def infer(
+    def start_request(
         self, inputs: dict[str, Any], parameters: Any, record: Any = None, received_ns: Any = None,
         checked_batch_size: Any = None,
-    ) -> dict[str, np.ndarray]:
+    ) -> asyncio.Future[dict[str, np.ndarray]]:
         self.entered.set()
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
+        return asyncio.get_running_loop().create_future()  # never answered
 
 
 async def test_a_request_cut_off_by_the_end_of_the_grace_period_is_told_503_not_500() -> None:
