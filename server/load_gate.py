@@ -8,18 +8,28 @@ a profile waits until nothing is being built and no other profile runs, and a bu
 while a profile runs (seconds). The profile's wait is bounded: an engine build that hangs (or a
 TensorRT build that takes many minutes) must not keep every other model from serving. A
 replacement for an instance stuck while serving never waits: its model is short of an instance.
+
+Loads run on threads of their own (`run_load`), not the event loop's default executor: a load
+holds its thread while it waits here or builds for minutes, and requests offload their parsing
+and large admissions to the default executor, which a few loads could otherwise fill.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import logging
+import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 logger = logging.getLogger(__name__)
 
 WAIT_S = 120.0
+T = TypeVar("T")
 
 
 class LoadGate:
@@ -63,3 +73,10 @@ class LoadGate:
 
 
 LOADS = LoadGate()  # one per process: the models of a process share its cores
+_LOAD_THREADS = concurrent.futures.ThreadPoolExecutor(  # as many as the default executor has
+    max_workers=min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="batchline-load")
+
+
+async def run_load(call: Callable[..., T], *args: object) -> T:
+    """`call(*args)` on a load thread: a model's build, warm-up, profile, replacement or close."""
+    return await asyncio.get_running_loop().run_in_executor(_LOAD_THREADS, functools.partial(call, *args))

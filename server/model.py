@@ -34,7 +34,7 @@ from server.engines import create_engine
 from server.engines.registry import ENGINES
 from server.errors import BatchlineError, EngineError, InvalidInput, Unavailable
 from server.gpu import driver_versions, identity
-from server.load_gate import LOADS
+from server.load_gate import LOADS, run_load
 from server.preprocess import TextTokenizer
 from server.protocol.datatypes import numpy_dtype
 from server.recording import TrafficRecorder
@@ -90,8 +90,8 @@ class ModelVersion:
     async def load(self) -> None:
         """Build, warm up and profile every instance off the event loop; never raises."""
         try:
-            await asyncio.to_thread(self._build)
-            gpus, driver = await asyncio.to_thread(_gpu_identities, self.instances)  # NVML may block: off the loop
+            await run_load(self._build)
+            gpus, driver = await run_load(_gpu_identities, self.instances)  # NVML may block: off the loop
         except BatchlineError as exc:
             self._fail(exc.message)
             return
@@ -106,7 +106,7 @@ class ModelVersion:
         self.placement = _placement(self.instances, gpus, driver)
         if self.config.record_traffic is not None:
             recorder = TrafficRecorder(self.config.record_traffic, self.config, self.path.parent)
-            await asyncio.to_thread(recorder.restore)
+            await run_load(recorder.restore)
             self.recorder, self._recording = recorder, asyncio.create_task(recorder.run())
             logger.info("model %s records a sample of its requests' inputs to %s (record_traffic)",
                         self.label, recorder.path)
@@ -173,9 +173,9 @@ class ModelVersion:
                 " no more are started: restart the server to free them"
             )
         logger.warning("model %s: replacing instance %s, stuck in the engine", self.label, stuck.label)
-        fresh = await asyncio.to_thread(self._new_instance, stuck.device, stuck.label, True)
+        fresh = await run_load(self._new_instance, stuck.device, stuck.label, True)
         if self._closed:  # unloaded while the fresh one warmed up
-            await asyncio.to_thread(fresh.close)
+            await run_load(fresh.close)
             raise Unavailable(f"model {self.label} was unloaded")
         self.instances.append(fresh)
         return fresh
@@ -467,7 +467,7 @@ class ModelVersion:
             await self._batcher.drain()
         self._closed = True  # on the loop, so a replacement warming up now is closed, not kept
         instances, self.instances = self.instances, []
-        await asyncio.to_thread(_close_all, instances)  # engines freed first: the final write below need not hold them
+        await run_load(_close_all, instances)  # engines freed first: the final write below need not hold them
         if self._recording is not None and self.recorder is not None:
             self._recording.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -18,7 +18,7 @@ from server.config import ModelConfig, load_model_config
 from server.engines.registry import ENGINES
 from server.errors import BatchlineError, ConfigError, EngineError, InvalidInput, ModelNotFound, Unavailable
 from server.layout import CONFIG_FILENAME, config_path, version_dir, version_number, version_numbers
-from server.load_gate import LOADS
+from server.load_gate import LOADS, run_load
 from server.model import ModelState, ModelVersion
 from server.quantize.ensure import ensure_built
 
@@ -93,7 +93,7 @@ class ModelRepository:
                 else:
                     config = self._with_overrides(override_config(path, config_override))
                 if config.build is not None:  # a variant built from another model: build or reuse
-                    await asyncio.to_thread(_built, self.root, name, config)
+                    await run_load(_built, self.root, name, config)
                     # the build publishes the config it serves under (a torch INT8 program takes FP32)
                     config = self._with_overrides(load_model_config(config_path(path)))
                 selected = config.version_policy.select(version_numbers(path))

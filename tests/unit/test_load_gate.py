@@ -1,16 +1,25 @@
-"""Models load side by side; a batch profile times alone, and nothing waits forever."""
+"""Models load side by side; a batch profile times alone, nothing waits forever, and loads
+leave the threads requests offload their work to."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+import server.model
 from server.load_gate import LoadGate
+from server.repository import ModelRepository
+from tests.unit.onnx_models import DOUBLING_CONFIG, doubling, write_model
+from tests.unit.waiting import eventually
 
 
 class Holder:
@@ -106,3 +115,32 @@ def test_a_load_or_profile_that_never_ends_keeps_nothing_waiting_forever(
         waited = time.monotonic() - started
     assert 0.2 <= waited < 5
     assert warning in caplog.text
+
+
+async def test_a_load_leaves_the_threads_requests_offload_their_work_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model being built (for minutes, say) holds a load thread, not one of the event loop's
+    default executor, where requests offload their parsing: with that executor down to one
+    thread, work offloaded while a model builds still runs at once."""
+    asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+    building, release = threading.Event(), threading.Event()
+    real = server.model.create_engine
+
+    def slow_build(config: Any, version_dir: Path, device: Any) -> Any:
+        building.set()
+        release.wait(10)
+        return real(config, version_dir, device)
+
+    monkeypatch.setattr(server.model, "create_engine", slow_build)
+    write_model(tmp_path, "double", DOUBLING_CONFIG, doubling)
+    repository = ModelRepository(tmp_path)
+    load = asyncio.create_task(repository.load("double"))
+    try:
+        await eventually(building.is_set, "the model is being built")
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "ran"), 5) == "ran"
+    finally:
+        release.set()
+        await load
+    assert repository.get("double").ready, "the load itself went through"
+    await repository.unload_all()
