@@ -93,8 +93,8 @@ class PlaneLink(_Stream):
     """The server process's end of one front end's link: each call runs on the data plane.
 
     An infer call is started on the data plane as its frame arrives and answered from its
-    future's done callback, without a task of its own: a task and its coroutines cost about as
-    much as the rest of the call here. Every outcome (outputs, error, cancel) is answered."""
+    future's done callback, without a task of its own (a task awaiting a future costs several
+    microseconds, a callback under one). Every outcome (outputs, error, cancel) is answered."""
 
     def __init__(self, plane: DataPlane, infer_raw: RawInfer) -> None:
         super().__init__()

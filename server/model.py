@@ -371,9 +371,9 @@ class ModelVersion:
         its times. Its clock (durations, the `timeout` deadline) starts at `received_ns`, when its
         front end took it in (None: now). `checked_batch_size`: the front end checked the inputs'
         names, datatypes and shapes already (None: admission checks them). A small request is
-        admitted and queued here, with no task of its own (a task and its coroutines cost more
-        than the rest of a small request's queueing); one whose admission goes to a worker thread
-        gets one. Cancelling the future drops a request still queued."""
+        admitted and queued here, with no task or coroutine of its own (a caller that needs none,
+        a front end's link, pays for none); one whose admission goes to a worker thread gets a
+        task. Cancelling the future drops a request still queued."""
         if self._batcher is None or self._admission is None or not self.ready:
             raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready")
         batcher, admission = self._batcher, self._admission
