@@ -8,9 +8,13 @@ the wire format of `server.link_frames`; the frames of one loop turn go out in o
 Shared memory: each side owns an arena (`server.arena`) that the other maps at the handshake
 (hello, hello, mapped); a tensor of MIN_SLOT bytes or more crosses in a slot of its sender's
 arena. The front end frees its input slots when the answer comes: every call is answered,
-a cancelled one too, so the server process is done with them by then. The server process frees
-an output slot when the front end says it has read it (`f`, on its next frame). A side whose
-arena the other could not map sends everything inline.
+a cancelled one too. A batch copies its requests' inputs as it starts (a batch of one runs
+them in place), so a call cancelled once its batch was handed to its instance is answered
+while that batch may still read the call's slot, which the front end may reuse: what lands
+there reaches only the cancelled request's rows, whose answer is dropped, unless it makes the
+engine fail the whole batch. The server process frees an output slot
+when the front end says it has read it (`f`, on its next frame). A side whose arena the other
+could not map sends everything inline.
 """
 
 from __future__ import annotations
@@ -165,8 +169,10 @@ class PlaneLink(_Stream):
     def _answer(
         self, call: int, started: Call, version: int, record: RequestRecord | None, future: asyncio.Future[Any],
     ) -> None:
-        if self._calls.pop(call, None) is None:
-            return  # the link was lost: nobody is left to answer
+        if self._calls.pop(call, None) is None:  # the link was lost: nobody is left to answer
+            if not future.cancelled():
+                future.exception()  # seen: no "never retrieved" in the log
+            return
         try:
             metas, data, _ = pack_tensors(started.outputs(future.result()), self._arena)  # freed once read there
         except BaseException as exc:  # noqa: BLE001 - cancelled too: every call is answered
@@ -181,6 +187,8 @@ class PlaneLink(_Stream):
         """A call this process decoded itself (it names the client's shared memory, whose
         regions are registered here), answered."""
         if self._calls.pop(call, None) is None:
+            if not task.cancelled():
+                task.exception()
             return
         try:
             content, binary_header_length = task.result()

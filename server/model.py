@@ -22,7 +22,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -384,12 +384,28 @@ class ModelVersion:
             self.stats.count_failure("invalid")
             raise
         if isinstance(admitted, Admitted):
-            future = self._queued(batcher, admission, admitted, inputs, record, started)
-        else:
-            self._admitting += 1  # counted now: an unload from here on waits for it
-            self._admitted.clear()
-            future = asyncio.ensure_future(self._queued_later(batcher, admission, admitted, inputs, record, started))
-        return future
+            return self._queued(batcher, admission, admitted, inputs, record, started)
+        over = self._admission_off_the_loop()  # counted now: an unload from here on waits for it
+        task = asyncio.ensure_future(self._queued_later(batcher, admission, admitted, over, inputs, record, started))
+        task.add_done_callback(lambda _: over())  # a task cancelled before its first step runs none of its code
+        return task
+
+    def _admission_off_the_loop(self) -> Callable[[], None]:
+        """Count one admission off the loop (an unload waits until none is left); the function
+        returned ends it, once however often it is called."""
+        self._admitting += 1
+        self._admitted.clear()
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                self._admitting -= 1
+                if not self._admitting:
+                    self._admitted.set()
+
+        return end
 
     def _queued(
         self,
@@ -426,21 +442,20 @@ class ModelVersion:
         self,
         batcher: Batcher,
         admission: Admission,
-        admitting: Awaitable[Admitted],
+        work: Callable[[], Admitted],
+        admission_over: Callable[[], None],
         inputs: dict[str, tuple[str, np.ndarray]],
         record: RequestRecord | None,
         received_ns: int,
     ) -> dict[str, np.ndarray]:
-        """A request whose admission runs on a worker thread (counted in `_admitting` by `start_request`)."""
+        """A request whose admission `work` runs on a worker thread (counted by `start_request`)."""
         try:
-            admitted = await admitting
+            admitted = await asyncio.to_thread(work)
         except InvalidInput:
             self.stats.count_failure("invalid")
             raise
         finally:
-            self._admitting -= 1
-            if not self._admitting:
-                self._admitted.set()
+            admission_over()
         return await self._queued(batcher, admission, admitted, inputs, record, received_ns)
 
     @property
@@ -449,10 +464,12 @@ class ModelVersion:
 
     @property
     def pending_requests(self) -> int:
-        """Requests admitted and not yet answered: in admission off the loop, queued, or in a
-        batch running."""
+        """Requests taken in and not yet answered: in admission off the event loop, queued,
+        computing, or held for ordering."""
         batcher = self._batcher
-        return self._admitting + (batcher.queue_depth + batcher.requests_running if batcher else 0)
+        if batcher is None:
+            return self._admitting
+        return self._admitting + batcher.queue_depth + batcher.requests_running + batcher.requests_held
 
     @property
     def batches_in_flight(self) -> int:

@@ -5,8 +5,9 @@ request costs its sender a clear 400 and costs nobody else anything."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Awaitable, Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,25 +189,26 @@ class Admission:
         self, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any], received_ns: int | None = None,
         checked_batch_size: int | None = None,
     ) -> Admitted:
-        """`admit_or_offload`, awaited."""
+        """`admit_or_offload`, the work off the loop awaited."""
         admitted = self.admit_or_offload(inputs, parameters, received_ns, checked_batch_size)
-        return admitted if isinstance(admitted, Admitted) else await admitted
+        return admitted if isinstance(admitted, Admitted) else await asyncio.to_thread(admitted)
 
     def admit_or_offload(
         self, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any], received_ns: int | None = None,
         checked_batch_size: int | None = None,
-    ) -> Admitted | Awaitable[Admitted]:
+    ) -> Admitted | Callable[[], Admitted]:
         """Cheap checks first (options, shapes, batch size, bytes per item), then the per-item
         work (UTF-8, tokenizing): done here when small, so most requests are admitted without a
-        task or a suspension of their own; else an awaitable of it, run on a worker thread. A
-        `timeout` counts from `received_ns` (when the front end took the request in; None: now).
-        `checked_batch_size`: what check_declared found for these inputs' shapes (None: check)."""
+        task or a suspension of their own; else that work, for the caller to run on a worker
+        thread. A `timeout` counts from `received_ns` (when the front end took the request in;
+        None: now). `checked_batch_size`: what check_declared found for these inputs' shapes
+        (None: check)."""
         priority, deadline_ns = self._options(parameters, received_ns)
         batch_size = _checked(self._config, inputs) if checked_batch_size is None else checked_batch_size
         if bytes_items(self._config, inputs) > INLINE_ITEMS:
-            return asyncio.to_thread(self._prepared, inputs, batch_size, priority, deadline_ns, True)
+            return functools.partial(self._prepared, inputs, batch_size, priority, deadline_ns, True)
         if check_item_bytes(self._config, inputs) > INLINE_TEXT_BYTES:
-            return asyncio.to_thread(self._prepared, inputs, batch_size, priority, deadline_ns, False)
+            return functools.partial(self._prepared, inputs, batch_size, priority, deadline_ns, False)
         return self._prepared(inputs, batch_size, priority, deadline_ns, False)
 
     def _prepared(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -129,8 +130,13 @@ class Batcher:
 
     @property
     def requests_running(self) -> int:
-        """Requests in the batches running, not yet answered."""
+        """Requests in the batches running (answered once their batch's task ends)."""
         return self._running_requests
+
+    @property
+    def requests_held(self) -> int:
+        """Requests computed and held back behind an earlier one (preserve_ordering)."""
+        return sum(1 for complete in self._held.values() if complete is not None)
 
     @property
     def instances_in_service(self) -> int:
@@ -229,7 +235,7 @@ class Batcher:
             self._running_requests += len(batch)
             task = asyncio.create_task(self._execute(self._idle.pop(chosen), batch, decision.reason, now))
             self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            task.add_done_callback(functools.partial(self._batch_ended, len(batch)))
 
     def _roomiest_idle(self) -> int:
         """The idle instance that takes the largest batch (the last one freed, on a tie)."""
@@ -350,12 +356,16 @@ class Batcher:
                 self._release(request, lambda r=request, o=outputs: r.resolve(o))
         finally:
             self._running.discard(asyncio.current_task())  # this batch no longer counts as busy
-            self._running_requests -= len(batch)
             if retired:
                 self._retire(instance)
             else:
                 self._idle.append(instance)
             self._dispatch()
+
+    def _batch_ended(self, requests: int, task: asyncio.Task[None]) -> None:
+        """Done callback of a batch's task: it ran to its end, or was cancelled, even before it started."""
+        self._running.discard(task)
+        self._running_requests -= requests
 
     def _fail_request(self, request: InferenceRequest, error: BaseException, done_ns: int) -> None:
         self._stats.fail.add(done_ns - request.received_ns)

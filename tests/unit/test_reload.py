@@ -5,8 +5,11 @@ warm-up, memory) leaves the old version serving and says why, as Triton does."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -155,7 +158,7 @@ async def test_a_request_in_admission_when_the_swap_comes_is_still_answered(
     when the new version takes over reaches the old one's queue and is answered; the drain
     waits for it."""
     doubling(repository.root / "double" / "2")
-    entered, proceed = asyncio.Event(), asyncio.Event()
+    entered, proceed = threading.Event(), threading.Event()
     real_admission = Admission.admit_or_offload
 
     def slow_admission(self: Admission, inputs: dict, parameters: dict, received_ns: int | None = None,  # type: ignore[no-untyped-def]
@@ -164,17 +167,17 @@ async def test_a_request_in_admission_when_the_swap_comes_is_still_answered(
         if float(inputs["x"][1][0][0]) != 5.0:
             return admitted
 
-        async def off_the_loop() -> Admitted:  # as a big text's admission is
+        def on_a_worker_thread() -> Admitted:  # as a big text's admission runs
             entered.set()
-            await proceed.wait()
-            return admitted if isinstance(admitted, Admitted) else await admitted
+            proceed.wait(10)
+            return admitted if isinstance(admitted, Admitted) else admitted()
 
-        return off_the_loop()
+        return on_a_worker_thread
 
     monkeypatch.setattr(Admission, "admit_or_offload", slow_admission)
     old = repository.get("double")
     slow = asyncio.create_task(old.infer({"x": rows(5.0)}))
-    await asyncio.wait_for(entered.wait(), 5)
+    await eventually(entered.is_set, "the request is in admission")
     reload = asyncio.create_task(repository.load("double"))
     await eventually(lambda: repository.get("double") is not old, "the new version took over")
     finished_first = reload.done()
@@ -183,6 +186,29 @@ async def test_a_request_in_admission_when_the_swap_comes_is_still_answered(
     await asyncio.wait_for(reload, 5)
     assert not finished_first  # the old version's drain waited for the request in admission
     assert repository.get("double").version == 2
+
+
+async def test_a_request_cancelled_before_its_admission_starts_holds_up_no_unload(
+    repository: ModelRepository, monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
+) -> None:
+    """A request whose admission goes off the loop (a big text) and is cancelled in the same loop
+    turn, before its task first runs: the unload it was counted for still goes through, nothing
+    is left pending, and no coroutine is left never awaited."""
+    real_admission = Admission.admit_or_offload
+
+    def off_the_loop(self: Admission, *args: Any) -> Any:
+        admitted = real_admission(self, *args)
+        return admitted if callable(admitted) else (lambda: admitted)
+
+    monkeypatch.setattr(Admission, "admit_or_offload", off_the_loop)
+    model = repository.get("double")
+    future = model.start_request({"x": rows(5.0)})
+    assert model.pending_requests == 1
+    future.cancel()
+    await asyncio.wait_for(model.unload(), 5)
+    assert model.pending_requests == 0
+    gc.collect()
+    assert not [w for w in recwarn if "never awaited" in str(w.message)]
 
 
 async def test_a_reload_keeps_the_old_version_when_one_of_several_new_ones_fails(tmp_path: Path) -> None:

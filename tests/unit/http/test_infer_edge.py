@@ -268,10 +268,11 @@ async def test_a_disconnect_while_queued_drops_the_request_before_compute(
     leaving_task = asyncio.create_task(call(app, leaving))
     await eventually(lambda: model.queue_depth == 1, "the second request is queued")
     await eventually(lambda: leaving.receive_calls == 2, "the endpoint watches the queued request's connection")
+    assert model.pending_requests == 2, "one computing, one queued"
     leaving.disconnect()
     await asyncio.wait_for(leaving_task, 10)
     assert leaving.sent == []
-    assert model.queue_depth == 0
+    assert model.queue_depth == 0 and model.pending_requests == 1
     assert stats(plane)["failures"] == {"cancelled": 1}
     metrics = exposition(build_registry(plane.repository)).decode()
     assert 'batchline_requests_total{model="spin",outcome="cancelled",version="1"} 1.0' in metrics

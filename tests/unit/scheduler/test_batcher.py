@@ -443,12 +443,15 @@ async def test_preserve_ordering_holds_later_results() -> None:
     await settle()
     second_instance = fast if fast.batches and fast.batches[0][0]["x"].item() == 2.0 else slow
     first_instance = slow if second_instance is fast else fast
+    assert b.requests_running == 2 and b.requests_held == 0
     second_instance.release(0)
     await settle()
     assert not second.future.done()  # finished, but held until the first is answered
+    assert b.requests_running == 1 and b.requests_held == 1
     first_instance.release(0)
     await settle()
     assert first.future.done() and second.future.done()
+    assert b.requests_running == 0 and b.requests_held == 0
 
 
 async def test_drain_runs_what_is_queued() -> None:
