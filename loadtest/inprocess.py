@@ -1,7 +1,8 @@
-"""The server's own cost per request, without sockets: the real app (data plane, batcher,
+"""The server's own cost per request, without a network: the real app (data plane, batcher,
 engine) driven in-process by concurrent clients, and the CPU time it took per request, all
-threads together. No kernel, no network and no load generator share the core, so a change of a
-few percent shows where a run over sockets on a shared machine drowns it in noise.
+threads together. No network and no load generator share the core (and through the app or the
+protocol, no kernel), so a change of a few percent shows where a run over sockets on a shared
+machine drowns it in noise.
 
   --through app        the door's decision and the infer endpoint called directly, as the
                        protocol calls them: the server's Python path, without uvicorn
@@ -15,7 +16,7 @@ few percent shows where a run over sockets on a shared machine drowns it in nois
   --answer zeros       the engine answers zeros of its outputs' shapes at once: the data plane
                        (admission, batching, the instance thread and back) without compute
   --answer parsed      a constant answer once the body is parsed, checked and its tensors built:
-                       the HTTP path alone, no data plane
+                       the HTTP path alone, no data plane (not through the link: no HTTP there)
 
 The process takes the server's garbage-collector settings (server/heap.py), as `batchline serve`
 does; without them a run measures the collector more than the server.
@@ -45,11 +46,13 @@ from loadtest import payloads
 from server.asgi.disconnect import DISCONNECT_EXTENSION
 
 THROUGH = ("app", "protocol", "link")
+ANSWER_WITHIN_S = 10.0  # once the run stops, each client's call in flight is answered within this
 ANSWERS = ("engine", "zeros", "parsed")
 
 
 class Failed(RuntimeError):
-    """The server answered a request of the run with something other than 200."""
+    """The server answered a request of the run with something other than 200 (a refusal, on
+    the link), or left one unanswered."""
 
 
 @dataclass
@@ -118,8 +121,8 @@ async def _run(plane: Any, app: Any, door: Any, model: str, clients: int, second
             waits = answer != "parsed"  # a constant answer never waits: each client then yields after each call
             tasks = [asyncio.create_task(_client(door, model, bodies, i, load, waits)) for i in range(clients)]
         elif through == "link":
-            link = await stack.enter_async_context(_linked(plane))
             calls = [_decoded(body) for body in bodies]
+            link = await stack.enter_async_context(_linked(plane))
             tasks = [asyncio.create_task(_link_client(link, model, calls, i, load)) for i in range(clients)]
         else:
             tasks = []
@@ -136,7 +139,13 @@ async def _timed(plane: Any, model: str, clients: int, seconds: float, load: _Lo
     items, runs = (after - before for after, before in zip(_batches(plane, model), batches, strict=True))
     closed = sum(c.is_closing() for c in connections)
     load.stop = True
-    await asyncio.gather(*tasks)
+    finished, unanswered = await asyncio.wait(tasks, timeout=ANSWER_WITHIN_S) if tasks else (set(), set())
+    for task in unanswered:
+        task.cancel()
+    if unanswered:
+        load.fail(f"{len(unanswered)} of {clients} clients were not answered within {ANSWER_WITHIN_S:g} s")
+    for task in finished:
+        task.result()  # a client's own error, raised as it is
     await asyncio.sleep(0.1)  # the protocol's requests in flight finish
     if closed:
         load.fail(f"{closed} of {clients} connections were closed by the server during the run")
@@ -210,20 +219,26 @@ async def _linked(plane: Any) -> AsyncIterator[Any]:
         raw = functools.partial(infer_v2, plane)
         server = await asyncio.get_running_loop().create_unix_server(
             lambda: PlaneLink(plane, raw), str(Path(folder) / "link.sock"))
-        link = await LinkClient.connect(str(Path(folder) / "link.sock"), lambda: None)
+        link = None
         try:
+            link = await LinkClient.connect(str(Path(folder) / "link.sock"), lambda: None)
             yield link
         finally:
-            link.close()
+            if link is not None:
+                link.close()
             server.close()
             await server.wait_closed()
 
 
 def _decoded(body: bytes) -> list[tuple[str, str, np.ndarray]]:
     """A request's input tensors as a front end sends them once it has parsed the body."""
+    from server.errors import BatchlineError
     from server.protocol.v2 import build_tensors, parse_request
 
-    decoded = build_tensors(parse_request(body, None))
+    try:
+        decoded = build_tensors(parse_request(body, None))
+    except BatchlineError as exc:
+        raise Failed(f"a request body does not decode: {exc.message}") from exc
     return [(name, datatype, array) for name, (datatype, array) in decoded.inputs.items()]
 
 
@@ -235,8 +250,8 @@ async def _link_client(link: Any, model: str, calls: list[list[tuple[str, str, n
     while not load.stop:
         try:
             await link.infer(model, None, calls[index % len(calls)], {}, None, None, time.perf_counter_ns())
-        except BatchlineError as exc:
-            load.fail(f"the server process refused a call: {exc.message}")
+        except Exception as exc:  # noqa: BLE001 - a refusal, or an error with no type of the server's
+            load.fail(f"the server process refused a call: {exc.message if isinstance(exc, BatchlineError) else exc}")
             return
         index += 1
         load.served += 1
@@ -375,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--through", choices=THROUGH, default="app")
     parser.add_argument("--answer", choices=ANSWERS, default="engine")
     args = parser.parse_args(argv)
+    if args.through == "link" and args.answer == "parsed":
+        parser.error("--through link has no HTTP to parse: answer engine or zeros")
     import uvloop
 
     try:

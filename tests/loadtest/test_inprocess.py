@@ -1,18 +1,22 @@
-"""`python -m loadtest.inprocess`: the app driven without sockets, directly or through the
-server's HTTP protocol, answers every request and reports its cost, and the process's collector
-is left as it was. It checks the tool, not the server's speed."""
+"""`python -m loadtest.inprocess`: the app driven in-process, directly, through the server's HTTP
+protocol or through the front ends' link, answers every request and reports its cost, and the
+process's collector is left as it was. It checks the tool, not the server's speed."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Any
 
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+import server.link
 from loadtest import inprocess, mlp
 from server.config import load_model_config
 from server.http import v2_infer
@@ -56,9 +60,41 @@ def test_a_link_run_whose_calls_are_refused_says_so(tmp_path: Path, monkeypatch:
     assert _collector() == before
 
 
-def test_a_link_run_has_no_http_to_parse(tmp_path: Path) -> None:
+def test_a_link_run_has_no_http_to_parse(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="no HTTP to parse"):
         asyncio.run(inprocess.measure(tmp_path, "mlp", clients=1, seconds=0.1, through="link", answer="parsed"))
+    with pytest.raises(SystemExit):
+        inprocess.main(["--model-repository", str(tmp_path), "--through", "link", "--answer", "parsed"])
+    assert "no HTTP to parse" in capsys.readouterr().err
+
+
+def test_a_link_run_leaves_no_socket_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mlp.write_mlp_model(tmp_path)
+    scratch = Path(tempfile.mkdtemp(prefix="bl-", dir="/tmp"))  # short: a Unix socket's path is bounded
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+        asyncio.run(inprocess.measure(tmp_path, "mlp", clients=2, seconds=0.3, through="link"))
+        assert list(scratch.iterdir()) == []
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def test_a_call_never_answered_fails_the_run_instead_of_hanging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mlp.write_mlp_model(tmp_path)
+    monkeypatch.setattr(inprocess, "ANSWER_WITHIN_S", 0.5)
+    answer = server.link.LinkClient.infer
+    calls = 0
+
+    async def answered_at_first(self: server.link.LinkClient, *args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls > 2:  # then a call that no answer ever comes back for
+            await asyncio.Event().wait()
+        return await answer(self, *args)
+
+    monkeypatch.setattr(server.link.LinkClient, "infer", answered_at_first)
+    with pytest.raises(inprocess.Failed, match="not answered within 0.5 s"):
+        asyncio.run(inprocess.measure(tmp_path, "mlp", clients=2, seconds=0.3, through="link"))
 
 
 def test_zeros_answer_with_the_outputs_shapes(tmp_path: Path) -> None:
