@@ -72,7 +72,8 @@ async def measure(
     repository: Path, model: str, clients: int, seconds: float, through: str = "app", answer: str = "engine",
 ) -> dict[str, float]:
     """req/s and CPU microseconds per request, over `seconds` after a second of warm-up; Failed
-    when any answer was not a 200 (or a connection closed)."""
+    when any answer was not a 200 (or a connection closed), a call over the link was refused,
+    or a client's call went unanswered for ANSWER_WITHIN_S once the run stopped."""
     from prometheus_client import CollectorRegistry
 
     from server.dataplane import DataPlane

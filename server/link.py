@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from server.arena import Arena
@@ -52,7 +52,7 @@ CANCELLED = "the call was cancelled"
 
 # A call the server process decodes itself: (model, version, body, header length, record, received_ns).
 RawInfer = Callable[[str, str | None, bytes, int | None, RequestRecord | None, int],
-                    Awaitable[tuple[bytes, int | None]]]
+                    Coroutine[Any, Any, tuple[bytes, int | None]]]
 
 
 class _Stream(asyncio.Protocol):
@@ -169,9 +169,7 @@ class PlaneLink(_Stream):
     def _answer(
         self, call: int, started: Call, version: int, record: RequestRecord | None, future: asyncio.Future[Any],
     ) -> None:
-        if self._calls.pop(call, None) is None:  # the link was lost: nobody is left to answer
-            if not future.cancelled():
-                future.exception()  # seen: no "never retrieved" in the log
+        if not self._still_owed(call, future):
             return
         try:
             metas, data, _ = pack_tensors(started.outputs(future.result()), self._arena)  # freed once read there
@@ -186,9 +184,7 @@ class PlaneLink(_Stream):
     def _answer_raw(self, call: int, record: RequestRecord | None, task: asyncio.Task[tuple[bytes, int | None]]) -> None:
         """A call this process decoded itself (it names the client's shared memory, whose
         regions are registered here), answered."""
-        if self._calls.pop(call, None) is None:
-            if not task.cancelled():
-                task.exception()
+        if not self._still_owed(call, task):
             return
         try:
             content, binary_header_length = task.result()
@@ -199,6 +195,15 @@ class PlaneLink(_Stream):
         if record is not None:
             reply["rec"] = record_fields(record)
         self.send(reply, [content])
+
+    def _still_owed(self, call: int, future: asyncio.Future[Any]) -> bool:
+        """Whether a call that just finished is still to be answered (not, once the link is lost:
+        its outcome is then only read, so no error goes "never retrieved" into the log)."""
+        if self._calls.pop(call, None) is not None:
+            return True
+        if not future.cancelled():
+            future.exception()
+        return False
 
     def _answer_failure(self, call: int, error: BaseException) -> None:
         cancelled = isinstance(error, asyncio.CancelledError)

@@ -19,17 +19,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import ParamSpec, TypeVar
 
 logger = logging.getLogger(__name__)
 
 WAIT_S = 120.0
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class LoadGate:
@@ -77,6 +77,6 @@ _LOAD_THREADS = concurrent.futures.ThreadPoolExecutor(  # as many as the default
     max_workers=min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="batchline-load")
 
 
-async def run_load(call: Callable[..., T], *args: object) -> T:
+async def run_load(call: Callable[P, T], *args: P.args) -> T:
     """`call(*args)` on a load thread: a model's build, warm-up, profile, replacement or close."""
-    return await asyncio.get_running_loop().run_in_executor(_LOAD_THREADS, functools.partial(call, *args))
+    return await asyncio.get_running_loop().run_in_executor(_LOAD_THREADS, call, *args)

@@ -92,7 +92,7 @@ class BatchlineCollector(Collector):
             "batch": _histogram("batchline_batch_size", "Items per executed batch."),
         }
         queue_depth = GaugeMetricFamily("batchline_queue_depth", "Requests waiting for an instance.", labels=MODEL_LABELS)
-        pending = GaugeMetricFamily("batchline_pending_requests", "Requests admitted, not yet answered.", labels=MODEL_LABELS)
+        pending = GaugeMetricFamily("batchline_pending_requests", "Requests taken in and not yet answered: in admission off the event loop, queued, computing, or held for ordering.", labels=MODEL_LABELS)
         in_flight = GaugeMetricFamily("batchline_batches_in_flight", "Batches running now.", labels=MODEL_LABELS)
         ready = GaugeMetricFamily("batchline_model_ready", "1 when the version serves.", labels=MODEL_LABELS)
         in_service = GaugeMetricFamily(

@@ -73,7 +73,7 @@ class ModelVersion:
         self._admission: Admission | None = None
         self._batcher: Batcher | None = None
         self._closed = False
-        self._admitting = 0  # requests inside admission: an unload lets them reach the queue
+        self._admitting = 0  # requests in admission off the event loop: an unload lets them reach the queue
         self._admitted = asyncio.Event()
         self.recorder: TrafficRecorder | None = None  # record_traffic: a sample of client inputs for builds
         self._recording: asyncio.Task[None] | None = None

@@ -356,6 +356,7 @@ class Batcher:
                 self._release(request, lambda r=request, o=outputs: r.resolve(o))
         finally:
             self._running.discard(asyncio.current_task())  # this batch no longer counts as busy
+            self._running_requests -= len(batch)
             if retired:
                 self._retire(instance)
             else:
@@ -363,9 +364,11 @@ class Batcher:
             self._dispatch()
 
     def _batch_ended(self, requests: int, task: asyncio.Task[None]) -> None:
-        """Done callback of a batch's task: it ran to its end, or was cancelled, even before it started."""
-        self._running.discard(task)
-        self._running_requests -= requests
+        """Done callback of a batch's task: one cancelled before its first step ran none of its
+        code, so nothing took it off the running batches."""
+        if task in self._running:
+            self._running.discard(task)
+            self._running_requests -= requests
 
     def _fail_request(self, request: InferenceRequest, error: BaseException, done_ns: int) -> None:
         self._stats.fail.add(done_ns - request.received_ns)

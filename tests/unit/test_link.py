@@ -74,7 +74,7 @@ class FakePlane:
 
 
 class FakeCall(NamedTuple):
-    """A started call as the link reads it: a future, and the outputs it asked for."""
+    """A started call as the link reads it: a future, and `outputs`, here the results as they are."""
 
     future: asyncio.Future[list[tuple[str, str, np.ndarray]]]
 
@@ -248,7 +248,7 @@ class Recorded:
 
 
 async def test_a_call_cancelled_before_it_starts_is_still_answered() -> None:
-    """Its call and its cancellation in one read: the call's task never runs, and its answer
+    """Its call and its cancellation in one read: the call never starts, and its answer
     (which frees the front end's input slots) must come all the same."""
     plane = FakePlane()
     end = PlaneLink(plane, _raw)  # type: ignore[arg-type]

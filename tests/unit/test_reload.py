@@ -188,6 +188,29 @@ async def test_a_request_in_admission_when_the_swap_comes_is_still_answered(
     assert repository.get("double").version == 2
 
 
+async def test_admission_work_handed_back_runs_on_a_worker_thread(
+    repository: ModelRepository, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What admission hands back to run off the event loop (a big text's decoding and
+    tokenizing) runs on a worker thread, and the request is then queued and answered."""
+    loop_thread = threading.current_thread().name
+    threads: list[str] = []
+    real_admission = Admission.admit_or_offload
+
+    def handed_back(self: Admission, *args: Any) -> Any:
+        admitted = real_admission(self, *args)
+
+        def work() -> Admitted:
+            threads.append(threading.current_thread().name)
+            return admitted if isinstance(admitted, Admitted) else admitted()
+
+        return work
+
+    monkeypatch.setattr(Admission, "admit_or_offload", handed_back)
+    assert (await repository.get("double").infer({"x": rows(2.0)}))["y"].tolist() == [[4.0, 4.0]]
+    assert len(threads) == 1 and threads[0] != loop_thread
+
+
 async def test_a_request_cancelled_before_its_admission_starts_holds_up_no_unload(
     repository: ModelRepository, monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
 ) -> None:
