@@ -82,10 +82,9 @@ async def measure(
     from server.http.door import Door
     from server.repository import ModelRepository
 
-    if through not in THROUGH or answer not in ANSWERS:
-        raise ValueError(f"through one of {THROUGH}, answer one of {ANSWERS}")
-    if through == "link" and answer == "parsed":
-        raise ValueError("--through link has no HTTP to parse: answer engine or zeros")
+    refused = _refusal(through, answer)
+    if refused is not None:
+        raise ValueError(refused)
     thresholds = gc.get_threshold()
     heap = HeapPolicy().install()
     try:
@@ -103,6 +102,15 @@ async def measure(
         heap.uninstall()
         gc.unfreeze()
         gc.set_threshold(*thresholds)
+
+
+def _refusal(through: str, answer: str) -> str | None:
+    """Why a run cannot go this way, or None."""
+    if through not in THROUGH or answer not in ANSWERS:
+        return f"through one of {THROUGH}, answer one of {ANSWERS}"
+    if through == "link" and answer == "parsed":
+        return "--through link has no HTTP to parse: answer engine or zeros"
+    return None
 
 
 async def _run(plane: Any, app: Any, door: Any, model: str, clients: int, seconds: float, through: str, answer: str,
@@ -391,8 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--through", choices=THROUGH, default="app")
     parser.add_argument("--answer", choices=ANSWERS, default="engine")
     args = parser.parse_args(argv)
-    if args.through == "link" and args.answer == "parsed":
-        parser.error("--through link has no HTTP to parse: answer engine or zeros")
+    refused = _refusal(args.through, args.answer)
+    if refused is not None:
+        parser.error(refused)
     import uvloop
 
     try:

@@ -12,9 +12,9 @@ a cancelled one too. A batch copies its requests' inputs as it starts (a batch o
 them in place), so a call cancelled once its batch was handed to its instance is answered
 while that batch may still read the call's slot, which the front end may reuse: what lands
 there reaches only the cancelled request's rows, whose answer is dropped, unless it makes the
-engine fail the whole batch. The server process frees an output slot
-when the front end says it has read it (`f`, on its next frame). A side whose arena the other
-could not map sends everything inline.
+engine fail the whole batch. The server process frees an output slot when the front end says
+it has read it (`f`, on its next frame). A side whose arena the other could not map sends
+everything inline.
 """
 
 from __future__ import annotations
@@ -115,12 +115,7 @@ class PlaneLink(_Stream):
         if kind == "infer":
             self._start(header, frame.payload)
         elif kind == "raw":
-            call = header["i"]
-            record = RequestRecord() if header.get("r") else None
-            task = asyncio.get_running_loop().create_task(self._infer_raw(
-                header["m"], header["v"], bytes(frame.payload), header["h"], record, header["t"]))
-            self._calls[call] = task
-            task.add_done_callback(functools.partial(self._answer_raw, call, record))
+            self._start_raw(header, frame.payload)
         elif kind == "cancel":
             running = self._calls.get(header["i"])
             if running is not None:
@@ -166,6 +161,16 @@ class PlaneLink(_Stream):
         self._calls[call] = started.future
         started.future.add_done_callback(functools.partial(self._answer, call, started, model.version, record))
 
+    def _start_raw(self, header: dict[str, Any], payload: memoryview) -> None:
+        """Start a call this process decodes itself (it names the client's shared memory, whose
+        regions are registered here): in a task, as decoding may go off the loop."""
+        call = header["i"]
+        record = RequestRecord() if header.get("r") else None
+        task = asyncio.get_running_loop().create_task(self._infer_raw(
+            header["m"], header["v"], bytes(payload), header["h"], record, header["t"]))
+        self._calls[call] = task
+        task.add_done_callback(functools.partial(self._answer_raw, call, record))
+
     def _answer(
         self, call: int, started: Call, version: int, record: RequestRecord | None, future: asyncio.Future[Any],
     ) -> None:
@@ -182,8 +187,6 @@ class PlaneLink(_Stream):
         self.send(reply, data)
 
     def _answer_raw(self, call: int, record: RequestRecord | None, task: asyncio.Task[tuple[bytes, int | None]]) -> None:
-        """A call this process decoded itself (it names the client's shared memory, whose
-        regions are registered here), answered."""
         if not self._still_owed(call, task):
             return
         try:

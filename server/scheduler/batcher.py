@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import itertools
 import logging
 import time
@@ -105,8 +104,7 @@ class Batcher:
         self._capped: dict[int, BatchPolicy] = {}  # the policy at each lowered cap
         self._queues: list[deque[InferenceRequest]] = [deque() for _ in range(settings.levels)]
         self._queued = 0  # live requests waiting (dead ones are dropped lazily from the deques)
-        self._running: set[asyncio.Task[None]] = set()
-        self._running_requests = 0  # in the batches running
+        self._running: dict[asyncio.Task[None], int] = {}  # each batch running: its requests
         self._wake: asyncio.TimerHandle | None = None
         self._stats = stats
         self._clock = clock
@@ -131,7 +129,7 @@ class Batcher:
     @property
     def requests_running(self) -> int:
         """Requests in the batches running (answered once their batch's task ends)."""
-        return self._running_requests
+        return sum(self._running.values())
 
     @property
     def requests_held(self) -> int:
@@ -232,10 +230,10 @@ class Batcher:
                 if request.expiry is not None:
                     request.expiry.cancel()
             self._queued -= len(batch)
-            self._running_requests += len(batch)
             task = asyncio.create_task(self._execute(self._idle.pop(chosen), batch, decision.reason, now))
-            self._running.add(task)
-            task.add_done_callback(functools.partial(self._batch_ended, len(batch)))
+            self._running[task] = len(batch)
+            # a task cancelled before its first step runs none of its code, its `finally` neither
+            task.add_done_callback(self._running_batch_ended)
 
     def _roomiest_idle(self) -> int:
         """The idle instance that takes the largest batch (the last one freed, on a tie)."""
@@ -355,20 +353,15 @@ class Batcher:
                 self._stats.record_success(done - request.received_ns)
                 self._release(request, lambda r=request, o=outputs: r.resolve(o))
         finally:
-            self._running.discard(asyncio.current_task())  # this batch no longer counts as busy
-            self._running_requests -= len(batch)
+            self._running.pop(asyncio.current_task(), None)  # type: ignore[arg-type]  # no longer counts as busy
             if retired:
                 self._retire(instance)
             else:
                 self._idle.append(instance)
             self._dispatch()
 
-    def _batch_ended(self, requests: int, task: asyncio.Task[None]) -> None:
-        """Done callback of a batch's task: one cancelled before its first step ran none of its
-        code, so nothing took it off the running batches."""
-        if task in self._running:
-            self._running.discard(task)
-            self._running_requests -= requests
+    def _running_batch_ended(self, task: asyncio.Task[None]) -> None:
+        self._running.pop(task, None)
 
     def _fail_request(self, request: InferenceRequest, error: BaseException, done_ns: int) -> None:
         self._stats.fail.add(done_ns - request.received_ns)
