@@ -199,7 +199,7 @@ class DataPlane:
         arrays were built to them), so they are not checked twice. Refusals raise here; what
         the call meets later comes through its future."""
         selection = output_tensors(model.config, outputs)
-        return Call(model.start_request(inputs, parameters, record, received_ns, checked_batch_size), selection)
+        return Call(model.start_request(inputs, parameters, record, received_ns, checked_batch_size), selection, model)
 
 
 class Call(NamedTuple):
@@ -207,9 +207,15 @@ class Call(NamedTuple):
 
     future: asyncio.Future[dict[str, np.ndarray]]
     selection: list[tuple[str, str]]  # (name, datatype), in the order asked for
+    model: ModelVersion
 
     def outputs(self, results: dict[str, np.ndarray]) -> list[Output]:
         return [(name, datatype, results[name]) for name, datatype in self.selection]
+
+    def withdraw(self) -> None:
+        """Its caller gave up: drop it if it is still queued; one computing runs to its end and
+        its future completes as usual (its inputs may be read until then)."""
+        self.model.withdraw(self.future)
 
 
 def refuse_when_full(model: ModelVersion) -> None:

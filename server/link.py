@@ -8,13 +8,11 @@ the wire format of `server.link_frames`; the frames of one loop turn go out in o
 Shared memory: each side owns an arena (`server.arena`) that the other maps at the handshake
 (hello, hello, mapped); a tensor of MIN_SLOT bytes or more crosses in a slot of its sender's
 arena. The front end frees its input slots when the answer comes: every call is answered,
-a cancelled one too. A batch copies its requests' inputs as it starts (a batch of one runs
-them in place), so a call cancelled once its batch was handed to its instance is answered
-while that batch may still read the call's slot, which the front end may reuse: what lands
-there reaches only the cancelled request's rows, whose answer is dropped, unless it makes the
-engine fail the whole batch. The server process frees an output slot when the front end says
-it has read it (`f`, on its next frame). A side whose arena the other could not map sends
-everything inline.
+a cancelled one too, and only once nothing reads its inputs any more: a cancel drops a call
+still queued, and one already computing (or in admission on a worker thread) runs to its end
+and is answered then, its outputs read by nobody. The server process frees an output slot
+when the front end says it has read it (`f`, on its next frame). A side whose arena the other
+could not map sends everything inline.
 """
 
 from __future__ import annotations
@@ -104,7 +102,8 @@ class PlaneLink(_Stream):
         super().__init__()
         self._plane = plane
         self._infer_raw = infer_raw
-        self._calls: dict[int, asyncio.Future[Any]] = {}  # calls not yet answered, by id
+        # calls not yet answered, by id: each one's future, and how to stop it once its caller gave up
+        self._calls: dict[int, tuple[asyncio.Future[Any], Callable[[], object]]] = {}
         self._peer_arena: Arena | None = None  # the front end's: inputs
         self._arena: Arena | None = None  # this side's: outputs, once the front end has mapped it
 
@@ -119,7 +118,7 @@ class PlaneLink(_Stream):
         elif kind == "cancel":
             running = self._calls.get(header["i"])
             if running is not None:
-                running.cancel()  # answered by its done callback, as cancelled
+                running[1]()  # answered by its done callback: at once if dropped, else when it ends
         elif kind == "hello":
             self._hello(header)
         elif kind == "mapped":
@@ -158,7 +157,7 @@ class PlaneLink(_Stream):
         except Exception as exc:  # every call is answered, so its input slots are freed
             self._answer_failure(call, exc)
             return
-        self._calls[call] = started.future
+        self._calls[call] = (started.future, started.withdraw)
         started.future.add_done_callback(functools.partial(self._answer, call, started, model.version, record))
 
     def _start_raw(self, header: dict[str, Any], payload: memoryview) -> None:
@@ -168,7 +167,7 @@ class PlaneLink(_Stream):
         record = RequestRecord() if header.get("r") else None
         task = asyncio.get_running_loop().create_task(self._infer_raw(
             header["m"], header["v"], bytes(payload), header["h"], record, header["t"]))
-        self._calls[call] = task
+        self._calls[call] = (task, task.cancel)  # its inputs are its own copy: it may stop anywhere
         task.add_done_callback(functools.partial(self._answer_raw, call, record))
 
     def _answer(
@@ -217,7 +216,7 @@ class PlaneLink(_Stream):
     def connection_lost(self, exc: Exception | None) -> None:
         """The front end is gone: its calls are dropped (nobody is left to answer)."""
         calls, self._calls = self._calls, {}
-        for running in calls.values():
+        for running, _ in calls.values():  # no front end is left to reuse its inputs' memory
             running.cancel()
         if self._arena is not None:
             self._arena.forget_file()  # a front end that died before the handshake ended

@@ -73,11 +73,10 @@ class ModelVersion:
         self._admission: Admission | None = None
         self._batcher: Batcher | None = None
         self._closed = False
-        self._admitting = 0  # requests in admission off the event loop: an unload lets them reach the queue
-        self._admitted = asyncio.Event()
+        # requests in admission on a worker thread: an unload lets them reach the queue first
+        self._admissions: set[asyncio.Task[None]] = set()
         self.recorder: TrafficRecorder | None = None  # record_traffic: a sample of client inputs for builds
         self._recording: asyncio.Task[None] | None = None
-        self._admitted.set()
 
     @property
     def ready(self) -> bool:
@@ -373,7 +372,8 @@ class ModelVersion:
         names, datatypes and shapes already (None: admission checks them). A small request is
         admitted and queued here, with no task or coroutine of its own (a caller that needs none,
         a front end's link, pays for none); one whose admission goes to a worker thread gets a
-        task. Cancelling the future drops a request still queued."""
+        task. Cancelling the future drops a request not yet computing (`withdraw` drops only
+        one whose inputs are no longer read)."""
         if self._batcher is None or self._admission is None or not self.ready:
             raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready")
         batcher, admission = self._batcher, self._admission
@@ -383,29 +383,21 @@ class ModelVersion:
         except InvalidInput:
             self.stats.count_failure("invalid")
             raise
+        future: asyncio.Future[dict[str, np.ndarray]] = asyncio.get_running_loop().create_future()
         if isinstance(admitted, Admitted):
-            return self._queued(batcher, admission, admitted, inputs, record, started)
-        over = self._admission_off_the_loop()  # counted now: an unload from here on waits for it
-        task = asyncio.ensure_future(self._queued_later(batcher, admission, admitted, over, inputs, record, started))
-        task.add_done_callback(lambda _: over())  # a task cancelled before its first step runs none of its code
-        return task
+            self._queued(batcher, admission, admitted, inputs, record, started, future)
+            return future
+        task = asyncio.ensure_future(self._queued_later(batcher, admission, admitted, inputs, record, started, future))
+        self._admissions.add(task)  # counted now: an unload from here on waits for it
+        task.add_done_callback(self._admissions.discard)
+        return future
 
-    def _admission_off_the_loop(self) -> Callable[[], None]:
-        """Count one admission off the loop (an unload waits until none is left); the function
-        returned ends it, once however often it is called."""
-        self._admitting += 1
-        self._admitted.clear()
-        ended = False
-
-        def end() -> None:
-            nonlocal ended
-            if not ended:
-                ended = True
-                self._admitting -= 1
-                if not self._admitting:
-                    self._admitted.set()
-
-        return end
+    def withdraw(self, future: asyncio.Future[dict[str, np.ndarray]]) -> bool:
+        """Drop a request still queued (from `start_request`), its caller gone: True if it was.
+        One computing, or in admission on a worker thread, runs to its end and its future is
+        left alone, since its inputs may be read until then (a front end must not reuse their
+        memory before its answer)."""
+        return self._batcher is not None and self._batcher.withdraw(future)
 
     def _queued(
         self,
@@ -415,7 +407,8 @@ class ModelVersion:
         inputs: dict[str, tuple[str, np.ndarray]],
         record: RequestRecord | None,
         received_ns: int,
-    ) -> asyncio.Future[dict[str, np.ndarray]]:
+        future: asyncio.Future[dict[str, np.ndarray]],
+    ) -> None:
         # An unload that began during an admission off the loop waited for it: it is queued and drained.
         if self._closed or self.state not in (ModelState.READY, ModelState.UNLOADING):
             raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready: {self.reason}")
@@ -424,7 +417,7 @@ class ModelVersion:
         request = InferenceRequest(
             admitted.feed,
             admitted.batch_size,
-            asyncio.get_running_loop().create_future(),
+            future,
             shape_key=admitted.shape_key,
             longest=admitted.longest,
             length=admitted.length,
@@ -436,27 +429,32 @@ class ModelVersion:
         batcher.submit(request)
         if self.recorder is not None:  # queued: admitted, and not refused for a full queue
             self.recorder.offer(inputs, admitted.batch_size)
-        return request.future
 
     async def _queued_later(
         self,
         batcher: Batcher,
         admission: Admission,
         work: Callable[[], Admitted],
-        admission_over: Callable[[], None],
         inputs: dict[str, tuple[str, np.ndarray]],
         record: RequestRecord | None,
         received_ns: int,
-    ) -> dict[str, np.ndarray]:
-        """A request whose admission `work` runs on a worker thread (counted by `start_request`)."""
+        future: asyncio.Future[dict[str, np.ndarray]],
+    ) -> None:
+        """Queue a request whose admission `work` runs on a worker thread; its outcome, a
+        refusal too, goes to `future`. A caller that gave up meanwhile is not queued."""
         try:
             admitted = await asyncio.to_thread(work)
-        except InvalidInput:
-            self.stats.count_failure("invalid")
+            if not future.done():
+                self._admissions.discard(asyncio.current_task())  # type: ignore[arg-type]  # queued, counted there
+                self._queued(batcher, admission, admitted, inputs, record, received_ns, future)
+        except asyncio.CancelledError:
+            future.cancel()
             raise
-        finally:
-            admission_over()
-        return await self._queued(batcher, admission, admitted, inputs, record, received_ns)
+        except Exception as exc:  # noqa: BLE001 - the caller awaits the future, not this task
+            if isinstance(exc, InvalidInput):
+                self.stats.count_failure("invalid")
+            if not future.done():
+                future.set_exception(exc)
 
     @property
     def queue_depth(self) -> int:
@@ -468,8 +466,8 @@ class ModelVersion:
         computing, or held for ordering."""
         batcher = self._batcher
         if batcher is None:
-            return self._admitting
-        return self._admitting + batcher.queue_depth + batcher.requests_running + batcher.requests_held
+            return len(self._admissions)
+        return len(self._admissions) + batcher.queue_depth + batcher.requests_running + batcher.requests_held
 
     @property
     def batches_in_flight(self) -> int:
@@ -479,7 +477,8 @@ class ModelVersion:
         """Stop taking requests, let those already taken in finish, then free the engines.
         Bounded by the watchdog: a stuck batch fails at execution_timeout_seconds."""
         self.state = ModelState.UNLOADING
-        await self._admitted.wait()  # requests being admitted reach the queue, then drain with it
+        while self._admissions:  # requests being admitted reach the queue, then drain with it
+            await asyncio.wait(list(self._admissions))
         if self._batcher is not None:
             await self._batcher.drain()
         self._closed = True  # on the loop, so a replacement warming up now is closed, not kept

@@ -161,6 +161,18 @@ class Batcher:
             request.expiry = asyncio.get_running_loop().call_later(delay_s, self._expire, request)
         self._dispatch()
 
+    def withdraw(self, future: asyncio.Future[dict[str, np.ndarray]]) -> bool:
+        """Drop the queued request of this future, its client gone: True if it was queued. One
+        already handed to an instance runs to its end (its inputs may be read until then). A
+        search of the queue: only a client that gives up pays for it."""
+        for queue in self._queues:
+            for request in queue:
+                if request.future is future and request.state is RequestState.QUEUED:
+                    self._on_future_done(request)  # now, so no batch takes it before the callback runs
+                    future.cancel()
+                    return True
+        return False
+
     def _expire(self, request: InferenceRequest) -> None:
         if request.state is RequestState.QUEUED:
             self._give_up(request, "the request's deadline passed while it was queued; it was not run")

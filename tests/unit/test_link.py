@@ -37,6 +37,8 @@ class FakePlane:
         self.hold.set()
         self.started = asyncio.Event()
         self.cancelled = asyncio.Event()
+        self.computing = False  # a withdrawn call runs on (its batch was handed to an instance)
+        self.withdrawn = 0
         self.seen: list[dict[str, Any]] = []
 
     def admit(self, name: str, version: str | None) -> FakeModel:
@@ -51,7 +53,7 @@ class FakePlane:
                    outputs: list[str] | None, record: RequestRecord | None, received_ns: int | None,
                    batch_size: int | None) -> FakeCall:
         return FakeCall(asyncio.ensure_future(
-            self._run(model, inputs, parameters, outputs, record, received_ns, batch_size)))
+            self._run(model, inputs, parameters, outputs, record, received_ns, batch_size)), self)
 
     async def _run(self, model: FakeModel, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any],
                    outputs: list[str] | None, record: RequestRecord | None, received_ns: int | None,
@@ -74,12 +76,19 @@ class FakePlane:
 
 
 class FakeCall(NamedTuple):
-    """A started call as the link reads it: a future, and `outputs`, here the results as they are."""
+    """A started call as the link reads it: a future, `outputs` (here the results as they are)
+    and `withdraw`, which drops the call unless its plane says it is computing."""
 
     future: asyncio.Future[list[tuple[str, str, np.ndarray]]]
+    plane: FakePlane
 
     def outputs(self, results: list[tuple[str, str, np.ndarray]]) -> list[tuple[str, str, np.ndarray]]:
         return results
+
+    def withdraw(self) -> None:
+        self.plane.withdrawn += 1
+        if not self.plane.computing:
+            self.future.cancel()
 
 
 async def _raw(*arguments: Any) -> tuple[bytes, int | None]:
@@ -201,6 +210,24 @@ async def test_a_cancelled_call_is_cancelled_there_and_its_slots_freed(linked: A
         await asyncio.sleep(0.01)
     assert not client._pending and not ends[0]._calls
     assert client._arena.allocate(1) == 0  # freed once the server process answered the cancellation
+
+
+async def test_a_call_cancelled_while_computing_holds_its_slots_until_it_ends(linked: Any) -> None:
+    """Its inputs may be read until its batch ends: the server process answers it only then,
+    and the front end reuses its input slot only then."""
+    client, plane, ends = linked
+    plane.computing = True
+    call = await held_call(client, plane, np.ones((1, MIN_SLOT // 4), np.float32))
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call  # its caller is free at once
+    await eventually(lambda: plane.withdrawn == 1, "the server process is told")
+    await asyncio.sleep(0.05)
+    assert not plane.cancelled.is_set() and ends[0]._calls and client._pending
+    assert client._arena is not None and client._arena.allocate(1) == MIN_SLOT  # slot 0 still held
+    plane.hold.set()  # its batch ends
+    await eventually(lambda: not client._pending and not ends[0]._calls, "the call is answered")
+    assert client._arena.allocate(1) == 0  # freed once answered
 
 
 async def test_calls_fail_when_the_server_process_is_gone(linked: Any) -> None:

@@ -234,6 +234,39 @@ async def test_a_request_cancelled_before_its_admission_starts_holds_up_no_unloa
     assert not [w for w in recwarn if "never awaited" in str(w.message)]
 
 
+async def test_a_request_given_up_in_admission_is_never_queued_and_its_admission_ends_first(
+    repository: ModelRepository, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its admission on a worker thread reads its inputs to the end (nothing withdraws it
+    meanwhile); its caller gone, it is then not queued nor run, and an unload waits for it."""
+    entered, proceed = threading.Event(), threading.Event()
+    real_admission = Admission.admit_or_offload
+
+    def slow_admission(self: Admission, *args: Any) -> Any:
+        admitted = real_admission(self, *args)
+
+        def on_a_worker_thread() -> Admitted:
+            entered.set()
+            proceed.wait(10)
+            return admitted if isinstance(admitted, Admitted) else admitted()
+
+        return on_a_worker_thread
+
+    monkeypatch.setattr(Admission, "admit_or_offload", slow_admission)
+    model = repository.get("double")
+    future = model.start_request({"x": rows(5.0)})
+    await eventually(entered.is_set, "the request is in admission")
+    assert not model.withdraw(future) and not future.done()
+    future.cancel()
+    unload = asyncio.create_task(model.unload())
+    await asyncio.sleep(0.05)
+    assert not unload.done() and model.pending_requests == 1  # its admission still reads the inputs
+    proceed.set()
+    await asyncio.wait_for(unload, 5)
+    assert model.pending_requests == 0 and model.stats.success.count == 0
+    assert not model.stats.failures  # never queued: neither served nor dropped from the queue
+
+
 async def test_a_reload_keeps_the_old_version_when_one_of_several_new_ones_fails(tmp_path: Path) -> None:
     """All or nothing: a policy serving two versions swaps both or neither."""
     repository = ModelRepository(tmp_path)

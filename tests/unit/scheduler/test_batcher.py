@@ -323,6 +323,27 @@ async def test_a_cancelled_request_is_dropped_before_compute() -> None:
     assert [f["x"].item() for f in fake.batches[1]] == [2.0]
 
 
+async def test_a_withdrawn_request_is_dropped_only_while_queued() -> None:
+    """A client gone: its queued request is dropped at once, so no batch can take it even
+    before the future's callbacks run; one already computing runs to its end and resolves,
+    since its inputs may be read until then."""
+    fake = FakeInstance()
+    b, stats = batcher([fake])
+    running = request([0.0])
+    b.submit(running)
+    await settle()
+    queued = request([1.0])
+    b.submit(queued)
+    assert b.withdraw(queued.future) and queued.future.cancelled()
+    assert b.queue_depth == 0 and stats.failures["cancelled"] == 1
+    assert not b.withdraw(running.future) and not running.future.done()
+    assert not b.withdraw(asyncio.get_running_loop().create_future())  # not one of its requests
+    fake.release(0)
+    assert (await running.future)["y"].tolist() == [[0.0]]
+    await settle()
+    assert len(fake.batches) == 1 and stats.failures["cancelled"] == 1
+
+
 async def test_only_compatible_shapes_share_a_batch() -> None:
     fake = FakeInstance()
     b, _ = batcher([fake])
