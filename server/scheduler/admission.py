@@ -4,7 +4,6 @@ request costs its sender a clear 400 and costs nobody else anything."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 from collections.abc import Callable, Hashable
@@ -184,14 +183,6 @@ class Admission:
         policy = batching.default_queue_policy if batching else None
         self._default_timeout_us = policy.default_timeout_microseconds if policy else 0
         self._timeout_override = policy.allow_timeout_override if policy else True
-
-    async def admit(
-        self, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any], received_ns: int | None = None,
-        checked_batch_size: int | None = None,
-    ) -> Admitted:
-        """`admit_or_offload`, the work off the loop awaited."""
-        admitted = self.admit_or_offload(inputs, parameters, received_ns, checked_batch_size)
-        return admitted if isinstance(admitted, Admitted) else await asyncio.to_thread(admitted)
 
     def admit_or_offload(
         self, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any], received_ns: int | None = None,

@@ -19,6 +19,7 @@ from server.http import v2_infer
 from server.protocol import v2
 from server.protocol.v2 import parse_request
 from server.scheduler import admission
+from tests.unit.admitting import admit
 from server.scheduler.admission import INLINE_ITEMS, INLINE_TEXT_BYTES, Admission
 
 TEXT_MODEL = ModelConfig.model_validate(
@@ -69,14 +70,14 @@ def decoded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 async def test_too_many_items_are_refused_before_decoding_or_tokenizing(decoded: list[str]) -> None:
     tokenizer = SpyTokenizer()
     with pytest.raises(InvalidInput, match="batch size 5 is outside 1..4"):
-        await Admission(TEXT_MODEL, tokenizer).admit(texts(*[b"hello"] * 5), {})  # type: ignore[arg-type]
+        await admit(Admission(TEXT_MODEL, tokenizer), texts(*[b"hello"] * 5), {})  # type: ignore[arg-type]
     assert tokenizer.threads == [] and decoded == []
 
 
 async def test_an_item_over_max_item_bytes_is_refused_before_decoding_or_tokenizing(decoded: list[str]) -> None:
     tokenizer = SpyTokenizer()
     with pytest.raises(InvalidInput, match="item 1 is 1001 bytes, over the model's max_item_bytes of 1000"):
-        await Admission(TEXT_MODEL, tokenizer).admit(texts(b"ok", b"x" * 1001), {})  # type: ignore[arg-type]
+        await admit(Admission(TEXT_MODEL, tokenizer), texts(b"ok", b"x" * 1001), {})  # type: ignore[arg-type]
     assert tokenizer.threads == [] and decoded == []
 
 
@@ -89,10 +90,10 @@ async def test_large_text_is_decoded_and_tokenized_off_the_event_loop(decoded: l
     tokenizer = SpyTokenizer()
     item = b"w" * (INLINE_TEXT_BYTES // 2 + 1)
     model = Admission(TEXT_MODEL.model_copy(update={"max_item_bytes": 1 << 20}), tokenizer)  # type: ignore[arg-type]
-    await model.admit(texts(b"small"), {})
+    await admit(model, texts(b"small"), {})
     main = threading.main_thread().name
     assert tokenizer.threads == [main] and decoded == [main]
-    await model.admit(texts(item, item), {})
+    await admit(model, texts(item, item), {})
     assert tokenizer.threads[1] != main and decoded[1:] and main not in decoded[1:]
 
 
@@ -108,7 +109,7 @@ async def test_many_bytes_items_are_checked_off_the_event_loop(decoded: list[str
     )
     array = np.empty((1, INLINE_ITEMS + 1), dtype=object)
     array.fill(b"a")
-    await Admission(config, None).admit({"s": ("BYTES", array)}, {})
+    await admit(Admission(config, None), {"s": ("BYTES", array)}, {})
     main = threading.main_thread().name
     assert len(decoded) == INLINE_ITEMS + 1 and main not in decoded
 

@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from server.config import ModelConfig
+from tests.unit.admitting import admit
 from server.scheduler.admission import Admission
 
 CONFIG = ModelConfig.model_validate(
@@ -25,24 +26,24 @@ INPUTS = {"x": ("FP32", np.ones((1, 1), dtype=np.float32))}
 
 async def test_the_deadline_counts_from_receipt() -> None:
     received = time.perf_counter_ns() - 300_000_000  # its body took 300 ms to arrive and parse
-    admitted = await Admission(CONFIG, None).admit(INPUTS, {"timeout": 1_000_000}, received)
+    admitted = await admit(Admission(CONFIG, None), INPUTS, {"timeout": 1_000_000}, received)
     assert admitted.deadline_ns == received + 1_000_000_000
 
 
 async def test_the_models_default_timeout_counts_from_receipt_too() -> None:
     received = time.perf_counter_ns() - 300_000_000
-    admitted = await Admission(CONFIG, None).admit(INPUTS, {}, received)
+    admitted = await admit(Admission(CONFIG, None), INPUTS, {}, received)
     assert admitted.deadline_ns == received + 2_000_000_000
 
 
 async def test_without_a_receipt_time_the_deadline_counts_from_admission() -> None:
     before = time.perf_counter_ns()
-    admitted = await Admission(CONFIG, None).admit(INPUTS, {"timeout": 1_000_000})
+    admitted = await admit(Admission(CONFIG, None), INPUTS, {"timeout": 1_000_000})
     assert admitted.deadline_ns is not None
     assert before + 1_000_000_000 <= admitted.deadline_ns <= time.perf_counter_ns() + 1_000_000_000
 
 
 async def test_no_timeout_no_deadline() -> None:
     config = CONFIG.model_copy(update={"dynamic_batching": None})
-    admitted = await Admission(config, None).admit(INPUTS, {}, time.perf_counter_ns())
+    admitted = await admit(Admission(config, None), INPUTS, {}, time.perf_counter_ns())
     assert admitted.deadline_ns is None
