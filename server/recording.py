@@ -59,11 +59,13 @@ class TrafficRecorder:
                 arrays = {name: stored[name] for name in stored.files}
         except FileNotFoundError:
             return
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - truncated, not a zip, not numpy's: whatever it is, not a sample
             logger.warning("the recorded requests in %s cannot be read (%s); recording starts afresh", self.path, exc)
             return
-        if sorted(arrays) != sorted(self._names):
-            logger.warning("the recorded requests in %s are for other inputs; recording starts afresh", self.path)
+        items = {a.shape[0] if a.ndim else None for a in arrays.values()}  # one count of items for every input
+        if sorted(arrays) != sorted(self._names) or len(items) != 1 or None in items:
+            logger.warning("the recorded requests in %s do not fit this model's inputs; recording starts afresh",
+                           self.path)
             return
         count = min(len(next(iter(arrays.values()))), self._settings.max_items)
         for index in range(count):

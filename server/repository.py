@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 from pydantic import ValidationError
@@ -47,6 +49,7 @@ class ModelRepository:
         self._failures: dict[str, str] = {}  # model name -> why it could not be loaded at all
         self._unloaded: set[str] = set()  # explicitly unloaded, shown as such in the index
         self._locks: dict[str, asyncio.Lock] = {}
+        self._changing: set[asyncio.Task[None]] = set()  # loads and unloads whose callers may have left
 
     def names_on_disk(self) -> list[str]:
         if not self.root.is_dir():
@@ -82,8 +85,21 @@ class ModelRepository:
         take over only when every one of them is ready, then the old ones drain. A reload that
         fails (config, build, artifact, warm-up, memory) leaves the old versions serving and
         raises the reason, as Triton does. `config_override` (JSON) stands in for config.yaml
-        for this load only, as Triton's `config` load parameter: config.yaml is not touched."""
+        for this load only, as Triton's `config` load parameter: config.yaml is not touched.
+        A caller that stops waiting (a client's deadline) does not stop it (`_to_the_end`)."""
         path = self._model_dir(name)
+        await self._to_the_end(self._load(name, path, config_override))
+
+    async def _to_the_end(self, change: Coroutine[Any, Any, None]) -> None:
+        """Run a load or unload to its end whatever becomes of the caller: one cut short would
+        leave versions built and never closed, or an old version half drained, its computing
+        requests failed and its engines never freed."""
+        task = asyncio.ensure_future(change)
+        self._changing.add(task)
+        task.add_done_callback(self._changing.discard)
+        await asyncio.shield(task)  # a caller cancelled here leaves it running (shield reads its outcome)
+
+    async def _load(self, name: str, path: Path, config_override: str | None) -> None:
         async with self._locks.setdefault(name, asyncio.Lock()):
             old = self._versions.get(name, {})
             serving = sorted(v for v, m in old.items() if m.ready)
@@ -134,7 +150,11 @@ class ModelRepository:
         return ENGINES[config.engine].with_threads(config, self._engine_threads)
 
     async def unload(self, name: str) -> None:
+        """Drain and free every version of a model, to the end whatever becomes of the caller."""
         self._model_dir(name)
+        await self._to_the_end(self._unload(name))
+
+    async def _unload(self, name: str) -> None:
         async with self._locks.setdefault(name, asyncio.Lock()):
             versions = self._versions.pop(name, {})
             self._failures.pop(name, None)

@@ -465,7 +465,7 @@ class Batcher:
             if not self._running:  # nothing can run any more: no instance left
                 self._fail_queued(Unavailable("the model was unloaded before this request ran"))
                 break
-            await asyncio.gather(*list(self._running), return_exceptions=True)
+            await asyncio.wait(list(self._running))  # not gather: a drain cancelled must not cancel its batches
             self._dispatch()
 
     def _fail_queued(self, error: BatchlineError) -> None:

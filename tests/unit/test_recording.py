@@ -135,6 +135,25 @@ async def test_a_new_run_resumes_the_sample_an_earlier_one_wrote(tmp_path: Path)
     assert other.items == []
 
 
+@pytest.mark.parametrize("stored", [b"PK\x03\x04 cut short", b"not a zip at all"])
+def test_a_sample_file_that_cannot_be_read_starts_afresh(tmp_path: Path, stored: bytes) -> None:
+    """A truncated or foreign file (a model folder copied half-way) is no sample: the model
+    still loads and records afresh."""
+    (tmp_path / RECORDED_FILE).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / RECORDED_FILE).write_bytes(stored)
+    recorder = TrafficRecorder(RecordTraffic(), config(), tmp_path)
+    recorder.restore()
+    assert recorder.items == []
+
+
+def test_a_sample_without_an_item_axis_starts_afresh(tmp_path: Path) -> None:
+    (tmp_path / RECORDED_FILE).parent.mkdir(parents=True, exist_ok=True)
+    np.savez(tmp_path / RECORDED_FILE, x=np.float32(1.0))
+    recorder = TrafficRecorder(RecordTraffic(), config(), tmp_path)
+    recorder.restore()
+    assert recorder.items == []
+
+
 async def test_a_repository_it_cannot_write_is_said_once_and_serving_goes_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

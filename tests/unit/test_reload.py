@@ -16,9 +16,10 @@ import yaml
 
 import server.repository
 from server.errors import EngineError, InvalidInput, Unavailable
+from server.model import ModelState
 from server.repository import ModelRepository
 from server.scheduler.admission import Admission, Admitted
-from tests.unit.fault_engines import Faults, injected_faults, rows
+from tests.unit.fault_engines import HANG, Faults, injected_faults, rows
 from tests.unit.onnx_models import DOUBLING_CONFIG, doubling, write_model
 from tests.unit.waiting import eventually
 
@@ -265,6 +266,42 @@ async def test_a_request_given_up_in_admission_is_never_queued_and_its_admission
     await asyncio.wait_for(unload, 5)
     assert model.pending_requests == 0 and model.stats.success.count == 0
     assert not model.stats.failures  # never queued: neither served nor dropped from the queue
+
+
+async def test_a_reload_whose_caller_gives_up_runs_to_its_end(tmp_path: Path, faults: Faults) -> None:
+    """A load's client that stops waiting (a gRPC deadline) stops nothing: the request the old
+    version computes is answered, and the old version drains and frees its engines."""
+    repository = ModelRepository(tmp_path)
+    write_model(tmp_path, "double", {**DOUBLING_CONFIG, "dynamic_batching": {}}, doubling)
+    await repository.load("double")
+    old = repository.get("double")
+    engines = [i.pipeline.engine for i in old.instances]
+    computing = old.start_request({"x": rows(HANG)})
+    await eventually(faults.held.is_set, "the request computes")
+    reload = asyncio.create_task(repository.load("double"))
+    await eventually(lambda: old.state is ModelState.UNLOADING, "the old version drains")
+    reload.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reload
+    faults.release.set()
+    assert (await asyncio.wait_for(computing, 5))["y"].tolist() == [[2 * HANG, 2 * HANG]]
+    await eventually(lambda: all(e.closed.is_set() for e in engines), "the old version's engines are freed")
+    assert repository.get("double") is not old
+    await repository.unload_all()
+
+
+async def test_a_load_whose_caller_gives_up_while_it_builds_is_kept(tmp_path: Path, faults: Faults) -> None:
+    """Cancelled while its engine builds: the version built is served, not left unowned."""
+    repository = ModelRepository(tmp_path)
+    write_model(tmp_path, "double", {**DOUBLING_CONFIG, "dynamic_batching": {}}, doubling)
+    load = asyncio.create_task(repository.load("double"))
+    await eventually(lambda: faults.created >= 1, "an engine is being built")
+    load.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await load
+    await eventually(lambda: bool(repository.loaded()), "the load ends")
+    assert (await repository.get("double").infer({"x": rows(1.0)}))["y"].tolist() == [[2.0, 2.0]]
+    await repository.unload_all()
 
 
 async def test_a_reload_keeps_the_old_version_when_one_of_several_new_ones_fails(tmp_path: Path) -> None:

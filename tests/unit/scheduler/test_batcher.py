@@ -344,6 +344,21 @@ async def test_a_withdrawn_request_is_dropped_only_while_queued() -> None:
     assert len(fake.batches) == 1 and stats.failures["cancelled"] == 1
 
 
+async def test_a_drain_cancelled_leaves_its_batches_running() -> None:
+    fake = FakeInstance()
+    b, _ = batcher([fake])
+    running = request([1.0])
+    b.submit(running)
+    await settle()
+    drain = asyncio.create_task(b.drain())
+    await settle()
+    drain.cancel()
+    await settle()
+    assert drain.cancelled() and not running.future.done()
+    fake.release(0)
+    assert (await running.future)["y"].tolist() == [[2.0]]
+
+
 async def test_only_compatible_shapes_share_a_batch() -> None:
     fake = FakeInstance()
     b, _ = batcher([fake])
