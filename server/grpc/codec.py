@@ -68,8 +68,8 @@ def held_bytes(request: pb.ModelInferRequest) -> int:
             held += tensor.contents.ByteSize()
         else:
             contents = CONTENTS_FIELD.get(tensor.datatype)
-            held += 8 * (len(getattr(tensor.contents, contents)) if contents
-                         else math.prod(d for d in tensor.shape if d > 0))
+            if contents:  # a datatype with no typed field carries nothing there (declare refuses it)
+                held += 8 * len(getattr(tensor.contents, contents))
     return held
 
 
