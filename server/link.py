@@ -175,28 +175,28 @@ class PlaneLink(_Stream):
     ) -> None:
         if not self._still_owed(call, future):
             return
+        slots: list[int] = []
         try:
-            metas, data, _ = pack_tensors(started.outputs(future.result()), self._arena)  # freed once read there
+            metas, data, slots = pack_tensors(started.outputs(future.result()), self._arena)  # freed once read there
+            reply: dict[str, Any] = {"i": call, "out": metas, "ver": version}
+            if record is not None:
+                reply["rec"] = record_fields(record)
+            self.send(reply, data)
         except BaseException as exc:  # noqa: BLE001 - cancelled too: every call is answered
+            free_slots(self._arena, slots)  # taken for an answer that could not go out
             self._answer_failure(call, exc)
-            return
-        reply: dict[str, Any] = {"i": call, "out": metas, "ver": version}
-        if record is not None:
-            reply["rec"] = record_fields(record)
-        self.send(reply, data)
 
     def _answer_raw(self, call: int, record: RequestRecord | None, task: asyncio.Task[tuple[bytes, int | None]]) -> None:
         if not self._still_owed(call, task):
             return
         try:
             content, binary_header_length = task.result()
+            reply: dict[str, Any] = {"i": call, "raw": binary_header_length}
+            if record is not None:
+                reply["rec"] = record_fields(record)
+            self.send(reply, [content])
         except BaseException as exc:  # noqa: BLE001 - every call is answered
             self._answer_failure(call, exc)
-            return
-        reply: dict[str, Any] = {"i": call, "raw": binary_header_length}
-        if record is not None:
-            reply["rec"] = record_fields(record)
-        self.send(reply, [content])
 
     def _still_owed(self, call: int, future: asyncio.Future[Any]) -> bool:
         """Whether a call that just finished is still to be answered (not, once the link is lost:
@@ -339,8 +339,9 @@ class LinkClient(_Stream):
         future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
         try:
             self.send(header, payload)
-        except BaseException:
+        except BaseException:  # a header that cannot cross: this call is refused
             free_slots(self._arena, slots)
+            self._released[:0] = header.pop("f", [])  # still to tell the server process
             raise
         self._pending[call] = (future, slots)
         try:

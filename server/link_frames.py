@@ -17,13 +17,14 @@ import numpy as np
 import orjson
 
 from server.arena import MIN_SLOT, Arena
-from server.errors import BatchlineError, QueueFull
+from server.errors import BatchlineError, InvalidInput, QueueFull
 from server.protocol.binary import tensor_from_bytes, tensor_to_bytes
 from server.protocol.datatypes import BYTES
 from server.scheduler.request import RequestRecord
 
 _LENGTHS = struct.Struct("<II")  # header bytes, payload bytes
-MAX_HEADER_BYTES = 16 << 20  # a header names tensors and parameters: never near this
+MAX_HEADER_BYTES = 16 << 20  # a header names tensors and parameters: a larger one is refused as it is made
+MAX_MESSAGE_CHARS = 64 << 10  # an error's message crosses cut to this (one may quote a client's huge name)
 INLINE = "i"  # a tensor's bytes in the frame's payload
 IN_ARENA = "s"  # ... in a slot of the sender's arena
 
@@ -93,8 +94,16 @@ class FrameReader:
 
 
 def frame_bytes(header: dict[str, Any], payload: list[bytes | memoryview] | None = None) -> list[bytes | memoryview]:
-    """The pieces of one frame, to write in one call."""
-    head = orjson.dumps(header)
+    """The pieces of one frame, to write in one call. InvalidInput for a header that cannot
+    cross (what a client sent, in parameters or names, nested too deep for the encoder or too
+    large for the far side's reader): its own call is refused, not the link."""
+    try:
+        head = orjson.dumps(header)
+    except TypeError as exc:  # orjson: nesting past its limit
+        raise InvalidInput(f"the request cannot be passed on to the server process: {exc}") from None
+    if len(head) > MAX_HEADER_BYTES:
+        raise InvalidInput(f"the request's parameters and names take {len(head)} bytes encoded; at most "
+                           f"{MAX_HEADER_BYTES} can be passed on to the server process")
     parts = payload or []
     return [_LENGTHS.pack(len(head), sum(len(p) for p in parts)), head, *parts]
 
@@ -171,7 +180,8 @@ def error_header(call: int, error: BaseException) -> dict[str, Any]:
     """The answer to a call that failed: a server error by name, anything else without detail."""
     if isinstance(error, BatchlineError):
         retry = error.retry_after_s if isinstance(error, QueueFull) else None
-        return {"i": call, "e": [type(error).__name__, error.message, retry]}
+        message = error.message if len(error.message) <= MAX_MESSAGE_CHARS else error.message[:MAX_MESSAGE_CHARS] + "..."
+        return {"i": call, "e": [type(error).__name__, message, retry]}
     return {"i": call, "e": [None, "the server process failed this call; see its log", None]}
 
 

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 
-from server import link
+from server import link, link_frames
 from server.arena import MIN_SLOT, Arena
 from server.errors import DeadlineExceeded, InvalidInput, QueueFull, ServerBusy, Unavailable
 from server.link import LinkClient, PlaneLink
@@ -147,6 +147,42 @@ def test_typed_errors_cross_as_themselves() -> None:
     assert type(error_from(error_header(1, DeadlineExceeded("late"))["e"])) is DeadlineExceeded
     unknown = error_from(error_header(1, KeyError("x"))["e"])  # not a server error: no detail leaks
     assert type(unknown) is RuntimeError and "x" not in str(unknown)
+
+
+def test_an_error_quoting_a_huge_name_crosses_cut_short() -> None:
+    long = error_from(error_header(1, InvalidInput("no input " + "x" * (2 * link_frames.MAX_MESSAGE_CHARS)))["e"])
+    assert type(long) is InvalidInput and len(long.message) == link_frames.MAX_MESSAGE_CHARS + 3
+
+
+def test_a_header_that_cannot_cross_is_refused_as_it_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    deep: list[Any] = []
+    for _ in range(300):  # orjson reads 1,024 levels and writes 254
+        deep = [deep]
+    with pytest.raises(InvalidInput, match="cannot be passed on to the server process"):
+        frame_bytes({"p": {"deep": deep}})
+    monkeypatch.setattr(link_frames, "MAX_HEADER_BYTES", 100)
+    with pytest.raises(InvalidInput, match="at most 100 can be passed on"):
+        frame_bytes({"p": {"note": "x" * 100}})
+
+
+async def test_a_call_whose_header_cannot_cross_is_refused_and_the_link_serves_on(
+    linked: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its own call gets a 400 (a header the server process's reader would refuse would close
+    the link, failing every call on it); slots it took are freed, and output slots still to be
+    given back go with the next frame."""
+    client, _, ends = linked
+    monkeypatch.setattr(link_frames, "MAX_HEADER_BYTES", 4096)
+    client._released = [7]
+    large = np.ones((1, MIN_SLOT // 4), np.float32)
+    with pytest.raises(InvalidInput, match="parameters and names take"):
+        await client.infer("m", None, [("x", "FP32", large)], {"note": "x" * 5000}, None, None, 0)
+    assert client._released == [7] and client._arena is not None and client._arena.allocate(1) == 0
+    client._arena.free(0)
+    client._released = []  # no such slot was taken on the far side
+    _, outputs = await client.infer("m", None, [("x", "FP32", large)], {}, None, None, 0)
+    np.testing.assert_array_equal(outputs[0][2], large * 2)
+    assert not client.lost and ends[0].transport is not None
 
 
 async def test_small_tensors_cross_inline_and_large_ones_in_shared_memory(linked: Any) -> None:
