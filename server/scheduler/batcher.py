@@ -325,7 +325,7 @@ class Batcher:
         retired = False
         try:
             result = await instance.run([r.feed for r in batch])
-        except BaseException as exc:  # one bad batch fails its own requests, nobody else's
+        except BaseException as exc:  # the instance isolates a bad request: what comes here fails the batch
             self._stats.record_busy(instance.label, self._clock() - dispatched_ns)
             retired = isinstance(exc, ExecutionTimeout)  # its thread is still in the engine
             error = exc if isinstance(exc, BatchlineError) else EngineError(f"{type(exc).__name__}: {exc}")

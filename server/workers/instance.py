@@ -15,6 +15,9 @@ Faults stay within the batch that met them:
   answered. The instance then lowers its working batch cap below the smallest size that ran out
   of memory, so later batches are formed within it; sizes that failed only because they held
   such an item do not count (one huge request must not shrink every later batch).
+- Any other engine error on a batch of several requests: each request is run again alone, so
+  one whose values the engine cannot take (text that does not parse, an id out of range) fails
+  alone and the others are answered. An engine that fails everything costs one run a request.
 """
 
 from __future__ import annotations
@@ -121,6 +124,13 @@ class ModelInstance:
             except Exception as exc:
                 rows = sum(p.rows for p in group)
                 if not is_out_of_memory(exc):
+                    alone = _by_request(group)
+                    if len(alone) > 1:  # whose values failed it? each runs alone to say
+                        logger.warning("a batch of %d requests failed on %s (%s); each runs again alone",
+                                       len(alone), self.label, _reason(exc))
+                        work.extendleft(reversed(alone))
+                        whole = False
+                        continue
                     if whole:
                         raise
                     logger.error("part of a batch (%d items) failed on %s", rows, self.label, exc_info=exc)
@@ -270,6 +280,14 @@ def _packed(pieces: list[_Piece], cap: int | None) -> list[list[_Piece]]:
             rows += cut.rows
     groups.append(current)
     return groups
+
+
+def _by_request(group: list[_Piece]) -> list[list[_Piece]]:
+    """The group as one group per request, in order."""
+    requests: dict[int, list[_Piece]] = {}
+    for piece in group:
+        requests.setdefault(piece.request, []).append(piece)
+    return list(requests.values())
 
 
 def _halves(group: list[_Piece]) -> list[list[_Piece]]:

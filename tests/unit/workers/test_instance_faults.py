@@ -93,7 +93,7 @@ async def test_without_a_watchdog_a_slow_run_is_waited_for(faults: Faults) -> No
 async def test_an_engine_that_raises_fails_its_batch_and_the_instance_serves_on(faults: Faults) -> None:
     worker = instance(faults, timeout_s=5)
     with pytest.raises(EngineError, match="the engine failed on purpose"):
-        await worker.run([feed(1.0), feed(RAISE)])
+        await worker.run([feed(1.0, RAISE)])
     assert not worker.abandoned
     assert doubled((await worker.run([feed(3.0)])).outputs[0]) == [6.0]
     worker.close()
@@ -143,12 +143,23 @@ async def test_a_true_limit_still_lowers_the_cap_beside_an_item_too_big(faults: 
     worker.close()
 
 
-async def test_an_error_other_than_memory_after_a_split_fails_only_its_part(faults: Faults) -> None:
+async def test_an_error_other_than_memory_after_a_split_fails_only_its_request(faults: Faults) -> None:
     worker = instance(faults)
     faults.max_rows = 2
     result = await worker.run([feed(1.0), feed(2.0), feed(RAISE), feed(4.0)])
-    assert sorted(result.failed) == [2, 3] and all(isinstance(e, EngineError) for e in result.failed.values())
-    assert [doubled(o) for o in result.outputs[:2]] == [[2.0], [4.0]]
+    assert list(result.failed) == [2] and isinstance(result.failed[2], EngineError)
+    assert [doubled(o) for i, o in enumerate(result.outputs) if i != 2] == [[2.0], [4.0], [8.0]]
+    worker.close()
+
+
+async def test_a_request_the_engine_cannot_take_fails_alone_and_the_others_are_answered(faults: Faults) -> None:
+    """A batch that fails for one request's values runs each request again alone: only that one
+    fails."""
+    worker = instance(faults)
+    result = await worker.run([feed(1.0, 2.0), feed(RAISE), feed(3.0)])
+    assert list(result.failed) == [1] and "the engine failed on purpose" in result.failed[1].message
+    assert doubled(result.outputs[0]) == [2.0, 4.0] and doubled(result.outputs[2]) == [6.0]
+    assert faults.runs() == [[1.0, 2.0, RAISE, 3.0], [1.0, 2.0], [RAISE], [3.0]]
     worker.close()
 
 
