@@ -105,7 +105,7 @@ def parse_request(body: bytes, header_length: int | None = None) -> ParsedReques
         parameters=parameters,
         inputs=inputs,
         outputs=_requested_outputs(document.get("outputs")),
-        binary_output=bool(parameters.get("binary_data_output", False)),
+        binary_output=_flag(parameters, "binary_data_output", "the request") or False,
         decode_bytes=decode_bytes,
     )
 
@@ -283,10 +283,19 @@ def _requested_outputs(value: object) -> list[RequestedOutput] | None:
             raise Unsupported("the classification extension is not supported by this server")
         if any(r.name == raw["name"] for r in requested):
             raise InvalidInput(f"output '{raw['name']}' is asked for more than once")
-        binary = parameters.get("binary_data")
+        binary = _flag(parameters, "binary_data", f"output '{raw['name']}'")
         region = region_ref(parameters, f"output '{raw['name']}'")
-        requested.append(RequestedOutput(raw["name"], None if binary is None else bool(binary), region))
+        requested.append(RequestedOutput(raw["name"], binary, region))
     return requested
+
+
+def _flag(parameters: dict[str, Any], name: str, where: str) -> bool | None:
+    """A true-or-false parameter (None: not given); anything else is refused, as the string
+    "false" would otherwise read as true."""
+    value = parameters.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidInput(f"{where}: '{name}' must be true or false")
+    return value
 
 
 def encode_response(

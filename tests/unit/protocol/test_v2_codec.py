@@ -597,3 +597,20 @@ def test_an_output_asked_for_twice_is_refused() -> None:
                                                                         "shared_memory_byte_size": 4}}]}
     with pytest.raises(InvalidInput, match="output 'y' is asked for more than once"):
         decode_request(orjson.dumps(document))
+
+
+@pytest.mark.parametrize(("outputs", "parameters", "refused"), [
+    ([{"name": "y", "parameters": {"binary_data": "false"}}], {}, "output 'y': 'binary_data' must be true or false"),
+    ([{"name": "y", "parameters": {"binary_data": 1}}], {}, "output 'y': 'binary_data'"),
+    (None, {"binary_data_output": "false"}, "the request: 'binary_data_output' must be true or false"),
+])
+def test_a_binary_data_flag_that_is_not_true_or_false_is_refused(
+    outputs: list[dict[str, Any]] | None, parameters: dict[str, Any], refused: str,
+) -> None:
+    """The string "false" used to read as true."""
+    document: dict[str, Any] = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}],
+                                "parameters": parameters}
+    if outputs is not None:
+        document["outputs"] = outputs
+    with pytest.raises(InvalidInput, match=refused):
+        decode_request(orjson.dumps(document))
