@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -362,8 +363,7 @@ class Batcher:
                 if index in late:
                     self._answer_late(request, done)
                     continue
-                self._stats.record_success(done - request.received_ns)
-                self._release(request, lambda r=request, o=outputs: r.resolve(o))
+                self._release(request, functools.partial(self._answer_in_time, request, outputs, done))
         finally:
             self._running.pop(asyncio.current_task(), None)  # type: ignore[arg-type]  # no longer counts as busy
             if retired:
@@ -383,12 +383,25 @@ class Batcher:
     def _answer_late(self, request: InferenceRequest, done_ns: int) -> None:
         """Its batch finished after its deadline: the client was promised an answer by then,
         so it gets the deadline error rather than a result it no longer waits for."""
+        error = self._late(request, done_ns, "the request's batch finished")
+        self._release(request, lambda: request.fail(error))
+
+    def _answer_in_time(self, request: InferenceRequest, outputs: dict[str, np.ndarray], done_ns: int) -> None:
+        """A result, released: still within its deadline, or held (preserve_ordering) past it."""
+        if self._settings.preserve_ordering and request.deadline_ns is not None:
+            done_ns = self._clock()
+            if done_ns > request.deadline_ns:
+                request.fail(self._late(request, done_ns, "the request's result, held behind an earlier one, was ready"))
+                return
+        self._stats.record_success(done_ns - request.received_ns)
+        request.resolve(outputs)
+
+    def _late(self, request: InferenceRequest, done_ns: int, what: str) -> DeadlineExceeded:
+        """Count a request answered past its deadline; the error it gets."""
         self._stats.fail.add(done_ns - request.received_ns)
         self._stats.count_failure("deadline")
         late_ms = (done_ns - request.deadline_ns) / 1e6 if request.deadline_ns is not None else 0.0
-        error = DeadlineExceeded(f"the request's batch finished {late_ms:.0f} ms after its deadline; "
-                                 "its result was dropped")
-        self._release(request, lambda: request.fail(error))
+        return DeadlineExceeded(f"{what} {late_ms:.0f} ms after its deadline; its result was dropped")
 
     def _note_memory(self, instance: BatchRunner, result: BatchResult) -> None:
         """Record a working cap lowered by running out of memory; later batches fit within it."""

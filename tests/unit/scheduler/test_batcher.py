@@ -490,6 +490,29 @@ async def test_preserve_ordering_holds_later_results() -> None:
     assert b.requests_running == 0 and b.requests_held == 0
 
 
+async def test_a_result_held_for_ordering_past_its_deadline_is_answered_late() -> None:
+    """No result comes after its deadline, held behind an earlier request or not."""
+    slow, fast = FakeInstance("slow"), FakeInstance("fast")
+    b, stats = batcher([fast, slow], max_batch=1, preserve_ordering=True)
+    first = request([1.0])
+    b.submit(first)
+    await settle()
+    second = request([2.0], deadline_ns=time.perf_counter_ns() + 50_000_000)
+    b.submit(second)
+    await settle()
+    second_instance = fast if fast.batches[0][0]["x"].item() == 2.0 else slow
+    first_instance = slow if second_instance is fast else fast
+    second_instance.release(0)  # done within its deadline, held behind the first
+    await settle()
+    await asyncio.sleep(0.1)  # its deadline passes while it is held
+    first_instance.release(0)
+    await settle()
+    assert (await first.future)["y"].tolist() == [[2.0]]
+    with pytest.raises(DeadlineExceeded, match="held behind an earlier one"):
+        await second.future
+    assert stats.failures["deadline"] == 1 and stats.success.count == 1
+
+
 async def test_drain_runs_what_is_queued() -> None:
     fake = FakeInstance()
     b, _ = batcher([fake], max_batch=1)
