@@ -70,6 +70,11 @@ class PayloadTooLarge(BatchlineError):
     """The request body is larger than the server accepts."""
 
 
+class RequestTimeout(BatchlineError):
+    """The client stopped sending its request's body part-way: what the request reserved of the
+    bytes in flight is freed rather than held for as long as the connection stays open."""
+
+
 class Unsupported(BatchlineError):
     """The request asks for a feature this server does not implement."""
 

@@ -22,6 +22,7 @@ from server.errors import (
     ModelNotFound,
     OutOfMemory,
     PayloadTooLarge,
+    RequestTimeout,
     QueueFull,
     ServerBusy,
     Unavailable,
@@ -37,6 +38,7 @@ CODE_BY_ERROR: dict[type[BatchlineError], grpc.StatusCode] = {
     ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
     ModelNotFound: grpc.StatusCode.NOT_FOUND,
     PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,  # what gRPC itself answers for a message too large
+    RequestTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,  # HTTP's alone: grpc reads whole messages itself
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ServerBusy: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Cancelled: grpc.StatusCode.CANCELLED,

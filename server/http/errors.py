@@ -21,6 +21,7 @@ from server.errors import (
     OutOfMemory,
     PayloadTooLarge,
     QueueFull,
+    RequestTimeout,
     ServerBusy,
     Unavailable,
     Unsupported,
@@ -35,6 +36,7 @@ STATUS_BY_ERROR: dict[type[BatchlineError], int] = {
     Unsupported: 400,
     ConfigError: 400,
     ModelNotFound: 404,
+    RequestTimeout: 408,
     PayloadTooLarge: 413,
     QueueFull: 429,
     ServerBusy: 429,
@@ -90,6 +92,8 @@ def error_parts(error: BaseException) -> tuple[int, bytes, dict[str, str]]:
     headers = {}
     if isinstance(error, QueueFull):
         headers["Retry-After"] = error.retry_after
+    elif isinstance(error, RequestTimeout):  # the rest of its body may still come: not a request to read
+        headers["Connection"] = "close"
     return status_of(error), encode_error(error.message), headers
 
 

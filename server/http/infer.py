@@ -23,10 +23,11 @@ from collections.abc import Awaitable, Callable
 from server.access_log import AccessLog
 from server.asgi.disconnect import unless_client_leaves
 from server.asgi.lengths import TOO_LONG, declared_length
-from server.asgi.respond import JSON, body_headers, send_response
+from server.asgi.body import next_part
+from server.asgi.respond import JSON, body_headers, send_messages, send_response
 from server.asgi.types import ASGIApp, Message, Receive, Scope, Send
 from server.dataplane import DataPlane
-from server.errors import Cancelled, InvalidInput, PayloadTooLarge
+from server.errors import Cancelled, InvalidInput, PayloadTooLarge, RequestTimeout
 from server.http import v2_infer
 from server.http.errors import error_parts
 from server.inflight import BUSY_MESSAGE, InFlight, body_reservation
@@ -155,6 +156,10 @@ class InferEndpoint:
             header_length = _header_length(headers)
         except Cancelled:
             return CLIENT_CLOSED  # the client is gone; nobody to answer
+        except RequestTimeout as exc:  # sent as ASGI's messages: the server then honours its Connection: close
+            status, content, extra = error_parts(exc)
+            await send_messages(send, status, body_headers(content, extra, JSON), content)
+            return status
         except Exception as exc:  # noqa: BLE001 - every failure is answered in v2's shape, an unknown one as 500
             return await _send(scope, send, *error_parts(exc))
         outcome = await unless_client_leaves(
@@ -177,7 +182,7 @@ class InferEndpoint:
         chunks: list[bytes] = []
         size = 0
         while True:
-            message = await receive()
+            message = await next_part(receive)
             if message["type"] == "http.disconnect":
                 raise Cancelled("the client disconnected while sending the body")
             chunk = message.get("body", b"")

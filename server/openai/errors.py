@@ -23,6 +23,7 @@ from server.errors import (
     InvalidInput,
     ModelNotFound,
     PayloadTooLarge,
+    RequestTimeout,
     QueueFull,
     ServerBusy,
     Unavailable,
@@ -41,6 +42,7 @@ KIND_BY_ERROR: dict[type[BatchlineError], tuple[int, str, str | None]] = {
     Unsupported: (400, INVALID, None),
     ConfigError: (400, INVALID, None),
     ModelNotFound: (404, INVALID, "model_not_found"),
+    RequestTimeout: (408, INVALID, None),
     PayloadTooLarge: (413, INVALID, "request_too_large"),
     QueueFull: (429, "requests", "rate_limit_exceeded"),
     ServerBusy: (429, "requests", "rate_limit_exceeded"),
@@ -76,6 +78,8 @@ def error_parts(error: BaseException) -> tuple[int, bytes, dict[str, str]]:
         return 500, error_body(f"internal error: {type(error).__name__}", SERVER), {}
     status, type_, code = kind_of(error)
     headers = {"Retry-After": error.retry_after} if isinstance(error, QueueFull) else {}
+    if isinstance(error, RequestTimeout):  # the rest of its body may still come: not a request to read
+        headers["Connection"] = "close"
     return status, error_body(error.message, type_, getattr(error, "param", None), code), headers
 
 

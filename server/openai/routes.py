@@ -19,9 +19,9 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from starlette.requests import ClientDisconnect
 
 from server.access_log import AccessLog
+from server.asgi.body import next_part
 from server.asgi.disconnect import unless_client_leaves
 from server.asgi.lengths import declared_length
 from server.dataplane import DataPlane
@@ -172,12 +172,14 @@ async def _body(request: Request, limit: int) -> bytes:
         raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
     chunks: list[bytes] = []
     size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise Cancelled("the client disconnected while sending the body") from None
-    return b"".join(chunks)
+    while True:
+        message = await next_part(request.receive)
+        if message["type"] == "http.disconnect":
+            raise Cancelled("the client disconnected while sending the body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)

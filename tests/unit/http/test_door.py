@@ -14,6 +14,7 @@ import orjson
 import pytest
 import pytest_asyncio
 
+from server.asgi import body
 from server.dataplane import DataPlane
 from server.http.app import create_app
 from server.http.auth import AccessPolicy
@@ -106,6 +107,46 @@ async def test_a_refused_request_keeps_its_connection_and_what_follows_is_answer
     writer.close()
     assert 1.0 not in gate.ran(), "a refused request never reached the engine"
     assert through_the_app == [], "the protocol answered the 429, not the app (does uvicorn still call the door?)"
+
+
+@pytest.mark.parametrize("sent", ["", '{"inputs": ['])
+async def test_a_body_that_stops_part_way_is_refused_and_frees_its_place(
+    plane: DataPlane, monkeypatch: pytest.MonkeyPatch, sent: str,
+) -> None:
+    """Through uvicorn itself: an upload that stops (before its first byte, or part-way) gets
+    408 once no part has come for the idle timeout, its connection is closed, and the place it
+    held in flight serves the next call."""
+    monkeypatch.setattr(body, "BODY_IDLE_TIMEOUT_S", 0.3)
+    plane.start([])
+    frontend, port = await started(create_app(plane, flight=InFlight(1)))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(post(b"").replace(b"Content-Length: 0", b"Content-Length: 4096") + sent.encode())
+        status, headers, answer = await read_response(reader)
+        assert status == 408 and headers["connection"] == "close"
+        assert "no part of the request body came for 0.3 s" in orjson.loads(answer)["error"]
+        assert await asyncio.wait_for(reader.read(), 5) == b"", "the server closed the connection"
+        writer.close()
+        assert (await exchange(port, post(infer_body(2.0))))[0] == 200
+    finally:
+        await frontend.drain()
+
+
+async def test_a_body_that_came_with_its_head_is_read_with_no_timer(
+    plane: DataPlane, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The idle timeout costs a timer (microseconds a request): a body already received, as
+    most are, is read without one."""
+    timed: list[object] = []
+    real = body.within_idle_timeout
+    monkeypatch.setattr(body, "within_idle_timeout", lambda part: timed.append(part) or real(part))
+    plane.start([])
+    frontend, port = await started(create_app(plane))
+    try:
+        assert (await exchange(port, post(infer_body(2.0))))[0] == 200
+        assert timed == []
+    finally:
+        await frontend.drain()
 
 
 @pytest.mark.parametrize("how", ["100-continue", "HTTP/1.0", "Connection: close"])

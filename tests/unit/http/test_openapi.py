@@ -28,7 +28,7 @@ from server.protocol.v2 import encode_error, encode_response
 from server.repository import ModelRepository
 
 INFER_ROUTES = ["/v2/models/{model}/infer", "/v2/models/{model}/versions/{version}/infer"]
-INFER_STATUSES = {"200", "400", "401", "404", "413", "429", "500", "503", "504"}
+INFER_STATUSES = {"200", "400", "401", "404", "408", "413", "429", "500", "503", "504"}
 OPEN_ROUTES = {"GET /v2/health/live", "GET /v2/health/ready", "GET /metrics"}
 CONTROL_ROUTES = {"POST /v2/repository/models/{model}/load", "POST /v2/repository/models/{model}/unload"}
 
@@ -89,7 +89,7 @@ def test_every_error_response_is_the_kserve_error_body_or_openais_under_v1(docum
 
 def test_the_openai_routes_declare_their_statuses_and_bodies(document: dict[str, Any]) -> None:
     embeddings = document["paths"]["/v1/embeddings"]["post"]
-    assert set(embeddings["responses"]) == {"200", "400", "401", "404", "413", "429", "500", "503", "504"}
+    assert set(embeddings["responses"]) == {"200", "400", "401", "404", "408", "413", "429", "500", "503", "504"}
     assert "Retry-After" in embeddings["responses"]["429"]["headers"]
     assert embeddings["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/EmbeddingRequest"}

@@ -28,6 +28,7 @@ import pytest_asyncio
 import yaml
 from prometheus_client import CollectorRegistry
 
+from server.asgi import body
 from server.dataplane import DataPlane
 from server.http.app import create_app
 from server.http.auth import Access, AccessPolicy, access_of
@@ -230,6 +231,7 @@ SHARED_MEMORY_ROUTES = [("GET", "/v2/systemsharedmemory/status"), ("GET", "/v2/s
                         ("POST", "/v2/systemsharedmemory/region/{name}/unregister")]
 SHARED_MEMORY_OFF = {(method, route, 400) for method, route in SHARED_MEMORY_ROUTES}
 ON_A_BUSY_OR_FAILING_EMBEDDINGS_MODEL = {("POST", EMBEDDINGS, status) for status in (429, 500, 504)}
+STALLED_BODY = {("POST", route, 408) for route in (INFER, VERSION_INFER, EMBEDDINGS)}
 
 
 # --- the app under test -------------------------------------------------------------------------
@@ -556,6 +558,28 @@ async def test_shared_memory_routes_answer_400_while_clients_may_not_register(tm
             assert "--allow-client-shm" in response.json()["error"]
 
 
+@pytest.mark.parametrize("path", ["/v2/models/digits/infer", "/v2/models/digits/versions/1/infer", EMBEDDINGS])
+async def test_a_body_that_stops_part_way_is_refused_and_frees_what_it_held(
+    served: tuple[httpx.AsyncClient, DataPlane], document: dict[str, Any], path: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client that stops sending its body (a process frozen mid-upload) gets 408 once no part
+    has come for the idle timeout, and its connection is closed."""
+    monkeypatch.setattr(body, "BODY_IDLE_TIMEOUT_S", 0.2)
+    stalled = asyncio.Event()
+
+    async def stops_part_way() -> AsyncIterator[bytes]:
+        yield b'{"inputs": ['
+        stalled.set()
+        await asyncio.sleep(30)
+        yield b"]}"
+
+    response = await served[0].post(path, content=stops_part_way())
+    assert stalled.is_set()
+    check(document, "POST", path, response, 408)
+    assert response.headers["connection"] == "close"
+
+
 async def test_every_status_the_document_declares_is_provoked_above(document: dict[str, Any]) -> None:
     declared = {
         (method.upper(), route, int(status))
@@ -566,6 +590,6 @@ async def test_every_status_the_document_declares_is_provoked_above(document: di
     probes = PROBES + OPEN_WITHOUT_A_TOKEN + REFUSED
     provoked = {(p.method, route_of(document, p.method, p.path), p.status) for p in probes}
     provoked |= READINESS | ON_A_BUSY_OR_FAILING_MODEL | CONTROL_OFF_OR_FOREIGN_HOST | ON_A_BUSY_OR_FAILING_EMBEDDINGS_MODEL
-    provoked |= SHARED_MEMORY_OFF
+    provoked |= SHARED_MEMORY_OFF | STALLED_BODY
     assert sorted(declared - provoked) == [], "declared, but no test sends it: add a probe"
     assert sorted(provoked - declared) == []

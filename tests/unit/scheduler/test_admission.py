@@ -237,6 +237,7 @@ EXPECTED_STATUS = {
     errors.QueueFull: 429,
     errors.ServerBusy: 429,
     errors.Cancelled: 499,
+    errors.RequestTimeout: 408,
     errors.EngineError: 500,
     errors.Unavailable: 503,
     errors.DeadlineExceeded: 504,
