@@ -6,7 +6,8 @@ tensor in a slot crosses with one copy in (and none through a pipe) instead of t
 socket costs, which is what makes an image model's tensors cheap to move between processes.
 
 Slots come in power-of-two sizes with a free list each, so allocating and freeing cost a dict
-lookup. Memory carved for one size is kept for that size. The whole arena is reserved at
+lookup. Memory carved for one size is kept for that size, until the arena is full: the free
+slots above the highest one in use are then uncarved. The whole arena is reserved at
 creation (`posix_fallocate`), so a /dev/shm too small for it (a container's default is 64 MiB)
 is an error at start, never a SIGBUS when a page is first touched. A full arena is no error:
 `allocate` answers None and the caller sends that tensor another way.
@@ -79,7 +80,7 @@ class Arena:
         free = self._free.get(size)
         if free:
             offset = free.pop()
-        elif self._top + size <= self.size:
+        elif self._top + size <= self.size or self._trimmed() and self._top + size <= self.size:
             offset = self._top
             self._top += size
             self._slot_sizes[offset] = size
@@ -87,6 +88,20 @@ class Arena:
             return None
         self._in_use.add(offset)
         return offset
+
+    def _trimmed(self) -> bool:
+        """Uncarve the free slots above the highest one in use, to be carved again in any size
+        (else one 17 MiB tensor's 32 MiB slot, freed, would be all the arena ever holds again);
+        True if that lowered the top. Only when the arena is full: it reads every slot."""
+        top = max((offset + self._slot_sizes[offset] for offset in self._in_use), default=0)
+        if top == self._top:
+            return False
+        for size, offsets in self._free.items():
+            self._free[size] = [offset for offset in offsets if offset < top]
+        for offset in [offset for offset in self._slot_sizes if offset >= top]:
+            del self._slot_sizes[offset]
+        self._top = top
+        return True
 
     def free(self, offset: int) -> None:
         """Give a slot back; an offset not handed out now is ignored (a slot freed twice would

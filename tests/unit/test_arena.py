@@ -35,6 +35,19 @@ def test_slots_are_handed_out_once_and_reused_by_size(arena: Arena) -> None:
     assert arena.allocate(2 * MIN_SLOT) == second
 
 
+def test_a_full_arena_uncarves_the_free_slots_above_those_in_use(arena: Arena) -> None:
+    """One tensor that took the whole arena, freed, must not leave it a single slot of that size
+    (every smaller tensor would go the other way from then on)."""
+    arena.free(arena.allocate(5 * MIN_SLOT))  # a slot of 8: the whole arena
+    low = arena.allocate(MIN_SLOT)
+    assert low == 0
+    arena.free(arena.allocate(2 * MIN_SLOT))  # carved above it, freed
+    assert arena.allocate(5 * MIN_SLOT) is None  # 7 free slots' worth above the one in use: not 8
+    assert arena.allocate(4 * MIN_SLOT) == MIN_SLOT  # carved again from just above the one in use
+    arena.free(low)
+    assert arena.allocate(MIN_SLOT) == 0
+
+
 def test_the_peer_sees_what_the_owner_writes_and_no_file_is_left(arena: Arena) -> None:
     peer = Arena.attach(arena.path)
     peer.forget_file()  # the peer removes the file once it has mapped it
