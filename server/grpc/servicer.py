@@ -365,7 +365,8 @@ def _answer(
 
 def with_deadline(parameters: dict[str, Any], time_remaining: float | None) -> dict[str, Any]:
     """The request's parameters with the call's deadline as its `timeout` (microseconds), unless
-    the request asks for a shorter one: the batcher then drops it unrun when it cannot make it.
+    the request asks for a shorter one (or for one that is no timeout, refused at admission):
+    the batcher then drops it unrun when it cannot make it.
     DEADLINE_MARGIN_US early, so that the batcher drops it (and counts it as a deadline) before
     grpc cancels the call at the same instant; an answer then would be too late anyway."""
     if time_remaining is None:
@@ -374,9 +375,9 @@ def with_deadline(parameters: dict[str, Any], time_remaining: float | None) -> d
     if remaining_us <= 0:
         raise DeadlineExceeded("the call's deadline passed before it could run")
     asked = parameters.get("timeout")
-    if type(asked) is int and 0 < asked <= remaining_us:
-        return parameters
-    return {**parameters, "timeout": remaining_us}
+    if asked is None or asked == 0 or type(asked) is int and asked > remaining_us:  # none, or longer
+        return {**parameters, "timeout": remaining_us}
+    return parameters  # shorter; or not a timeout at all, which admission refuses as over HTTP
 
 
 async def _unimplemented(context: grpc.aio.ServicerContext, what: str) -> None:
