@@ -47,17 +47,6 @@ class InFlight:
         if not self.try_take(nbytes):
             raise ServerBusy(BUSY_MESSAGE)
 
-    def try_take_more(self, nbytes: int, held: int) -> bool:
-        """Count `nbytes` more for a request already in that holds `held`: False (nothing
-        counted) when there is no room for them, unless the request is alone."""
-        if self.bytes != held and self.bytes + nbytes > self.max_bytes:
-            return False
-        self.bytes += nbytes
-        return True
-
-    def give_back_more(self, nbytes: int) -> None:
-        self.bytes -= nbytes
-
     def give_back(self, nbytes: int) -> None:
         """Count a request out: it was answered, or its client left."""
         self.requests -= 1

@@ -27,11 +27,11 @@ from server.asgi.body import next_part
 from server.asgi.respond import JSON, body_headers, send_messages, send_response
 from server.asgi.types import ASGIApp, Message, Receive, Scope, Send
 from server.dataplane import DataPlane
-from server.errors import Cancelled, InvalidInput, PayloadTooLarge, RequestTimeout, ServerBusy
+from server.errors import Cancelled, InvalidInput, PayloadTooLarge, RequestTimeout
 from server.http import v2_infer
 from server.http.errors import error_parts
 from server.inflight import BUSY_MESSAGE, InFlight, body_reservation
-from server.protocol.v2 import encode_error, parsed_overhead
+from server.protocol.v2 import encode_error
 from server.scheduler.request import RequestRecord
 
 INFER_PATH = re.compile(r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer")
@@ -106,7 +106,7 @@ class InferEndpoint:
             return
         try:
             record = RequestRecord() if self._access_log.enabled else None
-            status = await self._respond(scope, headers, receive, send, model, version, record, started, reserved)
+            status = await self._respond(scope, headers, receive, send, model, version, record, started)
         finally:
             flight.give_back(reserved)
         if record is not None:
@@ -148,18 +148,12 @@ class InferEndpoint:
         version: str | None,
         record: RequestRecord | None,
         received_ns: int,
-        reserved: int,
     ) -> int:
         """Answer one infer call; the status sent, or CLIENT_CLOSED when the client left first
-        (one access log line per request, dropped ones included). What parsing a big body's JSON
-        would build beyond what the body `reserved` is taken from the in-flight bytes first (429
-        when they have no room for it now, 413 when they never would)."""
+        (one access log line per request, dropped ones included)."""
         try:
             body = await self._body(headers, receive)
             header_length = _header_length(headers)
-            overhead = 0  # a small body's objects are small however dense: only a big one is counted, off the loop
-            if len(body) > v2_infer.INLINE_DECODE_BYTES:
-                overhead = await asyncio.to_thread(parsed_overhead, body, header_length)
         except Cancelled:
             return CLIENT_CLOSED  # the client is gone; nobody to answer
         except RequestTimeout as exc:  # sent as ASGI's messages: the server then honours its Connection: close
@@ -168,20 +162,10 @@ class InferEndpoint:
             return status
         except Exception as exc:  # noqa: BLE001 - every failure is answered in v2's shape, an unknown one as 500
             return await _send(scope, send, *error_parts(exc))
-        if overhead and reserved + overhead > self.flight.max_bytes:  # never fits, however idle the server
-            return await _send(scope, send, *error_parts(PayloadTooLarge(
-                f"parsing this body's JSON would hold about {(reserved + overhead) >> 20} MiB, over the server's "
-                f"{self.flight.max_bytes >> 20} MiB for requests in flight; send the tensors as binary data")))
-        if overhead and not self.flight.try_take_more(overhead, reserved):
-            return await _send(scope, send, *error_parts(ServerBusy(BUSY_MESSAGE)))
-        try:
-            outcome = await unless_client_leaves(
-                receive, lambda: self._answer(model, version, body, header_length, record, received_ns),
-                scope,
-            )
-        finally:
-            if overhead:
-                self.flight.give_back_more(overhead)
+        outcome = await unless_client_leaves(
+            receive, lambda: self._answer(model, version, body, header_length, record, received_ns),
+            scope,
+        )
         if outcome is None:
             return CLIENT_CLOSED  # the client left; its request was dropped, nobody to answer
         if isinstance(outcome, BaseException):

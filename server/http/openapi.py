@@ -41,8 +41,7 @@ _CONTROL = {
 _INFER_ERRORS = {
     400: "The body is malformed, or does not match the model's inputs and outputs",
     408: "The body stopped coming part-way: no part of it for 30 s (the connection is closed)",
-    413: "The body, or the body once decompressed, is larger than the server accepts; or its JSON would build more"
-    " objects than the server holds for every request in flight (dense JSON: send such tensors as binary data)",
+    413: "The body, or the body once decompressed, is larger than the server accepts",
     429: "The model's queue is full, or the server is at its limit of requests in flight; retry after"
     " Retry-After seconds",
     500: "The engine failed while running the batch that held this request",

@@ -269,15 +269,6 @@ def _exact_integers(flat: list[Any], dtype: np.dtype, datatype: str, name: str) 
     return np.array(flat, dtype=dtype)
 
 
-def parsed_overhead(body: bytes, header_length: int | None) -> int:
-    """About what parsing a request's JSON builds in Python objects beyond twice its size (the
-    in-flight byte bound counts a body as itself and takes about 3x for what it holds): a list
-    for each '[' (64 bytes with its place in its parent), a number or string for each ',' (32).
-    Dense JSON builds far more than 3x its size: "[],[],..." about 20x, "0,0,..." about 16x."""
-    end = len(body) if header_length is None else min(header_length, len(body))
-    return max(0, 64 * body.count(b"[", 0, end) + 32 * body.count(b",", 0, end) - 2 * end)
-
-
 def _requested_outputs(value: object) -> list[RequestedOutput] | None:
     if value is None:
         return None

@@ -21,7 +21,7 @@ from server.http import v2_infer
 from server.http.app import create_app
 from server.http.infer import CONTROL_BODY_BYTES, FastInferApp, InferEndpoint
 from server.inflight import InFlight
-from server.protocol.v2 import decode_request, parsed_overhead
+from server.protocol.v2 import decode_request
 from server.repository import ModelRepository
 from tests.unit.http.conftest import HOLD, Exchange, Gate, infer_body
 from tests.unit.http.tiny_models import write_spin_model
@@ -87,33 +87,6 @@ async def test_past_max_in_flight_bytes_the_declared_length_is_refused(plane: Da
 async def test_a_lone_request_larger_than_the_byte_budget_is_served(plane: DataPlane) -> None:
     app = FastInferApp(unreachable, InferEndpoint(plane, LIMIT, flight=InFlight(max_bytes=8)))
     assert (await call(app, Exchange.of(infer_body(1.0)))).status == 200
-
-
-def dense_body(arrays: int) -> bytes:
-    """A body of little but empty lists ("[],[],..."): about 20 bytes of parsed objects a byte."""
-    return (b'{"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [[1.0]'
-            + b",[]" * arrays + b"]}]}")
-
-
-async def test_a_big_body_is_counted_by_what_parsing_it_builds(plane: DataPlane) -> None:
-    """Dense JSON builds many times its size in objects: a big body takes that from the
-    in-flight bytes before it is parsed, 429 when they have no room now, 413 when they never
-    would; a body of ordinary numbers takes little more."""
-    dense = dense_body(20_000)  # 60 KB, about 1.3 MB parsed
-    assert parsed_overhead(dense, None) > 20 * len(dense)
-    long_number = b"1." + b"0" * 2100 + b"1"  # 8 such: over the size parsed off the loop, in spin's batch of 8
-    numbers = (b'{"inputs": [{"name": "x", "shape": [8, 1], "datatype": "FP32", "data": ['
-               + b",".join([long_number] * 8) + b"]}]}")
-    assert len(numbers) > v2_infer.INLINE_DECODE_BYTES and parsed_overhead(numbers, None) < len(numbers) // 4
-    endpoint = InferEndpoint(plane, LIMIT, flight=InFlight(100, 2 << 20))
-    app = FastInferApp(unreachable, endpoint)
-    endpoint.flight.bytes += 1 << 20  # another request's: half the budget left
-    busy = await call(app, Exchange.of(dense))
-    assert busy.status == 429 and busy.headers["retry-after"] == "1", busy.sent
-    assert (await call(app, Exchange.of(numbers))).status == 200
-    too_big = await call(app, Exchange.of(dense_body(40_000)))  # 2.6 MB parsed: over the whole budget
-    assert too_big.status == 413 and "send the tensors as binary data" in too_big.json()["error"], too_big.sent
-    assert endpoint.flight.bytes == 1 << 20 and endpoint.flight.requests == 0  # each gave back what it took
 
 
 async def test_every_front_end_takes_from_the_one_in_flight_bound(plane: DataPlane, gate: Gate) -> None:
