@@ -162,6 +162,10 @@ class ModelRepository:
             self._unloaded.add(name)
 
     async def unload_all(self) -> None:
+        """Unload every model, once the loads in progress (at startup, or a client's) have ended:
+        they run to their end whoever stopped waiting for them, and are unloaded then too."""
+        while self._changing:
+            await asyncio.wait(list(self._changing))
         await asyncio.gather(*(self.unload(n) for n in list(self._versions)))
 
     def get(self, name: str, version: str | None = None) -> ModelVersion:

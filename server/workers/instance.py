@@ -15,9 +15,11 @@ Faults stay within the batch that met them:
   answered. The instance then lowers its working batch cap below the smallest size that ran out
   of memory, so later batches are formed within it; sizes that failed only because they held
   such an item do not count (one huge request must not shrink every later batch).
-- Any other engine error on a batch of several requests: each request is run again alone, so
-  one whose values the engine cannot take (text that does not parse, an id out of range) fails
-  alone and the others are answered. An engine that fails everything costs one run a request.
+- Any other engine error on a batch of several requests: its halves run again, and the halves
+  of a half that fails, so one request whose values the engine cannot take (text that does not
+  parse, an id out of range) fails alone and the others are answered: about log2(N) more runs.
+  After one more failed run than finding one such request may take, what is left fails unrun,
+  so an engine that fails everything costs a batch about log2(N) runs, not one a request.
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ class ModelInstance:
         failed: dict[int, BatchlineError] = {}
         ran_out: list[tuple[int, set[int]]] = []  # (rows, requests) of each group that ran out of memory
         total = BatchResult([])
+        # finding one request at fault fails the batch and a part a level, 1 + log2(N) runs: one more left
+        failures_left = len(pieces).bit_length() + 2
         while work:
             group = [p for p in work.popleft() if p.request not in failed]
             if not group:
@@ -124,11 +128,12 @@ class ModelInstance:
             except Exception as exc:
                 rows = sum(p.rows for p in group)
                 if not is_out_of_memory(exc):
-                    alone = _by_request(group)
-                    if len(alone) > 1:  # whose values failed it? each runs alone to say
-                        logger.warning("a batch of %d requests failed on %s (%s); each runs again alone",
-                                       len(alone), self.label, _reason(exc))
-                        work.extendleft(reversed(alone))
+                    failures_left -= 1
+                    if len(group) > 1 and failures_left:  # whose values failed it? its halves run again to say
+                        if whole:
+                            logger.warning("a batch of %d requests failed on %s (%s); its halves run again to find "
+                                           "the request at fault", len(group), self.label, _reason(exc))
+                        work.extendleft(reversed(_halves(group)))
                         whole = False
                         continue
                     if whole:
@@ -136,6 +141,9 @@ class ModelInstance:
                     logger.error("part of a batch (%d items) failed on %s", rows, self.label, exc_info=exc)
                     error = exc if isinstance(exc, BatchlineError) else EngineError(f"{type(exc).__name__}: {exc}")
                     failed.update((p.request, error) for p in group)
+                    if not failures_left:  # not one request's values, it seems: the rest fails unrun
+                        failed.update((p.request, error) for rest in work for p in rest)
+                        work.clear()
                 elif rows == 1:
                     failed[group[0].request] = OutOfMemory(
                         f"instance {self.label} ran out of memory on a single item: {_reason(exc)}"
@@ -280,14 +288,6 @@ def _packed(pieces: list[_Piece], cap: int | None) -> list[list[_Piece]]:
             rows += cut.rows
     groups.append(current)
     return groups
-
-
-def _by_request(group: list[_Piece]) -> list[list[_Piece]]:
-    """The group as one group per request, in order."""
-    requests: dict[int, list[_Piece]] = {}
-    for piece in group:
-        requests.setdefault(piece.request, []).append(piece)
-    return list(requests.values())
 
 
 def _halves(group: list[_Piece]) -> list[list[_Piece]]:

@@ -304,6 +304,20 @@ async def test_a_load_whose_caller_gives_up_while_it_builds_is_kept(tmp_path: Pa
     await repository.unload_all()
 
 
+async def test_unloading_everything_waits_for_the_loads_in_progress(tmp_path: Path, faults: Faults) -> None:
+    """A stop during startup's loads: they run to their end, then are unloaded with the rest, so
+    no version comes up after the server said its models were unloaded."""
+    repository = ModelRepository(tmp_path)
+    write_model(tmp_path, "double", {**DOUBLING_CONFIG, "dynamic_batching": {}}, doubling)
+    startup = asyncio.create_task(repository.load_all())
+    await eventually(lambda: faults.created >= 1, "an engine is being built")
+    startup.cancel()
+    await asyncio.wait_for(repository.unload_all(), 10)
+    await asyncio.sleep(0.5)  # time for a load left running to end (it took about 0.1 s here)
+    assert repository.loaded() == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("double-1-")]  # its instance closed
+
+
 async def test_a_reload_keeps_the_old_version_when_one_of_several_new_ones_fails(tmp_path: Path) -> None:
     """All or nothing: a policy serving two versions swaps both or neither."""
     repository = ModelRepository(tmp_path)

@@ -153,13 +153,23 @@ async def test_an_error_other_than_memory_after_a_split_fails_only_its_request(f
 
 
 async def test_a_request_the_engine_cannot_take_fails_alone_and_the_others_are_answered(faults: Faults) -> None:
-    """A batch that fails for one request's values runs each request again alone: only that one
-    fails."""
+    """A batch that fails for one request's values runs its halves again, and the halves of the
+    half that fails: only that request fails."""
     worker = instance(faults)
     result = await worker.run([feed(1.0, 2.0), feed(RAISE), feed(3.0)])
     assert list(result.failed) == [1] and "the engine failed on purpose" in result.failed[1].message
     assert doubled(result.outputs[0]) == [2.0, 4.0] and doubled(result.outputs[2]) == [6.0]
-    assert faults.runs() == [[1.0, 2.0, RAISE, 3.0], [1.0, 2.0], [RAISE], [3.0]]
+    assert faults.runs() == [[1.0, 2.0, RAISE, 3.0], [1.0, 2.0], [RAISE, 3.0], [RAISE], [3.0]]
+    worker.close()
+
+
+async def test_an_engine_that_fails_everything_costs_a_batch_a_few_runs_not_one_a_request(faults: Faults) -> None:
+    """After one more failed run than finding one bad request may take (8 requests: 6), the rest
+    fails unrun."""
+    worker = instance(faults)
+    result = await worker.run([feed(RAISE) for _ in range(8)])
+    assert sorted(result.failed) == list(range(8))
+    assert [len(run) for run in faults.runs()] == [8, 4, 2, 1, 1, 2]
     worker.close()
 
 
