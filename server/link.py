@@ -341,7 +341,7 @@ class LinkClient(_Stream):
             self.send(header, payload)
         except BaseException:  # a header that cannot cross: this call is refused
             free_slots(self._arena, slots)
-            self._released[:0] = header.pop("f", [])  # still to tell the server process
+            self._still_to_release(header.pop("f", []))
             raise
         self._pending[call] = (future, slots)
         try:
@@ -357,9 +357,12 @@ class LinkClient(_Stream):
         return frame
 
     def _release(self, header: dict[str, Any]) -> None:
-        """Tell the server process the output slots of this answer are read: on the next frame,
-        or at the end of this loop turn when none goes out."""
-        offsets = arena_slots(header.get("out", ()))
+        """The output slots of this answer are read."""
+        self._still_to_release(arena_slots(header.get("out", ())))
+
+    def _still_to_release(self, offsets: list[int]) -> None:
+        """Output slots to tell the server process are read: on the next frame, or at the end of
+        this loop turn when none goes out."""
         if not offsets:
             return
         self._released.extend(offsets)

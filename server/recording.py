@@ -62,8 +62,8 @@ class TrafficRecorder:
         except Exception as exc:  # noqa: BLE001 - truncated, not a zip, not numpy's: whatever it is, not a sample
             logger.warning("the recorded requests in %s cannot be read (%s); recording starts afresh", self.path, exc)
             return
-        items = {a.shape[0] if a.ndim else None for a in arrays.values()}  # one count of items for every input
-        if sorted(arrays) != sorted(self._names) or len(items) != 1 or None in items:
+        items = {a.shape[0] if isinstance(a, np.ndarray) and a.ndim else None for a in arrays.values()}
+        if sorted(arrays) != sorted(self._names) or len(items) != 1 or None in items:  # one count for every input
             logger.warning("the recorded requests in %s do not fit this model's inputs; recording starts afresh",
                            self.path)
             return

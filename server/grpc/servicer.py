@@ -375,7 +375,7 @@ def with_deadline(parameters: dict[str, Any], time_remaining: float | None) -> d
     if remaining_us <= 0:
         raise DeadlineExceeded("the call's deadline passed before it could run")
     asked = parameters.get("timeout")
-    if asked is None or asked == 0 or type(asked) is int and asked > remaining_us:  # none, or longer
+    if asked is None or type(asked) is int and (asked == 0 or asked > remaining_us):  # none, or longer
         return {**parameters, "timeout": remaining_us}
     return parameters  # shorter; or not a timeout at all, which admission refuses as over HTTP
 

@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from server.asgi.respond import body_headers, send_response
+from server.asgi.body import next_part
+from server.asgi.respond import body_headers, send_messages
 from server.asgi.types import Receive, Scope, Send
 from server.errors import BatchlineError, Unavailable
 from server.http.errors import error_parts
@@ -54,7 +55,7 @@ class ForwardApp:
         except httpx.TransportError:
             await _error(scope, send, Unavailable(UNREACHABLE))
             return
-        except BatchlineError as exc:  # the body passed a limit as it was read (413)
+        except BatchlineError as exc:  # the body passed a limit (413) or stopped coming (408) as it was read
             await _error(scope, send, exc)
             return
         try:
@@ -72,13 +73,16 @@ class ForwardApp:
 
 
 async def _error(scope: Scope, send: Send, error: Exception) -> None:
+    """As ASGI's messages, so the server honours a `Connection: close` among the headers (a body
+    that stopped part-way)."""
     status, body, extra = error_parts(error)
-    await send_response(scope, send, status, body_headers(body, extra), body)
+    await send_messages(send, status, body_headers(body, extra), body)
 
 
 async def _body(receive: Receive) -> AsyncIterator[bytes]:
+    """The body, passed on as it comes; RequestTimeout (408) when it stops part-way."""
     while True:
-        message = await receive()
+        message = await next_part(receive)
         if message["type"] == "http.disconnect":
             return
         chunk = message.get("body", b"")

@@ -92,7 +92,7 @@ def test_the_calls_deadline_becomes_the_requests_timeout() -> None:
     assert with_deadline({"timeout": 1_000}, 2.0) == {"timeout": 1_000}, "a shorter timeout asked for stays"
     assert with_deadline({"timeout": 5_000_000}, 2.0)["timeout"] == 2_000_000 - DEADLINE_MARGIN_US
     assert with_deadline({"timeout": 0}, 2.0)["timeout"] == 2_000_000 - DEADLINE_MARGIN_US  # 0: none asked for
-    for wrong in (-1, "1000", 1.5):  # no timeout at all: left for admission to refuse, as over HTTP
+    for wrong in (-1, "1000", 1.5, False, 0.0):  # no timeout at all: left for admission to refuse, as over HTTP
         assert with_deadline({"timeout": wrong}, 2.0) == {"timeout": wrong}
     with pytest.raises(DeadlineExceeded):
         with_deadline({}, 0.001)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import socket
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
 import pytest
 from pydantic import SecretStr
 
+from server.asgi import body
 from server.http.door import Admitted, Door, Refused
 from server.http.forward import UNREACHABLE, ForwardApp
 from server.http.frontend import HttpFrontEnd
@@ -100,3 +102,34 @@ async def test_a_forward_to_a_server_process_that_does_not_answer_is_a_503(tmp_p
     assert exchange.sent[0]["status"] == 503
     assert orjson.loads(exchange.sent[1]["body"]) == {"error": UNREACHABLE}
     await forward.close()
+
+
+async def test_a_forwarded_body_that_stops_part_way_is_a_408_that_closes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A front end passes a body on as it comes (/v1, the control plane): one that stops coming
+    is refused there, as the server process would, and its connection closed."""
+    monkeypatch.setattr(body, "BODY_IDLE_TIMEOUT_S", 0.2)
+
+    async def reads_it_all(scope: dict, receive: Any, send: Any) -> None:  # type: ignore[type-arg]
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "app.sock"))
+    listener.listen()
+    server_process = HttpFrontEnd(reads_it_all, listener, "warning", grace_s=1)
+    await server_process.start()
+    forward = ForwardApp(str(tmp_path / "app.sock"))
+    try:
+        stalled = Exchange([{"type": "http.request", "body": b'{"model": ', "more_body": True}],
+                           path="/v1/embeddings")
+        await asyncio.wait_for(forward(stalled.scope, stalled.receive, stalled.send), 10)
+        assert stalled.sent[0]["status"] == 408
+        assert (b"connection", b"close") in [(k.lower(), v) for k, v in stalled.sent[0]["headers"]]
+        assert "no part of the request body came" in orjson.loads(stalled.sent[1]["body"])["error"]
+    finally:
+        await forward.close()
+        await server_process.drain()
