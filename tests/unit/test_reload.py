@@ -152,23 +152,18 @@ async def test_a_reload_under_load_fails_nothing_and_the_new_version_warms_up_fi
     assert all(any(v) for v in version_2_runs[1:])
 
 
-async def test_a_request_in_admission_when_the_swap_comes_is_still_answered(
-    repository: ModelRepository, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A request that took the old version and is still in admission (a big text being tokenized)
-    when the new version takes over reaches the old one's queue and is answered; the drain
-    waits for it."""
-    doubling(repository.root / "double" / "2")
+def held_in_admission(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """A request of x = 5.0 has its admission on a worker thread, as a big text's, held there
+    until the second event is set; the first says it is there."""
     entered, proceed = threading.Event(), threading.Event()
     real_admission = Admission.admit_or_offload
 
-    def slow_admission(self: Admission, inputs: dict, parameters: dict, received_ns: int | None = None,  # type: ignore[no-untyped-def]
-                       checked_batch_size: int | None = None):
-        admitted = real_admission(self, inputs, parameters, received_ns, checked_batch_size)
+    def slow_admission(self: Admission, inputs: dict, *args: Any) -> Any:  # type: ignore[type-arg]
+        admitted = real_admission(self, inputs, *args)
         if float(inputs["x"][1][0][0]) != 5.0:
             return admitted
 
-        def on_a_worker_thread() -> Admitted:  # as a big text's admission runs
+        def on_a_worker_thread() -> Admitted:
             entered.set()
             proceed.wait(10)
             return admitted if isinstance(admitted, Admitted) else admitted()
@@ -176,6 +171,17 @@ async def test_a_request_in_admission_when_the_swap_comes_is_still_answered(
         return on_a_worker_thread
 
     monkeypatch.setattr(Admission, "admit_or_offload", slow_admission)
+    return entered, proceed
+
+
+async def test_a_request_in_admission_when_the_swap_comes_is_still_answered(
+    repository: ModelRepository, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that took the old version and is still in admission (a big text being tokenized)
+    when the new version takes over reaches the old one's queue and is answered; the drain
+    waits for it."""
+    doubling(repository.root / "double" / "2")
+    entered, proceed = held_in_admission(monkeypatch)
     old = repository.get("double")
     slow = asyncio.create_task(old.infer({"x": rows(5.0)}))
     await eventually(entered.is_set, "the request is in admission")
@@ -240,20 +246,7 @@ async def test_a_request_given_up_in_admission_is_never_queued_and_its_admission
 ) -> None:
     """Its admission on a worker thread reads its inputs to the end (nothing withdraws it
     meanwhile); its caller gone, it is then not queued nor run, and an unload waits for it."""
-    entered, proceed = threading.Event(), threading.Event()
-    real_admission = Admission.admit_or_offload
-
-    def slow_admission(self: Admission, *args: Any) -> Any:
-        admitted = real_admission(self, *args)
-
-        def on_a_worker_thread() -> Admitted:
-            entered.set()
-            proceed.wait(10)
-            return admitted if isinstance(admitted, Admitted) else admitted()
-
-        return on_a_worker_thread
-
-    monkeypatch.setattr(Admission, "admit_or_offload", slow_admission)
+    entered, proceed = held_in_admission(monkeypatch)
     model = repository.get("double")
     future = model.start_request({"x": rows(5.0)})
     await eventually(entered.is_set, "the request is in admission")
