@@ -372,8 +372,8 @@ class ModelVersion:
         names, datatypes and shapes already (None: admission checks them). A small request is
         admitted and queued here, with no task or coroutine of its own (a caller that needs none,
         a front end's link, pays for none); one whose admission goes to a worker thread gets a
-        task. Cancelling the future drops a request not yet computing (`withdraw` drops only
-        one whose inputs are no longer read)."""
+        task. Cancelling the future drops a request not yet computing; `withdraw` drops one only
+        while it is queued, before a batch or its admission reads its inputs."""
         if self._batcher is None or self._admission is None or not self.ready:
             raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready")
         batcher, admission = self._batcher, self._admission

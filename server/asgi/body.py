@@ -23,6 +23,8 @@ from server.errors import RequestTimeout
 T = TypeVar("T")
 
 BODY_IDLE_TIMEOUT_S = 30.0
+# what the OpenAPI documents say of the 408
+STALLED = f"The body stopped coming part-way: no part of it for {BODY_IDLE_TIMEOUT_S:g} s (the connection is closed)"
 
 
 async def next_part(receive: Receive) -> Message:

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from server.asgi.body import STALLED
 from server.http.auth import Access, access_of
 from server.http.extensions import EXTENSIONS
 from server.http.infer import CONTROL_BODY_BYTES, HEADER_LENGTH
@@ -40,7 +41,7 @@ _CONTROL = {
 }
 _INFER_ERRORS = {
     400: "The body is malformed, or does not match the model's inputs and outputs",
-    408: "The body stopped coming part-way: no part of it for 30 s (the connection is closed)",
+    408: STALLED,
     413: "The body, or the body once decompressed, is larger than the server accepts",
     429: "The model's queue is full, or the server is at its limit of requests in flight; retry after"
     " Retry-After seconds",

@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from server.asgi.body import STALLED
 from server.openai.routes import EMBEDDINGS, MODELS
 from server.openai.schemas import EmbeddingRequest, ErrorBody
 
@@ -18,7 +19,7 @@ ERROR_STATUSES: dict[str, dict[int, str]] = {
         400: "The body is not an embeddings request (bad JSON, an unknown field, no text, an empty text, more "
         "than 2048 texts, token ids), or asks for 'dimensions' the model does not serve; 'param' names the field",
         404: "No model of this name serves OpenAI embeddings",
-        408: "The body stopped coming part-way: no part of it for 30 s (the connection is closed)",
+        408: STALLED,
         413: "The body is larger than the server accepts",
         429: "The model's queue is full, or the server is at its limit of requests in flight; retry after "
         "Retry-After seconds",
