@@ -17,6 +17,8 @@ from server.asgi.respond import body_headers, send_messages
 from server.asgi.types import Receive, Scope, Send
 from server.errors import BatchlineError, Unavailable
 from server.http.errors import error_parts
+from server.openai import PREFIX as OPENAI_PREFIX
+from server.openai.errors import error_parts as openai_error_parts
 
 # Hop-by-hop headers (RFC 9110 7.6.1) belong to one connection, never passed on; this front
 # end's uvicorn writes its own Date and Server.
@@ -73,9 +75,9 @@ class ForwardApp:
 
 
 async def _error(scope: Scope, send: Send, error: Exception) -> None:
-    """As ASGI's messages, so the server honours a `Connection: close` among the headers (a body
-    that stopped part-way)."""
-    status, body, extra = error_parts(error)
+    """In the route's error shape (OpenAI's under /v1), as ASGI's messages, so the server honours
+    a `Connection: close` among the headers (a body that stopped part-way)."""
+    status, body, extra = (openai_error_parts if scope["path"].startswith(f"{OPENAI_PREFIX}/") else error_parts)(error)
     await send_messages(send, status, body_headers(body, extra), body)
 
 

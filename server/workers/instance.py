@@ -15,9 +15,10 @@ Faults stay within the batch that met them:
   answered. The instance then lowers its working batch cap below the smallest size that ran out
   of memory, so later batches are formed within it; sizes that failed only because they held
   such an item do not count (one huge request must not shrink every later batch).
-- Any other engine error on a batch of several requests: its halves run again, and the halves
-  of a half that fails, so one request whose values the engine cannot take (text that does not
-  parse, an id out of range) fails alone and the others are answered: about log2(N) more runs.
+- Any other engine error on a batch of several requests: halves of its requests run again, and
+  halves of a half that fails, so one request whose values the engine cannot take (text that
+  does not parse, an id out of range) fails alone and the others are answered: about log2(N)
+  more runs.
   After one more failed run than finding one such request may take, what is left fails unrun,
   so an engine that fails everything costs a batch about log2(N) runs, not one a request.
 """
@@ -115,7 +116,8 @@ class ModelInstance:
         failed: dict[int, BatchlineError] = {}
         ran_out: list[tuple[int, set[int]]] = []  # (rows, requests) of each group that ran out of memory
         total = BatchResult([])
-        # finding one request at fault fails the batch and a part a level, 1 + log2(N) runs: one more left
+        # finding one request at fault, by halves of requests, fails the batch and a part a level
+        # (1 + log2(N) runs), with one more to spare
         failures_left = len(pieces).bit_length() + 2
         while work:
             group = [p for p in work.popleft() if p.request not in failed]
@@ -129,11 +131,12 @@ class ModelInstance:
                 rows = sum(p.rows for p in group)
                 if not is_out_of_memory(exc):
                     failures_left -= 1
-                    if len(group) > 1 and failures_left:  # whose values failed it? its halves run again to say
-                        if whole:
-                            logger.warning("a batch of %d requests failed on %s (%s); its halves run again to find "
-                                           "the request at fault", len(group), self.label, _reason(exc))
-                        work.extendleft(reversed(_halves(group)))
+                    if len(group) > 1 and failures_left > 0:  # whose values failed it? its halves run again to say
+                        if failures_left == len(pieces).bit_length() + 1:  # the first failure: said once a batch
+                            logger.warning("%d requests of a batch failed on %s (%s); halves of them run again to "
+                                           "find the request at fault", len(group), self.label, _reason(exc))
+                        middle = len(group) // 2  # by requests, not rows: one request is found in log2(N) steps
+                        work.extendleft([group[middle:], group[:middle]])
                         whole = False
                         continue
                     if whole:
@@ -141,8 +144,11 @@ class ModelInstance:
                     logger.error("part of a batch (%d items) failed on %s", rows, self.label, exc_info=exc)
                     error = exc if isinstance(exc, BatchlineError) else EngineError(f"{type(exc).__name__}: {exc}")
                     failed.update((p.request, error) for p in group)
-                    if not failures_left:  # not one request's values, it seems: the rest fails unrun
-                        failed.update((p.request, error) for rest in work for p in rest)
+                    if failures_left <= 0 and work:  # not one request's values, it seems: the rest fails unrun
+                        unrun = {p.request for rest in work for p in rest} - failed.keys()
+                        logger.error("%d more requests of the batch fail unrun on %s: its engine failed %d times",
+                                     len(unrun), self.label, len(pieces).bit_length() + 2)
+                        failed.update((request, error) for request in unrun)
                         work.clear()
                 elif rows == 1:
                     failed[group[0].request] = OutOfMemory(

@@ -163,6 +163,16 @@ async def test_a_request_the_engine_cannot_take_fails_alone_and_the_others_are_a
     worker.close()
 
 
+async def test_the_request_at_fault_is_found_among_requests_of_uneven_rows(faults: Faults) -> None:
+    """Halves of requests, not of rows: halving rows 1, 1, 2, 4 and 8 takes as many steps as
+    there are rows to halve, and used to spend the search before it found the one."""
+    worker = instance(faults)
+    result = await worker.run([feed(RAISE), feed(1.0), feed(2.0, 2.0), feed(*[3.0] * 4), feed(*[4.0] * 8)])
+    assert list(result.failed) == [0]
+    assert [doubled(o) for o in result.outputs[1:]] == [[2.0], [4.0, 4.0], [6.0] * 4, [8.0] * 8]
+    worker.close()
+
+
 async def test_an_engine_that_fails_everything_costs_a_batch_a_few_runs_not_one_a_request(faults: Faults) -> None:
     """After one more failed run than finding one bad request may take (8 requests: 6), the rest
     fails unrun."""
