@@ -19,8 +19,9 @@ Faults stay within the batch that met them:
   halves of a half that fails, so one request whose values the engine cannot take (text that
   does not parse, an id out of range) fails alone and the others are answered: about log2(N)
   more runs.
-  After one more failed run than finding one such request may take, what is left fails unrun,
-  so an engine that fails everything costs a batch about log2(N) runs, not one a request.
+  After one more failed run than finding one such request may take (log2(N) + 3, rounded
+  down), what is left fails unrun: an engine that fails everything costs a batch that many
+  runs, not one a request.
 """
 
 from __future__ import annotations
