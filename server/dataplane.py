@@ -167,20 +167,6 @@ class DataPlane:
             raise
 
     @staticmethod
-    async def infer(
-        model: ModelVersion,
-        inputs: dict[str, tuple[str, np.ndarray]],
-        parameters: dict[str, Any],
-        outputs: list[str] | None = None,
-        record: RequestRecord | None = None,
-        received_ns: int | None = None,
-        checked_batch_size: int | None = None,
-    ) -> list[Output]:
-        """Run one call on `model` (from `admit`): `start_call`, awaited."""
-        call = DataPlane.start_call(model, inputs, parameters, outputs, record, received_ns, checked_batch_size)
-        return call.outputs(await call.future)
-
-    @staticmethod
     def start_call(
         model: ModelVersion,
         inputs: dict[str, tuple[str, np.ndarray]],
@@ -211,6 +197,10 @@ class Call(NamedTuple):
 
     def outputs(self, results: dict[str, np.ndarray]) -> list[Output]:
         return [(name, datatype, results[name]) for name, datatype in self.selection]
+
+    async def answer(self) -> list[Output]:
+        """The outputs asked for, once computed (the call's error, raised)."""
+        return self.outputs(await self.future)
 
     def withdraw(self) -> None:
         """Its caller gave up: drop it if it is still queued; one computing runs to its end and

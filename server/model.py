@@ -347,17 +347,6 @@ class ModelVersion:
             by_length=texts_by_length(self.config, [i.pipeline for i in self.instances]),
         )
 
-    async def infer(
-        self,
-        inputs: dict[str, tuple[str, np.ndarray]],
-        parameters: dict[str, Any] | None = None,
-        record: RequestRecord | None = None,
-        received_ns: int | None = None,
-        checked_batch_size: int | None = None,
-    ) -> dict[str, np.ndarray]:
-        """`start_request`, awaited: one request's outputs (API names)."""
-        return await self.start_request(inputs, parameters, record, received_ns, checked_batch_size)
-
     def start_request(
         self,
         inputs: dict[str, tuple[str, np.ndarray]],

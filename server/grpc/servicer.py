@@ -302,8 +302,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             else:
                 inputs = codec.decode_inputs(request, declared.in_shared_memory, regions.input_window)
             targets = regions.output_targets(declared.to_shared_memory)
-            outputs = await self._plane.infer(model, inputs, parameters, declared.outputs, record, received_ns,
-                                              batch_size)
+            outputs = await self._plane.start_call(model, inputs, parameters, declared.outputs, record, received_ns,
+                                                   batch_size).answer()
             if sum(array.nbytes for _, _, array in outputs) > OFFLOAD_ENCODE_BYTES:
                 return await asyncio.to_thread(_answer, request.model_name, model.version, request.id, outputs,
                                                targets)

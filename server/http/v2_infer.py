@@ -62,10 +62,10 @@ async def infer_v2(
     del parsed  # the JSON's own lists and numbers, copied into arrays now: freed before the wait, not after
     wanted = decoded.outputs
     targets = regions.output_targets({o.name: o.region for o in wanted or () if o.region is not None})
-    outputs = await plane.infer(
+    outputs = await plane.start_call(
         model, decoded.inputs, decoded.parameters, None if wanted is None else [o.name for o in wanted], record,
         received_ns, batch_size,
-    )
+    ).answer()
     return await _encoded(name, model.version, decoded, outputs, targets)
 
 

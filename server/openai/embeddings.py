@@ -63,8 +63,8 @@ async def embed(
     async def run(part: list[int], part_record: RequestRecord) -> list[Output]:
         async with window:
             tensor = _tensor(texts, part, config.batched)
-            return await plane.infer(model, {text_input: ("BYTES", tensor)}, {}, [output.name], part_record,
-                                     received_ns)  # every chunk's deadline counts from the call's arrival
+            return await plane.start_call(model, {text_input: ("BYTES", tensor)}, {}, [output.name], part_record,
+                                          received_ns).answer()  # every chunk's deadline counts from the call's arrival
 
     tasks = [asyncio.ensure_future(run(part, r)) for part, r in zip(plan, records, strict=True)]
     try:

@@ -60,7 +60,7 @@ async def test_unknown_output_is_refused_before_any_compute() -> None:
     plane = DataPlane(repository)  # type: ignore[arg-type]
     model = plane.admit("double", None)
     with pytest.raises(InvalidInput, match=r"model 'double' has no output 'z' \(outputs: y\)"):
-        await plane.infer(model, {"x": ("FP32", np.ones((1, 1), np.float32))}, {}, ["y", "z"])  # type: ignore[arg-type]
+        plane.start_call(model, {"x": ("FP32", np.ones((1, 1), np.float32))}, {}, ["y", "z"])  # type: ignore[arg-type]
     assert repository.model.calls == 0
 
 
@@ -68,9 +68,9 @@ async def test_outputs_come_back_named_in_the_order_asked() -> None:
     plane = DataPlane(StubRepository())  # type: ignore[arg-type]
     model = plane.admit("double", None)
     x = ("FP32", np.array([[1.0, 2.0]], np.float32))
-    ((name, datatype, array),) = await plane.infer(model, {"x": x}, {})  # type: ignore[arg-type]
+    ((name, datatype, array),) = await plane.start_call(model, {"x": x}, {}).answer()  # type: ignore[arg-type]
     assert (name, datatype, array.tolist()) == ("y", "FP32", [[2.0, 4.0]])
-    assert [o[0] for o in await plane.infer(model, {"x": x}, {}, ["y"])] == ["y"]  # type: ignore[arg-type]
+    assert [o[0] for o in await plane.start_call(model, {"x": x}, {}, ["y"]).answer()] == ["y"]  # type: ignore[arg-type]
 
 
 async def test_a_stopping_server_admits_nothing() -> None:

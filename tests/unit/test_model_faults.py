@@ -52,10 +52,10 @@ def metrics(repository: ModelRepository) -> dict[tuple[str, tuple[tuple[str, str
 async def test_a_hung_batch_fails_and_a_fresh_instance_serves_on(repository: ModelRepository, faults: Faults) -> None:
     model = repository.get("double")
     with pytest.raises(ExecutionTimeout) as timed_out:
-        await asyncio.wait_for(model.infer({"x": rows(HANG)}), 10)
+        await asyncio.wait_for(model.start_request({"x": rows(HANG)}), 10)
     assert f"within execution_timeout_seconds ({TIMEOUT_S:g} s)" in timed_out.value.message
     await eventually(lambda: model.stats.instances_replaced == 1, "a fresh instance replaced the stuck one")
-    assert (await model.infer({"x": rows(2.0)}))["y"].tolist() == [[4.0, 4.0]]
+    assert (await model.start_request({"x": rows(2.0)}))["y"].tolist() == [[4.0, 4.0]]
     assert model.ready and repository.all_ready() and repository.live()
     assert faults.created == 2  # a new engine, not the stuck one
     assert faults.runs(serial=2)[0] == [0.0, 0.0]  # warmed up before it took the request
@@ -81,7 +81,7 @@ async def test_a_model_left_without_instances_is_not_ready_and_says_why(
     faults.refuse_load = lambda _: EngineError("no device memory for a new engine")
     model = repository.get("double")
     with pytest.raises(ExecutionTimeout):
-        await asyncio.wait_for(model.infer({"x": rows(HANG)}), 10)
+        await asyncio.wait_for(model.start_request({"x": rows(HANG)}), 10)
     await eventually(lambda: not model.ready, "the model is not ready")
     [entry] = repository.index()
     assert entry.state == "UNAVAILABLE"
@@ -96,7 +96,7 @@ async def test_a_model_left_without_instances_is_not_ready_and_says_why(
     assert repository.live()
     faults.refuse_load = lambda _: None
     await repository.load("double")  # a reload brings it back
-    assert (await repository.get("double").infer({"x": rows(1.0)}))["y"].tolist() == [[2.0, 2.0]]
+    assert (await repository.get("double").start_request({"x": rows(1.0)}))["y"].tolist() == [[2.0, 2.0]]
 
 
 async def test_replacements_stop_when_more_threads_are_stuck_than_instances(
@@ -105,7 +105,7 @@ async def test_replacements_stop_when_more_threads_are_stuck_than_instances(
     model = repository.get("double")
     for _ in range(2):
         with pytest.raises(ExecutionTimeout):
-            await asyncio.wait_for(model.infer({"x": rows(HANG)}), 10)
+            await asyncio.wait_for(model.start_request({"x": rows(HANG)}), 10)
         await eventually(lambda: model.stats.instances_replaced == 1 or not model.ready, "the watchdog acted")
     await eventually(lambda: not model.ready, "no more instances are started")
     assert model.stats.instances_stuck == 2 and model.stats.instances_replaced == 1
@@ -117,8 +117,8 @@ async def test_an_engine_that_raises_fails_its_request_and_the_instance_serves_o
 ) -> None:
     model = repository.get("double")
     with pytest.raises(EngineError, match="the engine failed on purpose"):
-        await model.infer({"x": rows(RAISE)})
-    assert (await model.infer({"x": rows(3.0)}))["y"].tolist() == [[6.0, 6.0]]
+        await model.start_request({"x": rows(RAISE)})
+    assert (await model.start_request({"x": rows(3.0)}))["y"].tolist() == [[6.0, 6.0]]
     assert model.stats.instances_abandoned == 0 and faults.created == 1
 
 
@@ -127,7 +127,7 @@ async def test_running_out_of_memory_splits_the_batch_and_shows_the_lowered_cap(
 ) -> None:
     faults.max_rows = 1
     model = repository.get("double")
-    result = await model.infer({"x": rows(1.0, 2.0, 3.0, 4.0)})
+    result = await model.start_request({"x": rows(1.0, 2.0, 3.0, 4.0)})
     assert result["y"].tolist() == [[2.0, 2.0], [4.0, 4.0], [6.0, 6.0], [8.0, 8.0]]
     stats = model.stats.as_dict("double", 1)
     assert stats["instances"]["batch_caps"] == {"double-1-0": 1}  # type: ignore[index]
@@ -141,7 +141,7 @@ async def test_running_out_of_memory_splits_the_batch_and_shows_the_lowered_cap(
 async def test_unload_and_shutdown_do_not_wait_forever_on_a_hung_batch(
     repository: ModelRepository, faults: Faults
 ) -> None:
-    hung = asyncio.create_task(repository.get("double").infer({"x": rows(HANG)}))
+    hung = repository.get("double").start_request({"x": rows(HANG)})
     await asyncio.wait_for(asyncio.to_thread(faults.held.wait, 10), 15)
     await asyncio.wait_for(repository.unload_all(), 10)  # bounded by the watchdog, not the engine
     with pytest.raises(ExecutionTimeout):

@@ -40,7 +40,7 @@ async def test_an_onnx_file_with_a_batch_axis_imports_batched_and_serves(tmp_pat
     served = ModelRepository(repository)
     await served.load("mine")
     try:
-        result = await served.get("mine").infer({"x": ("FP32", np.array([[1.0, 2.0]], np.float32))})
+        result = await served.get("mine").start_request({"x": ("FP32", np.array([[1.0, 2.0]], np.float32))})
         assert result["y"].tolist() == [[2.0, 4.0]]
     finally:
         await served.unload_all()
@@ -127,7 +127,7 @@ async def test_a_torch_export_program_imports_batched_and_serves(tmp_path: Path)
     await served.load("scale")
     try:
         output = config.outputs[0].name
-        result = await served.get("scale").infer({"image": ("FP32", np.ones((3, 1, 4), np.float32))})
+        result = await served.get("scale").start_request({"image": ("FP32", np.ones((3, 1, 4), np.float32))})
         assert result[output].tolist() == [[8.0], [8.0], [8.0]]
     finally:
         await served.unload_all()

@@ -45,7 +45,7 @@ async def served(repository: Path, name: str, items: list[str], output: str) -> 
     await models.load(name)
     try:
         assert models.get(name).ready, [(e.name, e.state, e.reason) for e in models.index()]
-        return (await models.get(name).infer({"text": texts(*items)}))[output]
+        return (await models.get(name).start_request({"text": texts(*items)}))[output]
     finally:
         await models.unload_all()
 

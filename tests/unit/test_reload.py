@@ -45,7 +45,7 @@ def index(repository: ModelRepository) -> list[tuple[str, str, str]]:
 async def assert_version_1_serves(repository: ModelRepository) -> None:
     model = repository.get("double")
     assert model.version == 1 and model.ready
-    assert (await model.infer({"x": rows(1.5)}))["y"].tolist() == [[3.0, 3.0]]
+    assert (await model.start_request({"x": rows(1.5)}))["y"].tolist() == [[3.0, 3.0]]
     assert index(repository) == [("1", "READY", "")]
     assert repository.all_ready()
 
@@ -133,7 +133,7 @@ async def test_a_reload_under_load_fails_nothing_and_the_new_version_warms_up_fi
     async def client(value: float) -> None:
         while not stop.is_set():
             model = repository.get("double")
-            outputs = await model.infer({"x": rows(value)})
+            outputs = await model.start_request({"x": rows(value)})
             assert outputs["y"].tolist() == [[2 * value, 2 * value]]
             answered.append(model.version)
 
@@ -183,7 +183,7 @@ async def test_a_request_in_admission_when_the_swap_comes_is_still_answered(
     doubling(repository.root / "double" / "2")
     entered, proceed = held_in_admission(monkeypatch)
     old = repository.get("double")
-    slow = asyncio.create_task(old.infer({"x": rows(5.0)}))
+    slow = old.start_request({"x": rows(5.0)})
     await eventually(entered.is_set, "the request is in admission")
     reload = asyncio.create_task(repository.load("double"))
     await eventually(lambda: repository.get("double") is not old, "the new version took over")
@@ -214,7 +214,7 @@ async def test_admission_work_handed_back_runs_on_a_worker_thread(
         return work
 
     monkeypatch.setattr(Admission, "admit_or_offload", handed_back)
-    assert (await repository.get("double").infer({"x": rows(2.0)}))["y"].tolist() == [[4.0, 4.0]]
+    assert (await repository.get("double").start_request({"x": rows(2.0)}))["y"].tolist() == [[4.0, 4.0]]
     assert len(threads) == 1 and threads[0] != loop_thread
 
 
@@ -293,7 +293,7 @@ async def test_a_load_whose_caller_gives_up_while_it_builds_is_kept(tmp_path: Pa
     with pytest.raises(asyncio.CancelledError):
         await load
     await eventually(lambda: bool(repository.loaded()), "the load ends")
-    assert (await repository.get("double").infer({"x": rows(1.0)}))["y"].tolist() == [[2.0, 2.0]]
+    assert (await repository.get("double").start_request({"x": rows(1.0)}))["y"].tolist() == [[2.0, 2.0]]
     await repository.unload_all()
 
 
@@ -323,7 +323,7 @@ async def test_a_reload_keeps_the_old_version_when_one_of_several_new_ones_fails
     with pytest.raises(Unavailable) as failed:
         await repository.load("double")
     assert [(v, s) for v, s, _ in index(repository)] == [("1", "READY"), ("2", "READY")]
-    assert (await repository.get("double", "2").infer({"x": rows(1.0)}))["y"].tolist() == [[2.0, 2.0]]
+    assert (await repository.get("double", "2").start_request({"x": rows(1.0)}))["y"].tolist() == [[2.0, 2.0]]
     assert "version 2: ONNX Runtime cannot load" in failed.value.message
     assert failed.value.message.endswith("(versions 1, 2 serve on)")
     await repository.unload_all()

@@ -64,7 +64,7 @@ async def test_a_config_that_misdescribes_its_model_leaves_it_unavailable_and_ot
     state, reason = found["misdescribed"]
     assert state == "UNAVAILABLE"
     assert "output 'y': the config says FP32 [-1, 3], the model has FP32 [-1, 2]" in reason
-    doubled = await repository.get("double").infer({"x": ("FP32", np.ones((1, 2), np.float32))})
+    doubled = await repository.get("double").start_request({"x": ("FP32", np.ones((1, 2), np.float32))})
     assert doubled["y"].tolist() == [[2.0, 2.0]]
 
 
@@ -108,10 +108,10 @@ async def test_a_model_of_string_inputs_warms_up_with_its_own_values_and_serves(
     assert found["parse"][0] == found["format"][0] == "READY"
     assert found["parse-default-warmup"][0] == "UNAVAILABLE"  # its warm-up text is not a number
     assert "warm-up at batch size 1 failed" in found["parse-default-warmup"][1]
-    parsed = await repository.get("parse").infer({"text": texts("2.25", "10")})
+    parsed = await repository.get("parse").start_request({"text": texts("2.25", "10")})
     assert parsed["doubled"].tolist() == [[4.5], [20.0]]
     assert parsed["doubled_text"].tolist() == [[b"4.5"], [b"20"]]
-    formatted = await repository.get("format").infer({"x": ("FP32", np.array([[0.25]], np.float32))})
+    formatted = await repository.get("format").start_request({"x": ("FP32", np.array([[0.25]], np.float32))})
     assert formatted["text"].tolist() == [[b"0.25"]]
 
 

@@ -360,7 +360,7 @@ def test_texts_are_batched_by_length_only_where_that_saves_padding(
         sent = version._batcher.submit
         monkeypatch.setattr(version._batcher, "submit", lambda request: (queued.append(request.length), sent(request)))
         texts = np.array([["batchline warms up"], ["this model"]], dtype=object)
-        await version.infer({"text": ("BYTES", texts)})
+        await version.start_request({"text": ("BYTES", texts)})
         await version.unload()
         return queued
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -57,9 +58,13 @@ class FakePlane:
         self.now = self.most = 0
         self.received: list[int | None] = []
 
-    async def infer(self, model: FakeModel, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any],
-                    outputs: list[str] | None, record: RequestRecord,
-                    received_ns: int | None = None) -> list[tuple[str, str, np.ndarray]]:
+    def start_call(self, *call: Any) -> SimpleNamespace:
+        """A started call as the route reads it: `answer()`, the outputs once computed."""
+        return SimpleNamespace(answer=lambda: self._answer(*call))
+
+    async def _answer(self, model: FakeModel, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any],
+                      outputs: list[str] | None, record: RequestRecord,
+                      received_ns: int | None = None) -> list[tuple[str, str, np.ndarray]]:
         self.received.append(received_ns)
         datatype, array = inputs["text"]
         assert datatype == "BYTES" and array.shape == (len(array), 1) and outputs == ["embedding"]
