@@ -119,7 +119,8 @@ class ModelInstance:
         total = BatchResult([])
         # finding one request at fault, by halves of requests, fails the batch and a part a level
         # (1 + log2(N) runs), with one more to spare
-        failures_left = len(pieces).bit_length() + 2
+        search_runs = len(pieces).bit_length() + 2
+        failures = 0
         while work:
             group = [p for p in work.popleft() if p.request not in failed]
             if not group:
@@ -131,9 +132,9 @@ class ModelInstance:
             except Exception as exc:
                 rows = sum(p.rows for p in group)
                 if not is_out_of_memory(exc):
-                    failures_left -= 1
-                    if len(group) > 1 and failures_left > 0:  # whose values failed it? its halves run again to say
-                        if failures_left == len(pieces).bit_length() + 1:  # the first failure: said once a batch
+                    failures += 1
+                    if len(group) > 1 and failures < search_runs:  # whose values failed it? its halves run again to say
+                        if failures == 1:  # said once a batch
                             logger.warning("%d requests of a batch failed on %s (%s); halves of them run again to "
                                            "find the request at fault", len(group), self.label, _reason(exc))
                         middle = len(group) // 2  # by requests, not rows: one request is found in log2(N) steps
@@ -145,10 +146,10 @@ class ModelInstance:
                     logger.error("part of a batch (%d items) failed on %s", rows, self.label, exc_info=exc)
                     error = exc if isinstance(exc, BatchlineError) else EngineError(f"{type(exc).__name__}: {exc}")
                     failed.update((p.request, error) for p in group)
-                    if failures_left <= 0 and work:  # not one request's values, it seems: the rest fails unrun
+                    if failures >= search_runs and work:  # not one request's values, it seems: the rest fails unrun
                         unrun = {p.request for rest in work for p in rest} - failed.keys()
                         logger.error("%d more requests of the batch fail unrun on %s: its engine failed %d times",
-                                     len(unrun), self.label, len(pieces).bit_length() + 2)
+                                     len(unrun), self.label, failures)
                         failed.update((request, error) for request in unrun)
                         work.clear()
                 elif rows == 1:
