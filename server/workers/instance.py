@@ -112,7 +112,7 @@ class ModelInstance:
 
     async def _run_in_parts(self, pieces: list[_Piece]) -> BatchResult:
         work = deque(_packed(pieces, self.batch_cap))
-        whole = len(work) == 1  # the batch as dispatched: its failure fails it whole, as ever
+        whole = len(work) == 1  # the batch as dispatched: a failure of it that no search splits is raised as is
         parts: dict[int, list[Feed]] = defaultdict(list)
         failed: dict[int, BatchlineError] = {}
         ran_out: list[tuple[int, set[int]]] = []  # (rows, requests) of each group that ran out of memory
