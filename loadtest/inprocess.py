@@ -12,6 +12,9 @@ machine drowns it in noise.
   --through link       both ends of the link a front-end process (--http-workers) calls the
                        server process over, in this one process over a Unix socket: each call
                        the decoded tensors of a request, as a front end sends them (no HTTP)
+  --through plane      the same decoded tensors started on the data plane directly, as the
+                       server process's end of the link starts them: the link's own cost is
+                       what --through link costs more than this
   --answer engine      the model's engine, as served
   --answer zeros       the engine answers zeros of its outputs' shapes at once: the data plane
                        (admission, batching, the instance thread and back) without compute
@@ -45,7 +48,7 @@ import numpy as np
 from loadtest import payloads
 from server.asgi.disconnect import DISCONNECT_EXTENSION
 
-THROUGH = ("app", "protocol", "link")
+THROUGH = ("app", "protocol", "link", "plane")
 ANSWER_WITHIN_S = 10.0  # once the run stops, each client's call in flight is answered within this
 ANSWERS = ("engine", "zeros", "parsed")
 
@@ -108,8 +111,8 @@ def _refusal(through: str, answer: str) -> str | None:
     """Why a run cannot go this way, or None."""
     if through not in THROUGH or answer not in ANSWERS:
         return f"through one of {THROUGH}, answer one of {ANSWERS}"
-    if through == "link" and answer == "parsed":
-        return "--through link has no HTTP to parse: answer engine or zeros"
+    if through in ("link", "plane") and answer == "parsed":
+        return f"--through {through} has no HTTP to parse: answer engine or zeros"
     return None
 
 
@@ -133,6 +136,9 @@ async def _run(plane: Any, app: Any, door: Any, model: str, clients: int, second
             calls = [_decoded(body) for body in bodies]
             link = await stack.enter_async_context(_linked(plane))
             tasks = [asyncio.create_task(_link_client(link, model, calls, i, load)) for i in range(clients)]
+        elif through == "plane":
+            calls = [_decoded(body) for body in bodies]
+            tasks = [asyncio.create_task(_plane_client(plane, model, calls, i, load)) for i in range(clients)]
         else:
             tasks = []
             connections = _connect(app, door, model, bodies, clients, load)
@@ -261,6 +267,26 @@ async def _link_client(link: Any, model: str, calls: list[list[tuple[str, str, n
             await link.infer(model, None, calls[index % len(calls)], {}, None, None, time.perf_counter_ns())
         except Exception as exc:  # noqa: BLE001 - a refusal, or an error with no type of the server's
             load.fail(f"the server process refused a call: {exc.message if isinstance(exc, BatchlineError) else exc}")
+            return
+        index += 1
+        load.served += 1
+
+
+async def _plane_client(plane: Any, model: str, calls: list[list[tuple[str, str, np.ndarray]]], first: int,
+                        load: _Load) -> None:
+    """Calls as the server process's end of the link starts them (server.link.PlaneLink._start)."""
+    from server.errors import BatchlineError
+
+    index = first
+    while not load.stop:
+        inputs = calls[index % len(calls)]
+        try:
+            served = plane.admit(model, None)
+            batch_size = plane.check_inputs(served, {n: (d, list(a.shape)) for n, d, a in inputs})
+            await plane.start_call(served, {n: (d, a) for n, d, a in inputs}, {}, None, None,
+                                   time.perf_counter_ns(), batch_size).answer()
+        except BatchlineError as exc:
+            load.fail(f"the data plane refused a call: {exc.message}")
             return
         index += 1
         load.served += 1

@@ -28,7 +28,8 @@ def _collector() -> tuple[tuple[int, int, int], int, int]:
 
 
 @pytest.mark.parametrize(("through", "answer"), [("app", "engine"), ("protocol", "zeros"), ("app", "parsed"),
-                                                 ("protocol", "parsed"), ("link", "engine"), ("link", "zeros")])
+                                                 ("protocol", "parsed"), ("link", "engine"), ("link", "zeros"),
+                                                 ("plane", "zeros")])
 def test_a_short_run_serves_and_reports_its_cost(tmp_path: Path, through: str, answer: str) -> None:
     mlp.write_mlp_model(tmp_path)
     before, infer = _collector(), v2_infer.infer_v2
@@ -60,11 +61,20 @@ def test_a_link_run_whose_calls_are_refused_says_so(tmp_path: Path, monkeypatch:
     assert _collector() == before
 
 
-def test_a_link_run_has_no_http_to_parse(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_plane_run_whose_calls_are_refused_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mlp.write_mlp_model(tmp_path)
+    unknown = b'{"inputs": [{"name": "nope", "datatype": "FP32", "shape": [1, 1], "data": [1.0]}]}'
+    monkeypatch.setattr(inprocess.payloads, "build_requests", lambda *args: [SimpleNamespace(body=unknown)])
+    with pytest.raises(inprocess.Failed, match="data plane refused a call: unexpected input 'nope'"):
+        asyncio.run(inprocess.measure(tmp_path, "mlp", clients=4, seconds=0.3, through="plane"))
+
+
+@pytest.mark.parametrize("through", ["link", "plane"])
+def test_a_run_without_http_has_none_to_parse(tmp_path: Path, capsys: pytest.CaptureFixture[str], through: str) -> None:
     with pytest.raises(ValueError, match="no HTTP to parse"):
-        asyncio.run(inprocess.measure(tmp_path, "mlp", clients=1, seconds=0.1, through="link", answer="parsed"))
+        asyncio.run(inprocess.measure(tmp_path, "mlp", clients=1, seconds=0.1, through=through, answer="parsed"))
     with pytest.raises(SystemExit):
-        inprocess.main(["--model-repository", str(tmp_path), "--through", "link", "--answer", "parsed"])
+        inprocess.main(["--model-repository", str(tmp_path), "--through", through, "--answer", "parsed"])
     assert "no HTTP to parse" in capsys.readouterr().err
 
 

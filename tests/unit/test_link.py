@@ -19,7 +19,17 @@ from server import link, link_frames
 from server.arena import MIN_SLOT, Arena
 from server.errors import DeadlineExceeded, InvalidInput, QueueFull, ServerBusy, Unavailable
 from server.link import LinkClient, PlaneLink
-from server.link_frames import Frame, FrameReader, error_from, error_header, frame_bytes
+from server.link_frames import (
+    Frame,
+    FrameReader,
+    error_from,
+    error_header,
+    frame_bytes,
+    free_slots,
+    pack_tensors,
+    unpack_tensors,
+)
+from server.protocol.datatypes import BYTES, DATATYPES, numpy_dtype
 from server.scheduler.request import RequestRecord
 from tests.unit.waiting import eventually
 
@@ -134,6 +144,23 @@ def test_frames_cut_anywhere_reassemble() -> None:
         frames = reader.feed(stream[:cut]) + reader.feed(stream[cut:])
         assert [f.header for f in frames] == [{"i": 1, "k": "infer"}, {"i": 2}]
         assert bytes(frames[0].payload) == b"abcde" and bytes(frames[1].payload) == b""
+
+
+@pytest.mark.parametrize("datatype", [d for d in DATATYPES if d != BYTES])
+@pytest.mark.parametrize("shape", [[2, 3], [], [0, 4], [MIN_SLOT]])  # the last, a slot in the arena
+def test_every_numeric_tensor_crosses_as_it_was_sent(datatype: str, shape: list[int]) -> None:
+    arena = Arena.create(8 * MIN_SLOT * 8, "batchline-test")  # the largest: MIN_SLOT of 8 bytes
+    try:
+        array = (np.arange(int(np.prod(shape))) % 3).astype(numpy_dtype(datatype)).reshape(shape)
+        metas, payload, slots = pack_tensors([("t", datatype, array)], arena)
+        assert bool(slots) == (array.nbytes >= MIN_SLOT)
+        for copy in (False, True):
+            [(name, crossed_type, crossed)] = unpack_tensors(metas, memoryview(b"".join(payload)), arena, copy)
+            assert (name, crossed_type, crossed.dtype, crossed.shape) == ("t", datatype, array.dtype, array.shape)
+            np.testing.assert_array_equal(crossed, array)
+        free_slots(arena, slots)
+    finally:
+        arena.forget_file()
 
 
 def test_a_stream_out_of_step_is_refused() -> None:
