@@ -11,8 +11,9 @@ The model is the 256-float MLP (loadtest/mlp.py); its device is the stand-in (lo
 a batch holds one device for --fixed-us + --item-us per row of wall time, as a GPU kernel does,
 and spends no CPU, so the cores measured are the server's alone. wrk sends one static JSON body
 (its cheapest path: the load generator takes as little of the machine as it can); its latency
-percentiles are wrk's own. Each row also says the mean batch size the device saw and the CPU
-each part spent per request (from /proc).
+percentiles are wrk's own. Each row also says the mean batch size the device saw, the CPU each
+part spent per request (from /proc), wrk's own CPU per request and the cores left idle: on a
+machine where the load generator shares the cores, what bounds a layout's rate.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import re
 import os
+import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -32,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from loadtest import localserver, mlp, report, runs, signals, wrk as wrk_runs
+from loadtest import localserver, mlp, report, runs, signals
+from loadtest import wrk as wrk_runs
 from loadtest.mlp import write_mlp_model
 
 LAYOUTS = ("single", "workers", "replicas")
@@ -89,10 +92,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
                 for connections in args.concurrency:
                     serving, front_ends = processes()
                     before = stats_of(), cpu_ticks([*serving, *front_ends])
+                    idle_before, started = idle_ticks(), time.monotonic()
                     level = wrk(target, script, connections, args.duration, args.wrk_threads)
+                    idle_cores = (idle_ticks() - idle_before) / CLOCK_TICKS / (time.monotonic() - started)
                     serving, front_ends = processes()  # a front end restarted meanwhile is counted from 0
                     after = stats_of(), cpu_ticks([*serving, *front_ends])
-                    level |= {"layout": layout, "processes": len(after[1])}
+                    level |= {"layout": layout, "processes": len(after[1]), "idle_cores": round(idle_cores, 2)}
                     level |= measured_costs(before, after, frozenset(front_ends))
                     levels.append(level)
                     print(f"  {layout} c={connections}: {level['req_s']:,.0f} req/s, p50 {level['p50_ms']:.2f} ms, "
@@ -100,13 +105,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
     record["results"] = levels
     record["headline"] = {f"{level['layout']}@{level['concurrency']}_req_s": level["req_s"] for level in levels}
     record["notes"] += [
-        f"N = {args.workers}; the device: {args.fixed_us:g} us per batch + {args.item_us:g} us per row, one batch at a "
-        "time across every process",
+        (f"N = {args.workers}; the device: {args.fixed_us:g} us per batch + {args.item_us:g} us per row, one batch "
+         "at a time across every process"),
         "x single: req/s over the single process's at the same concurrency, in this run",
-        "CPU us/request: CPU time of every server process (user + system) over the level, per request served; "
-        "front ends: the --http-workers processes together",
-        "latency: wrk's own percentiles (--latency), which add coordinated-omission samples no request "
-        "experienced (loadtest/wrk.py); the other closed-loop tables time each request instead",
+        ("CPU us/request: CPU time of every server process (user + system) over the level, per request served; "
+         "front ends: the --http-workers processes together"),
+        (f"wrk us/request: the load generator's own CPU time per request it counted; cores idle: of the machine's "
+         f"{os.cpu_count()}, over the level (/proc/stat). On C cores shared with wrk, a layout serves at most "
+         "C / (its CPU us/request + wrk's) requests a microsecond; one process, at most 1 / its own (one core)"),
+        ("latency: wrk's own percentiles (--latency), which add coordinated-omission samples no request "
+         "experienced (loadtest/wrk.py); the other closed-loop tables time each request instead"),
     ]
     return report.write(args.out, "fanout", record, HEADERS, table_rows(levels), plot=lambda path: plot(path, levels))
 
@@ -225,6 +233,12 @@ def cpu_ticks(pids: list[int]) -> dict[int, int]:
     return ticks
 
 
+def idle_ticks() -> int:
+    """The machine's idle time so far, every core's together, in clock ticks (idle + iowait)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    return int(fields[4]) + int(fields[5])
+
+
 def measured_costs(before: tuple[Stats, dict[int, int]], after: tuple[Stats, dict[int, int]],
                    front_ends: frozenset[int]) -> dict[str, Any]:
     """The level's mean batch size and each process's CPU per request served; `front_ends`:
@@ -243,6 +257,7 @@ def measured_costs(before: tuple[Stats, dict[int, int]], after: tuple[Stats, dic
 
 _RATE = re.compile(r"Requests/sec:\s+([\d.]+)")
 _PERCENTILE = re.compile(r"^\s+(50|75|90|99)%\s+([\d.]+)(us|ms|s)\s*$", re.MULTILINE)
+_COUNT = re.compile(r"(\d+) requests in ")
 _NON_2XX = re.compile(r"Non-2xx or 3xx responses:\s+(\d+)")
 _SOCKET_ERRORS = re.compile(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)")
 _UNIT_MS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
@@ -251,20 +266,25 @@ _UNIT_MS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 def wrk(url: str, script: Path, connections: int, duration_s: float, threads: int) -> dict[str, Any]:
     command = [wrk_runs.wrk_path(), "-t", str(min(threads, connections)), "-c", str(connections), "-d", f"{max(1, round(duration_s))}s",
                "--latency", "-s", str(script), url]
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=duration_s + 60)
+    children_after = resource.getrusage(resource.RUSAGE_CHILDREN)  # wrk's: no other child of this process ends
     if done.returncode != 0 or not _RATE.search(done.stdout):
         raise RuntimeError(f"wrk failed ({done.returncode}): {done.stderr.strip() or done.stdout[-2000:]}")
+    wrk_cpu_s = (children_after.ru_utime + children_after.ru_stime) - (children_before.ru_utime + children_before.ru_stime)
+    counted = _COUNT.search(done.stdout)
     percentiles = {f"p{p}_ms": round(float(v) * _UNIT_MS[unit], 3) for p, v, unit in _PERCENTILE.findall(done.stdout)}
     non_2xx = _NON_2XX.search(done.stdout)
     socket_errors = _SOCKET_ERRORS.search(done.stdout)
     return {"concurrency": connections, "req_s": round(float(_RATE.search(done.stdout)[1]), 1),  # type: ignore[index]
             "p50_ms": percentiles.get("p50_ms", 0.0), "p99_ms": percentiles.get("p99_ms", 0.0),
             "errors": (int(non_2xx[1]) if non_2xx else 0) + (sum(map(int, socket_errors.groups())) if socket_errors else 0),
+            "wrk_cpu_us_per_request": round(wrk_cpu_s * 1e6 / max(1, int(counted[1]) if counted else 0), 1),
             "command": command}
 
 
 HEADERS = ["layout", "clients", "req/s", "x single", "p50 ms", "p99 ms", "mean batch", "CPU us/request",
-           "of it, front ends", "processes", "errors"]
+           "of it, front ends", "wrk us/request", "cores idle", "processes", "errors"]
 
 
 def table_rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
@@ -275,8 +295,8 @@ def table_rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
         rows.append([level["layout"], level["concurrency"], level["req_s"],
                      round(level["req_s"] / base, 2) if base else "", level["p50_ms"], level["p99_ms"],
                      round(level["mean_batch"], 1), level["cpu_us_per_request_total"],
-                     level["cpu_us_per_request_front_ends"], level["processes"],
-                     level["errors"]])
+                     level["cpu_us_per_request_front_ends"], level["wrk_cpu_us_per_request"], level["idle_cores"],
+                     level["processes"], level["errors"]])
     return rows
 
 

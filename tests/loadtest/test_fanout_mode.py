@@ -62,6 +62,13 @@ def test_cpu_time_is_read_as_the_process_counts_it() -> None:
     assert abs(ticks / fanout.CLOCK_TICKS - (used.ru_utime + used.ru_stime)) < 0.1
 
 
+def test_idle_time_is_read_from_the_whole_machine() -> None:
+    first = fanout.idle_ticks()
+    time.sleep(0.3)
+    idle_cores = (fanout.idle_ticks() - first) / fanout.CLOCK_TICKS / 0.3
+    assert 0 <= idle_cores <= (os.cpu_count() or 1) + 0.5  # at most every core idle, with the ticks' rounding
+
+
 def test_a_short_run_measures_every_layout(tmp_path: Path) -> None:
     require_tool("wrk", "wrk")
     out = tmp_path / "fanout"
@@ -71,5 +78,6 @@ def test_a_short_run_measures_every_layout(tmp_path: Path) -> None:
     assert [level["layout"] for level in record["results"]] == ["single", "workers", "replicas"]
     for level in record["results"]:
         assert level["req_s"] > 0 and level["errors"] == 0 and level["mean_batch"] >= 1, level
+        assert level["wrk_cpu_us_per_request"] > 0 and 0 <= level["idle_cores"] <= (os.cpu_count() or 1) + 0.5, level
     assert [level["processes"] for level in record["results"]] == [1, 3, 2]
     assert "x single" in assert_figure(out, "fanout")
