@@ -13,7 +13,8 @@ and spends no CPU, so the cores measured are the server's alone. wrk sends one s
 (its cheapest path: the load generator takes as little of the machine as it can); its latency
 percentiles are wrk's own. Each row also says the mean batch size the device saw, the CPU each
 part spent per request (from /proc), wrk's own CPU per request and the cores left idle: on a
-machine where the load generator shares the cores, what bounds a layout's rate.
+machine where the load generator shares the cores, what bounds a layout's rate. `--rounds N`
+takes the layouts in turn N times, each round's ratios against its own single process.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def add_parser(modes: Any, parents: runs.Parents) -> None:
     parser.add_argument("--fixed-us", type=float, default=1000.0, help="the stand-in device's cost per batch")
     parser.add_argument("--item-us", type=float, default=10.0, help="the stand-in device's cost per row")
     parser.add_argument("--wrk-threads", type=int, default=2, help="wrk's threads")
+    parser.add_argument("--rounds", type=runs.count, default=1,
+                        help="every layout in turn, this many times: on a machine whose speed drifts, each "
+                             "round's ratios compare runs minutes apart, not a whole run apart")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
@@ -73,7 +77,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
                            f"{mlp.WINDOW_US / 1000:g} ms window)", "workers": args.workers,
                   "layouts": layouts, "concurrency": args.concurrency, "duration_s": args.duration,
                   "warmup_s": args.warmup, "fixed_us": args.fixed_us, "item_us": args.item_us,
-                  "wrk_threads": args.wrk_threads}
+                  "wrk_threads": args.wrk_threads, "rounds": args.rounds}
     record = runs.record(args, argv, parameters)
     levels: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="batchline-fanout-") as folder:
@@ -84,7 +88,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
         script.write_text(static_body_script())
         environment = {"STANDIN_FIXED_US": str(args.fixed_us), "STANDIN_ITEM_US": str(args.item_us),
                        "STANDIN_DEVICE_LOCK": str(root / "device.lock")}
-        for layout in layouts:
+        for round_number, layout in [(r, layout) for r in range(1, args.rounds + 1) for layout in layouts]:
             with servers(layout, args.workers, repository, root, environment) as (url, stats_of, processes):
                 target = f"{url}/v2/models/{MODEL}/infer"
                 if args.warmup > 0:
@@ -97,17 +101,19 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
                     idle_cores = (idle_ticks() - idle_before) / CLOCK_TICKS / (time.monotonic() - started)
                     serving, front_ends = processes()  # a front end restarted meanwhile is counted from 0
                     after = stats_of(), cpu_ticks([*serving, *front_ends])
-                    level |= {"layout": layout, "processes": len(after[1]), "idle_cores": round(idle_cores, 2)}
+                    level |= {"layout": layout, "round": round_number, "processes": len(after[1]),
+                              "idle_cores": round(idle_cores, 2)}
                     level |= measured_costs(before, after, frozenset(front_ends))
                     levels.append(level)
-                    print(f"  {layout} c={connections}: {level['req_s']:,.0f} req/s, p50 {level['p50_ms']:.2f} ms, "
+                    print(f"  round {round_number}, {layout} c={connections}: {level['req_s']:,.0f} req/s, p50 {level['p50_ms']:.2f} ms, "
                           f"p99 {level['p99_ms']:.2f} ms, mean batch {level['mean_batch']:.1f}", file=sys.stderr)
     record["results"] = levels
-    record["headline"] = {f"{level['layout']}@{level['concurrency']}_req_s": level["req_s"] for level in levels}
+    record["headline"] = {f"{layout}@{connections}_req_s": rate for (layout, connections), rate in median_rates(levels).items()}
     record["notes"] += [
         (f"N = {args.workers}; the device: {args.fixed_us:g} us per batch + {args.item_us:g} us per row, one batch "
          "at a time across every process"),
-        "x single: req/s over the single process's at the same concurrency, in this run",
+        ("x single: req/s over the single process's at the same concurrency, in the same round; with several "
+         "rounds, the headline figures are each layout's median"),
         ("CPU us/request: CPU time of every server process (user + system) over the level, per request served; "
          "front ends: the --http-workers processes together"),
         (f"wrk us/request: the load generator's own CPU time per request it counted; cores idle: of the machine's "
@@ -116,7 +122,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
         ("latency: wrk's own percentiles (--latency), which add coordinated-omission samples no request "
          "experienced (loadtest/wrk.py); the other closed-loop tables time each request instead"),
     ]
-    return report.write(args.out, "fanout", record, HEADERS, table_rows(levels), plot=lambda path: plot(path, levels))
+    return report.write(args.out, "fanout", record, HEADERS, table_rows(levels), summary=ratio_summary(levels),
+                        plot=lambda path: plot(path, levels))
 
 
 def static_body_script() -> str:
@@ -283,21 +290,48 @@ def wrk(url: str, script: Path, connections: int, duration_s: float, threads: in
             "command": command}
 
 
-HEADERS = ["layout", "clients", "req/s", "x single", "p50 ms", "p99 ms", "mean batch", "CPU us/request",
+HEADERS = ["round", "layout", "clients", "req/s", "x single", "p50 ms", "p99 ms", "mean batch", "CPU us/request",
            "of it, front ends", "wrk us/request", "cores idle", "processes", "errors"]
 
 
 def table_rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
-    single = {level["concurrency"]: level["req_s"] for level in levels if level["layout"] == "single"}
     rows = []
-    for level in levels:
-        base = single.get(level["concurrency"])
-        rows.append([level["layout"], level["concurrency"], level["req_s"],
-                     round(level["req_s"] / base, 2) if base else "", level["p50_ms"], level["p99_ms"],
+    for level, ratio in zip(levels, ratios(levels), strict=True):
+        rows.append([level["round"], level["layout"], level["concurrency"], level["req_s"],
+                     round(ratio, 2) if ratio is not None else "",
+                     level["p50_ms"], level["p99_ms"],
                      round(level["mean_batch"], 1), level["cpu_us_per_request_total"],
                      level["cpu_us_per_request_front_ends"], level["wrk_cpu_us_per_request"], level["idle_cores"],
                      level["processes"], level["errors"]])
     return rows
+
+
+def ratios(levels: list[dict[str, Any]]) -> list[float | None]:
+    """Each level's req/s over the single process's at its concurrency in its round (None
+    without one)."""
+    single = {(level["round"], level["concurrency"]): level["req_s"] for level in levels if level["layout"] == "single"}
+    return [level["req_s"] / base if (base := single.get((level["round"], level["concurrency"]))) else None
+            for level in levels]
+
+
+def median_rates(levels: list[dict[str, Any]]) -> dict[tuple[str, int], float]:
+    """Each (layout, concurrency)'s median req/s over the rounds."""
+    rates: dict[tuple[str, int], list[float]] = {}
+    for level in levels:
+        rates.setdefault((level["layout"], level["concurrency"]), []).append(level["req_s"])
+    return {key: float(np.median(values)) for key, values in rates.items()}
+
+
+def ratio_summary(levels: list[dict[str, Any]]) -> list[str]:
+    """With more than one round: each layout's x single, round by round, and their median."""
+    per_key: dict[tuple[str, int], list[float]] = {}
+    for level, ratio in zip(levels, ratios(levels), strict=True):
+        if ratio is not None and level["layout"] != "single":
+            per_key.setdefault((level["layout"], level["concurrency"]), []).append(ratio)
+    if max((len(v) for v in per_key.values()), default=0) < 2:
+        return []
+    return [f"{layout} at {connections} clients: x single {', '.join(f'{r:.2f}' for r in values)} by round, "
+            f"median {float(np.median(values)):.2f}" for (layout, connections), values in per_key.items()]
 
 
 def plot(path: Path, levels: list[dict[str, Any]]) -> None:
@@ -307,8 +341,12 @@ def plot(path: Path, levels: list[dict[str, Any]]) -> None:
     groups = [f"{c} clients" for c in counts]
 
     def per_layout(key: str) -> list[tuple[str, list[float]]]:
-        found = {(level["layout"], level["concurrency"]): level[key] for level in levels}
-        return [(layout, [found.get((layout, c), 0) for c in counts]) for layout in layouts]
+        """Each layout's median of `key` over the rounds, at each concurrency."""
+        found: dict[tuple[str, int], list[float]] = {}
+        for level in levels:
+            found.setdefault((level["layout"], level["concurrency"]), []).append(level[key])
+        return [(layout, [float(np.median(found[(layout, c)])) if (layout, c) in found else 0 for c in counts])
+                for layout in layouts]
 
     report.grouped_bars(rates, groups, per_layout("req_s"))
     report.grouped_bars(batches, groups, per_layout("mean_batch"))

@@ -69,6 +69,20 @@ def test_idle_time_is_read_from_the_whole_machine() -> None:
     assert 0 <= idle_cores <= (os.cpu_count() or 1) + 0.5  # at most every core idle, with the ticks' rounding
 
 
+def _level(round_number: int, layout: str, concurrency: int, req_s: float) -> dict[str, object]:
+    return {"round": round_number, "layout": layout, "concurrency": concurrency, "req_s": req_s}
+
+
+def test_each_round_is_compared_with_its_own_single_process() -> None:
+    levels = [_level(1, "single", 64, 100.0), _level(1, "workers", 64, 150.0), _level(1, "workers", 256, 90.0),
+              _level(2, "single", 64, 200.0), _level(2, "workers", 64, 240.0),
+              _level(3, "single", 64, 50.0), _level(3, "workers", 64, 80.0)]
+    assert fanout.ratios(levels) == [1.0, 1.5, None, 1.0, 1.2, 1.0, 1.6]  # no single at 256: no ratio
+    assert fanout.median_rates(levels)[("workers", 64)] == 150.0
+    assert fanout.ratio_summary(levels) == ["workers at 64 clients: x single 1.50, 1.20, 1.60 by round, median 1.50"]
+    assert fanout.ratio_summary(levels[:3]) == []  # one round: the table says it all
+
+
 def test_a_short_run_measures_every_layout(tmp_path: Path) -> None:
     require_tool("wrk", "wrk")
     out = tmp_path / "fanout"
@@ -81,3 +95,13 @@ def test_a_short_run_measures_every_layout(tmp_path: Path) -> None:
         assert level["wrk_cpu_us_per_request"] > 0 and 0 <= level["idle_cores"] <= (os.cpu_count() or 1) + 0.5, level
     assert [level["processes"] for level in record["results"]] == [1, 3, 2]
     assert "x single" in assert_figure(out, "fanout")
+
+
+def test_rounds_take_every_layout_in_turn(tmp_path: Path) -> None:
+    require_tool("wrk", "wrk")
+    out = tmp_path / "fanout"
+    bench("fanout", "--out", str(out), "--layouts", "single", "--rounds", "2", "--concurrency", "2", "--duration", "1",
+          "--warmup", "0", "--fixed-us", "200", "--item-us", "5", timeout=600)
+    record = json.loads((out / "fanout.json").read_text())
+    assert [(level["round"], level["layout"]) for level in record["results"]] == [(1, "single"), (2, "single")]
+    assert record["parameters"]["rounds"] == 2 and "single@2_req_s" in record["headline"]
