@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
         script.write_text(static_body_script())
         environment = {"STANDIN_FIXED_US": str(args.fixed_us), "STANDIN_ITEM_US": str(args.item_us),
                        "STANDIN_DEVICE_LOCK": str(root / "device.lock")}
-        for round_number, layout in [(r, layout) for r in range(1, args.rounds + 1) for layout in layouts]:
+        for round_number, layout in itertools.product(range(1, args.rounds + 1), layouts):
             with servers(layout, args.workers, repository, root, environment) as (url, stats_of, processes):
                 target = f"{url}/v2/models/{MODEL}/infer"
                 if args.warmup > 0:
@@ -116,9 +117,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
          "rounds, the headline figures are each layout's median"),
         ("CPU us/request: CPU time of every server process (user + system) over the level, per request served; "
          "front ends: the --http-workers processes together"),
-        (f"wrk us/request: the load generator's own CPU time per request it counted; cores idle: of the machine's "
-         f"{os.cpu_count()}, over the level (/proc/stat). On C cores shared with wrk, a layout serves at most "
-         "C / (its CPU us/request + wrk's) requests a microsecond; one process, at most 1 / its own (one core)"),
+        (f"wrk us/request: the load generator's own CPU time per request it counted; cores idle: of every "
+         f"core the machine has online ({os.cpu_count()}), over the level (/proc/stat), more than processes "
+         "held to fewer cores (taskset, a container's limit) could use. On C cores shared with wrk, a layout "
+         "serves at most C / (its CPU us/request + wrk's) requests a microsecond; one process, at most 1 / its "
+         "own (one core)"),
         ("latency: wrk's own percentiles (--latency), which add coordinated-omission samples no request "
          "experienced (loadtest/wrk.py); the other closed-loop tables time each request instead"),
     ]
@@ -275,18 +278,20 @@ def wrk(url: str, script: Path, connections: int, duration_s: float, threads: in
                "--latency", "-s", str(script), url]
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=duration_s + 60)
-    children_after = resource.getrusage(resource.RUSAGE_CHILDREN)  # wrk's: no other child of this process ends
+    # wrk's alone: no other child of this process is reaped meanwhile
+    children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0 or not _RATE.search(done.stdout):
         raise RuntimeError(f"wrk failed ({done.returncode}): {done.stderr.strip() or done.stdout[-2000:]}")
     wrk_cpu_s = (children_after.ru_utime + children_after.ru_stime) - (children_before.ru_utime + children_before.ru_stime)
     counted = _COUNT.search(done.stdout)
+    wrk_cpu_us = round(wrk_cpu_s * 1e6 / int(counted[1]), 1) if counted and int(counted[1]) else None
     percentiles = {f"p{p}_ms": round(float(v) * _UNIT_MS[unit], 3) for p, v, unit in _PERCENTILE.findall(done.stdout)}
     non_2xx = _NON_2XX.search(done.stdout)
     socket_errors = _SOCKET_ERRORS.search(done.stdout)
     return {"concurrency": connections, "req_s": round(float(_RATE.search(done.stdout)[1]), 1),  # type: ignore[index]
             "p50_ms": percentiles.get("p50_ms", 0.0), "p99_ms": percentiles.get("p99_ms", 0.0),
             "errors": (int(non_2xx[1]) if non_2xx else 0) + (sum(map(int, socket_errors.groups())) if socket_errors else 0),
-            "wrk_cpu_us_per_request": round(wrk_cpu_s * 1e6 / max(1, int(counted[1]) if counted else 0), 1),
+            "wrk_cpu_us_per_request": wrk_cpu_us,
             "command": command}
 
 
@@ -297,12 +302,13 @@ HEADERS = ["round", "layout", "clients", "req/s", "x single", "p50 ms", "p99 ms"
 def table_rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
     rows = []
     for level, ratio in zip(levels, ratios(levels), strict=True):
+        wrk_cpu = level["wrk_cpu_us_per_request"]
         rows.append([level["round"], level["layout"], level["concurrency"], level["req_s"],
                      round(ratio, 2) if ratio is not None else "",
                      level["p50_ms"], level["p99_ms"],
                      round(level["mean_batch"], 1), level["cpu_us_per_request_total"],
-                     level["cpu_us_per_request_front_ends"], level["wrk_cpu_us_per_request"], level["idle_cores"],
-                     level["processes"], level["errors"]])
+                     level["cpu_us_per_request_front_ends"], wrk_cpu if wrk_cpu is not None else "",
+                     level["idle_cores"], level["processes"], level["errors"]])
     return rows
 
 

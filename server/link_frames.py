@@ -140,7 +140,8 @@ def unpack_tensors(metas: list[TensorMeta], payload: memoryview, arena: Arena | 
     """The tensors a frame names. `copy`: arrays of their own rather than views of the sender's
     arena (whose slot is freed once read). A numeric tensor is viewed as its sender packed it,
     without the checks a client's bytes get: the sender built it from checked input or from
-    the model's outputs (a mismatch, a bug, is a ValueError from numpy)."""
+    the model's outputs (a mismatch, a bug, is a ValueError from numpy). BOOL is the exception:
+    its bytes are read as 0 or 1 whatever the sender held."""
     tensors: list[Tensor] = []
     for name, datatype, shape, where, start, length in metas:
         if where == IN_ARENA:
@@ -149,7 +150,7 @@ def unpack_tensors(metas: list[TensorMeta], payload: memoryview, arena: Arena | 
             raw = arena.slot(start, length)
         else:
             raw = payload[start:start + length]
-        if datatype == BYTES:
+        if datatype in (BYTES, "BOOL"):
             array = tensor_from_bytes(raw, datatype, shape, name)
         else:
             array = np.frombuffer(raw, dtype=numpy_dtype(datatype)).reshape(shape)

@@ -83,6 +83,24 @@ def test_each_round_is_compared_with_its_own_single_process() -> None:
     assert fanout.ratio_summary(levels[:3]) == []  # one round: the table says it all
 
 
+def test_wrk_output_without_a_request_count_gives_no_cost_a_request(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    """A figure divided by a count wrk did not print would be made up: the table leaves it blank."""
+    report = ("Latency Distribution\n     50%  1.00ms\n     99%  2.00ms\n"
+              "  {count}Requests/sec:   1000.00\nTransfer/sec:  1.00MB\n")
+    outputs = iter([report.format(count="5000 requests in 5.00s, 1.00MB read\n"), report.format(count="")])
+    monkeypatch.setattr(fanout.wrk_runs, "wrk_path", lambda: "wrk")
+    monkeypatch.setattr(fanout.subprocess, "run",
+                        lambda command, **_: fanout.subprocess.CompletedProcess(command, 0, next(outputs), ""))
+    counted, uncounted = (fanout.wrk("http://127.0.0.1:1/", tmp_path / "s.lua", 8, 1, 1) for _ in range(2))
+    assert counted["wrk_cpu_us_per_request"] is not None and counted["p99_ms"] == 2.0
+    assert uncounted["wrk_cpu_us_per_request"] is None
+    row = fanout.table_rows([uncounted | _level(1, "single", 8, 1000.0) | {
+        "mean_batch": 1.0, "cpu_us_per_request_total": 1.0, "cpu_us_per_request_front_ends": 0.0,
+        "idle_cores": 0.0, "processes": 1}])[0]
+    assert row[fanout.HEADERS.index("wrk us/request")] == ""
+
+
 def test_a_short_run_measures_every_layout(tmp_path: Path) -> None:
     require_tool("wrk", "wrk")
     out = tmp_path / "fanout"

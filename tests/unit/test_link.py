@@ -154,13 +154,25 @@ def test_every_numeric_tensor_crosses_as_it_was_sent(datatype: str, shape: list[
         array = (np.arange(int(np.prod(shape))) % 3).astype(numpy_dtype(datatype)).reshape(shape)
         metas, payload, slots = pack_tensors([("t", datatype, array)], arena)
         assert bool(slots) == (array.nbytes >= MIN_SLOT)
+        crossed_as: dict[bool, np.ndarray] = {}
         for copy in (False, True):
             [(name, crossed_type, crossed)] = unpack_tensors(metas, memoryview(b"".join(payload)), arena, copy)
             assert (name, crossed_type, crossed.dtype, crossed.shape) == ("t", datatype, array.dtype, array.shape)
             np.testing.assert_array_equal(crossed, array)
+            crossed_as[copy] = crossed
+        if slots:  # the sender reuses a freed slot: a copy keeps what was sent, a view does not
+            arena.slot(slots[0], array.nbytes)[:] = b"\x01" * array.nbytes
+            assert np.array_equal(crossed_as[True], array) and not np.array_equal(crossed_as[False], array)
         free_slots(arena, slots)
     finally:
         arena.forget_file()
+
+
+def test_a_bool_crosses_as_zero_or_one_whatever_byte_it_was_held_in() -> None:
+    held = np.array([0, 2, 1], dtype=np.uint8).view(np.bool_)
+    metas, payload, _ = pack_tensors([("b", "BOOL", held)], None)
+    [(_, _, crossed)] = unpack_tensors(metas, memoryview(b"".join(payload)), None, copy=False)
+    assert crossed.view(np.uint8).tolist() == [0, 1, 1]
 
 
 def test_a_stream_out_of_step_is_refused() -> None:
