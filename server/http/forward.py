@@ -15,7 +15,7 @@ import httpx
 from server.asgi.body import next_part
 from server.asgi.respond import body_headers, send_messages
 from server.asgi.types import Receive, Scope, Send
-from server.errors import BatchlineError, Unavailable
+from server.errors import BatchlineError, Cancelled, Unavailable
 from server.http.errors import error_parts
 from server.openai import PREFIX as OPENAI_PREFIX
 from server.openai.errors import error_parts as openai_error_parts
@@ -29,7 +29,8 @@ UNREACHABLE = "the server process does not answer; retry"
 # Idle connections to the server process close well before its uvicorn closes them (5 s), so a
 # request never goes out on a connection the other side is closing.
 _POOL = httpx.Limits(keepalive_expiry=1.0)
-_SAFE = ("GET", "HEAD", "OPTIONS")  # sent again once when a pooled connection fails
+_SAFE = ("GET", "HEAD", "OPTIONS")  # sent again once when a pooled connection fails; their body is not passed on
+_BODY_FRAMING = frozenset({b"content-length", b"content-encoding"})  # of a body, so not for a body left here
 
 
 class ForwardApp:
@@ -43,8 +44,9 @@ class ForwardApp:
         target = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
-        headers = [(k, v) for k, v in scope["headers"] if k not in _NOT_PASSED_ON]
         method = scope["method"]
+        headers = [(k, v) for k, v in scope["headers"]
+                   if k not in _NOT_PASSED_ON and not (method in _SAFE and k in _BODY_FRAMING)]
         url = httpx.URL("http://batchline").copy_with(raw_path=target)
         try:
             try:
@@ -56,6 +58,8 @@ class ForwardApp:
                 response = await self._client.send(self._client.build_request(method, url, headers=headers), stream=True)
         except httpx.TransportError:
             await _error(scope, send, Unavailable(UNREACHABLE))
+            return
+        except Cancelled:  # the client left while sending the body: nobody to answer
             return
         except BatchlineError as exc:  # the body passed a limit (413) or stopped coming (408) as it was read
             await _error(scope, send, exc)
@@ -82,11 +86,13 @@ async def _error(scope: Scope, send: Send, error: Exception) -> None:
 
 
 async def _body(receive: Receive) -> AsyncIterator[bytes]:
-    """The body, passed on as it comes; RequestTimeout (408) when it stops part-way."""
+    """The body, passed on as it comes; RequestTimeout (408) when it stops part-way, Cancelled
+    when the client leaves part-way (the server process then sees a connection closed short of
+    its declared length, never a request that looks whole)."""
     while True:
         message = await next_part(receive)
         if message["type"] == "http.disconnect":
-            return
+            raise Cancelled("the client disconnected while sending the body")
         chunk = message.get("body", b"")
         if chunk:
             yield chunk

@@ -134,3 +134,42 @@ async def test_a_forwarded_body_that_stops_part_way_is_a_408_that_closes(
     finally:
         await forward.close()
         await server_process.drain()
+
+
+async def test_a_client_that_leaves_part_way_through_a_forwarded_body_is_never_passed_on_as_whole(
+    tmp_path: Path,
+) -> None:
+    """Without a declared length (chunked), a body cut short would otherwise end as if it were
+    complete: the server process must see the connection close instead."""
+    received: list[dict[str, Any]] = []
+
+    async def records(scope: dict, receive: Any, send: Any) -> None:  # type: ignore[type-arg]
+        while True:
+            message = await receive()
+            received.append(message)
+            if message["type"] == "http.disconnect" or not message.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "app.sock"))
+    listener.listen()
+    server_process = HttpFrontEnd(records, listener, "warning", grace_s=1)
+    await server_process.start()
+    forward = ForwardApp(str(tmp_path / "app.sock"))
+    try:
+        for declared in ({}, {"content-length": "100"}):
+            received.clear()
+            leaving = Exchange([{"type": "http.request", "body": b'{"parameters": ', "more_body": True},
+                                {"type": "http.disconnect"}], declared, path="/v2/repository/models/m/load")
+            await asyncio.wait_for(forward(leaving.scope, leaving.receive, leaving.send), 10)
+            assert leaving.sent == []  # nobody to answer
+            for _ in range(100):
+                if received and received[-1]["type"] == "http.disconnect":
+                    break
+                await asyncio.sleep(0.02)
+            assert received and received[-1]["type"] == "http.disconnect", received
+    finally:
+        await forward.close()
+        await server_process.drain()
