@@ -21,6 +21,7 @@ from server.config import ModelConfig
 from server.engines.base import Engine
 from server.engines.signature import check_results
 from server.engines.spec import EngineIO
+from server.errors import EngineError
 from server.protocol.datatypes import numpy_dtype
 from server.workers.result import BatchResult
 
@@ -49,6 +50,7 @@ class ModelPipeline:
         self._tokenize = config.tokenize
         self._buckets = config.batch_buckets or []
         self._outputs = [(t.name, t.source_name, numpy_dtype(t.datatype)) for t in config.outputs]
+        self._model = config.name
 
     @property
     def pads_to_bucket(self) -> bool:
@@ -71,11 +73,17 @@ class ModelPipeline:
         infer_start = time.perf_counter_ns()
         results = self.engine.run(merged)
         output_start = time.perf_counter_ns()
+        rows = len(next(iter(merged.values()))) if self._batched else None
         if verify:
-            check_results(self._io, results, len(next(iter(merged.values()))) if self._batched else None)
+            check_results(self._io, results, rows)
         outputs = {}
         for name, source, dtype in self._outputs:
             array = results[source]
+            if rows is not None and (array.ndim == 0 or len(array) != rows):
+                # cut back per request, it would hand one client another's rows, or none
+                raise EngineError(f"model '{self._model}' returned output '{name}' of shape {list(array.shape)} "
+                                  f"for a batch of {rows} items: a batching model's outputs carry the batch as "
+                                  f"their first dim")
             outputs[name] = array if array.dtype == dtype else array.astype(dtype)
         per_request = split(outputs, sizes) if self._batched else [outputs]
         end = time.perf_counter_ns()

@@ -160,3 +160,19 @@ def test_verify_checks_the_engines_own_outputs_before_the_cast() -> None:
     with pytest.raises(EngineError, match=r"output 'sum' \(engine name 'engine_sum'\): the config says FP32 \[-1, 2\], "
                                           r"the model returned FP64 \[2, 1\] for a batch of 2"):
         pipeline.run_batch(feeds, verify=True)
+
+
+class SumsEverything(RowSums):
+    """A model that reduces over the batch too: one row whatever the batch holds."""
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"engine_sum": np.array([[float(sum(v.sum() for v in inputs.values()))]])}
+
+
+def test_an_output_without_a_row_for_each_of_the_batch_fails_the_batch_rather_than_answer_wrong_rows() -> None:
+    cfg = config()
+    pipeline = ModelPipeline(cfg, SumsEverything(), paddable_inputs(cfg, {}))
+    alone = pipeline.run_batch([{"x": np.ones((1, 3), np.float32)}])  # one row for one: right
+    assert alone.outputs[0]["sum"].tolist() == [[3.0]]
+    with pytest.raises(EngineError, match=r"model 'toy' returned output 'sum' of shape \[1, 1\] for a batch of 3 items"):
+        pipeline.run_batch([{"x": np.ones((2, 3), np.float32)}, {"x": np.ones((1, 3), np.float32)}])
