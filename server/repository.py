@@ -150,8 +150,11 @@ class ModelRepository:
         return ENGINES[config.engine].with_threads(config, self._engine_threads)
 
     async def unload(self, name: str) -> None:
-        """Drain and free every version of a model, to the end whatever becomes of the caller."""
-        self._model_dir(name)
+        """Drain and free every version of a model, to the end whatever becomes of the caller.
+        A model loaded or asked for unloads even once its folder is gone from the repository:
+        else it would serve, or hold the server unready, until a restart."""
+        if name not in self._versions and name not in self._failures:
+            self._model_dir(name)  # ModelNotFound
         await self._to_the_end(self._unload(name))
 
     async def _unload(self, name: str) -> None:
@@ -213,9 +216,9 @@ class ModelRepository:
         return all(any(m.ready for m in vs.values()) for vs in self._versions.values())
 
     def index(self) -> list[IndexEntry]:
-        """Every model on disk, and every model asked for that is not."""
+        """Every model on disk, and every model loaded or asked for that is not."""
         entries = []
-        for name in sorted({*self.names_on_disk(), *self._failures}):
+        for name in sorted({*self.names_on_disk(), *self._versions, *self._failures}):
             if name in self._failures:
                 entries.append(IndexEntry(name, "", "UNAVAILABLE", self._failures[name]))
             elif name in self._versions:

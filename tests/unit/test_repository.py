@@ -3,6 +3,7 @@ checked against their models at load and by warm-up, and models with string tens
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -126,3 +127,21 @@ async def test_a_model_asked_for_but_missing_keeps_the_server_unready(repository
     write_model(repository.root, "absent", {**DOUBLING_CONFIG, "name": "absent"}, doubling)
     await repository.load("absent")
     assert repository.all_ready() and states(repository)["absent"][0] == "READY"
+
+
+async def test_a_model_whose_folder_is_gone_still_unloads(repository: ModelRepository) -> None:
+    """Loaded, or failed to load, and then removed from the repository: unloading it must still
+    free it and let the server read as ready, without a restart."""
+    write_model(repository.root, "double", DOUBLING_CONFIG, doubling)
+    wrong = {**DOUBLING_CONFIG, "name": "broken", "outputs": [{"name": "y", "datatype": "FP32", "dims": [3]}]}
+    write_model(repository.root, "broken", wrong, doubling)
+    await repository.load_all()
+    assert not repository.all_ready()
+    shutil.rmtree(repository.root / "broken")
+    shutil.rmtree(repository.root / "double")
+    assert states(repository)["double"][0] == "READY"  # still serving, so still listed
+    await repository.unload("broken")
+    await repository.unload("double")
+    assert repository.all_ready() and states(repository) == {}
+    with pytest.raises(ModelNotFound):
+        await repository.unload("double")  # neither loaded nor on disk any more
