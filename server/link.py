@@ -40,6 +40,7 @@ from server.link_frames import (
     record_fields,
     unpack_tensors,
 )
+from server.scheduler.admission import REQUEST_OPTIONS
 from server.scheduler.request import RequestRecord
 
 logger = logging.getLogger(__name__)
@@ -301,11 +302,13 @@ class LinkClient(_Stream):
         outputs: list[str] | None, record: RequestRecord | None, received_ns: int,
     ) -> tuple[int, list[Tensor]]:
         """One decoded call, run in the server process: the model version that served it and
-        its outputs, or its typed error."""
+        its outputs, or its typed error. Of the request's parameters only those admission reads
+        cross."""
         if self.lost:
             raise Unavailable(GONE)
+        options = {name: parameters[name] for name in REQUEST_OPTIONS if name in parameters}
         metas, payload, slots = pack_tensors(inputs, self._arena)
-        header = {"k": "infer", "m": model, "v": version, "in": metas, "p": parameters, "o": outputs,
+        header = {"k": "infer", "m": model, "v": version, "in": metas, "p": options, "o": outputs,
                   "r": record is not None, "t": received_ns}
         frame = await self._call(header, payload, slots)
         try:

@@ -16,6 +16,9 @@ from server.config import ModelConfig
 from server.errors import InvalidInput
 from server.preprocess import TextTokenizer
 
+# The request parameters admission reads; the only ones a front end passes on to the server
+# process (a client's own parameters, nested or large as they may be, are not read here).
+REQUEST_OPTIONS = ("priority", "timeout")
 # Text of more bytes than this (UTF-8 check, tokenizing), or more BYTES items than
 # INLINE_ITEMS, is prepared on a worker thread, not the event loop: ~0.5 ms at most inline.
 INLINE_TEXT_BYTES = 4096

@@ -155,6 +155,17 @@ def test_errors_keep_their_status_and_shape(served: localserver.StartedServer) -
     assert Call(served.url, "spin", 1.0).echoed() == 1.0  # and the server serves on
 
 
+def test_a_clients_own_parameters_stay_in_the_front_end(served: localserver.StartedServer) -> None:
+    """Nested past what the link's encoder writes: the call is served, as one process serves it
+    (only the parameters admission reads cross, and those are still checked there)."""
+    one = '{"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [2.0]}], "parameters": '
+    deep = httpx.post(f"{served.url}/v2/models/spin/infer", timeout=WAIT_S,
+                      content=one + '{"mine": ' + "[" * 300 + "]" * 300 + ', "priority": 0}}')
+    assert deep.status_code == 200 and deep.json()["outputs"][0]["data"] == [2.0], deep.text
+    wrong = httpx.post(f"{served.url}/v2/models/spin/infer", timeout=WAIT_S, content=one + '{"priority": "high"}}')
+    assert wrong.status_code == 400 and "'priority' must be an integer" in wrong.json()["error"]
+
+
 def test_forwarded_routes_answer_as_the_server_process_does(served: localserver.StartedServer) -> None:
     metadata = httpx.get(f"{served.url}/v2", timeout=10)
     assert metadata.status_code == 200

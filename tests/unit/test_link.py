@@ -215,7 +215,7 @@ async def test_a_call_whose_header_cannot_cross_is_refused_and_the_link_serves_o
     client._released = [7]
     large = np.ones((1, MIN_SLOT // 4), np.float32)
     with pytest.raises(InvalidInput, match="parameters and names take"):
-        await client.infer("m", None, [("x", "FP32", large)], {"note": "x" * 5000}, None, None, 0)
+        await client.infer("m", None, [("x", "FP32", large)], {}, ["y" * 5000], None, 0)
     assert client._released == [7] and client._arena is not None and client._arena.allocate(1) == 0
     client._arena.free(0)
     client._released = []  # no such slot was taken on the far side
@@ -230,9 +230,12 @@ async def test_small_tensors_cross_inline_and_large_ones_in_shared_memory(linked
     large = np.arange(MIN_SLOT // 4 * 2, dtype=np.float32).reshape(2, -1)  # 128 KiB: a slot each way
     words = np.array([[b"a"], [b"\xffbytes"]], dtype=object)
     record = RequestRecord(request_id="r1")
+    deep: list[Any] = []
+    for _ in range(300):  # a client's own parameter, nested past what the link's encoder writes
+        deep = [deep]
     served, outputs = await client.infer(
         "m", "3", [("small", "FP32", small), ("large", "FP32", large), ("words", "BYTES", words)],
-        {"priority": 1}, ["small_doubled"], record, 123)
+        {"priority": 1, "mine": deep, "note": "x" * (link_frames.MAX_HEADER_BYTES + 1)}, ["small_doubled"], record, 123)
     assert served == 3
     answer = {name: (datatype, array) for name, datatype, array in outputs}
     np.testing.assert_array_equal(answer["small_doubled"][1], small * 2)
