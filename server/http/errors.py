@@ -8,6 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from server.errors import (
     BatchlineError,
@@ -116,7 +117,14 @@ def install_error_handlers(app: FastAPI) -> None:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         return error_response(400, problems)
 
+    async def on_client_left(_: Request, exc: Exception) -> Response:
+        """The client closed its connection while a route read the body: nobody reads this
+        answer, and nothing went wrong here to log (else each such client logs a traceback)."""
+        status, body, headers = error_parts(Cancelled("the client disconnected while sending the body"))
+        return Response(body, status_code=status, media_type="application/json", headers=headers)
+
     app.add_exception_handler(BatchlineError, on_error)
+    app.add_exception_handler(ClientDisconnect, on_client_left)
     app.add_exception_handler(HTTPException, on_http_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(Exception, on_error)

@@ -21,6 +21,7 @@ import pytest
 from server.config import ModelConfig
 from server.dataplane import DataPlane
 from server.http import infer, v2_infer
+from server.http.app import create_app
 from server.http.infer import FastInferApp, InferEndpoint
 from server.metrics import build_registry, exposition
 from tests.unit.http.conftest import HOLD, Exchange, Gate, infer_body
@@ -367,3 +368,17 @@ async def test_a_request_cut_off_by_the_end_of_the_grace_period_is_told_503_not_
     await asyncio.wait({task}, timeout=10)
     assert task.done() and not task.cancelled() and task.exception() is None
     assert_error(exchange, 503, "stopped before this request was answered")
+
+
+@pytest.mark.parametrize("path", ["/v2/repository/index", "/v2/systemsharedmemory/region/r/register"])
+async def test_a_client_that_leaves_while_a_control_route_reads_its_body_logs_nothing(
+    plane: DataPlane, path: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Not an error of the server's: no traceback per such client, and nothing escapes the app."""
+    leaving = Exchange([{"type": "http.request", "body": b'{"ready": ', "more_body": True},
+                        {"type": "http.disconnect"}], {"content-type": "application/json", "content-length": "100"},
+                       path=path)
+    with caplog.at_level("WARNING"):
+        await asyncio.wait_for(create_app(plane)(leaving.scope, leaving.receive, leaving.send), 10)
+    assert leaving.status == 499
+    assert [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")] == []
