@@ -154,6 +154,16 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             # has seen the rest of this chunk, and a request that followed owns the connection.
             self.loop.call_soon(self._refused, cycle)
 
+        def on_message_complete(self) -> None:
+            """Read on once a body is whole, as after a small one. Its last part, past uvicorn's
+            high-water mark, paused reading, and only the app's next `receive` resumes it: an
+            endpoint with the whole body asks no more, so a client that left went unnoticed and
+            its queued call ran. A pipelined request waiting its turn keeps reading paused, as
+            uvicorn has it."""
+            super().on_message_complete()
+            if not self.pipeline:
+                self.flow.resume_reading()
+
         def connection_lost(self, exc: Exception | None) -> None:
             """Tell the requests of this connection that wait on their work that the client left
             (server/asgi/disconnect.py): they are dropped at once, with no task per request

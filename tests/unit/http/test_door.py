@@ -334,3 +334,32 @@ async def test_a_head_request_refused_by_the_gate_gets_no_body_and_its_connectio
     finally:
         writer.close()
         await frontend.drain()
+
+
+async def test_a_client_that_leaves_after_sending_a_large_body_has_its_queued_call_dropped(
+    plane: DataPlane, gate: Gate,
+) -> None:
+    """The last part of a body, past uvicorn's high-water mark, pauses reading, which only the
+    app's next receive would resume: the endpoint, with the whole body, asks no more, so the
+    client's leaving went unread and its queued call ran anyway."""
+    plane.start([])
+    frontend, port = await started(create_app(plane))
+    model = plane.repository.get("spin")
+    try:
+        held = asyncio.create_task(exchange(port, post(infer_body(HOLD))))
+        await eventually(gate.held.is_set, "a request holds the instance")
+        request = post(infer_body(5.0) + b" " * (200 << 10))  # valid JSON, 200 KiB of it whitespace
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request[:-(180 << 10)])
+        await asyncio.sleep(0.3)  # read, and the endpoint waits for the rest: it comes in one piece
+        writer.write(request[-(180 << 10):])
+        await eventually(lambda: model.queue_depth == 1, "the large request is queued")
+        writer.close()
+        await eventually(lambda: model.queue_depth == 0, "the large request is dropped when its client leaves")
+        assert plane.statistics("spin", None)["model_stats"][0]["failures"] == {"cancelled": 1}
+        gate.released.set()
+        assert (await held)[0] == 200
+        assert gate.ran() == [HOLD], "the engine ran a request whose client had left"
+    finally:
+        gate.released.set()
+        await frontend.drain()
