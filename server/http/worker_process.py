@@ -33,7 +33,7 @@ from server.http.frontend import HttpFrontEnd
 from server.http.infer import FastInferApp, InferEndpoint
 from server.http.shared_port import reuse_port_socket
 from server.http.v2_infer import infer_v2_remote
-from server.http.workers import READY_LINE
+from server.http.workers import HEARTBEAT_S, READY_LINE
 from server.inflight import InFlight
 from server.link import LinkClient
 from server.settings import ServerSettings
@@ -64,11 +64,29 @@ async def serve(settings: ServerSettings, port: int, link_path: str, upstream_pa
     heap.settle()  # what starting left (imports, the app), frozen out of later collections
     sys.stdout.buffer.write(READY_LINE)
     sys.stdout.flush()
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # nobody reads that pipe past this line: it must not fill
+    pipe = os.dup(sys.stdout.fileno())  # kept for the heartbeat alone
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # what else goes to standard output goes to the log
+    os.set_blocking(pipe, False)
+    beating = asyncio.create_task(_beat(pipe))
     await stop.wait()
     await frontend.drain()
     link.close()
     await forward.close()
+    beating.cancel()
+    os.close(pipe)
+
+
+async def _beat(pipe: int) -> None:
+    """Tell the server process, from this event loop, that it still turns (it kills a front end
+    it has not heard from for a while, server/http/workers.py)."""
+    while True:
+        try:
+            os.write(pipe, b".")
+        except BlockingIOError:  # the server process reads nothing just now (stopped itself): a beat is skipped
+            pass
+        except OSError:  # it is gone: the link's closing stops this process
+            return
+        await asyncio.sleep(HEARTBEAT_S)
 
 
 def main() -> int:

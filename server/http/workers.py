@@ -7,7 +7,10 @@ end reaches this process over a link (`server.link`) for infer and over this pro
 HTTP app, on a private Unix socket, for every other route.
 
 A front end that dies is started again (its own connections are lost, nobody else's); one that
-keeps dying is started again after a growing pause. Draining asks each front end to drain,
+keeps dying is started again after a growing pause. One that stops answering without dying (a
+stopped process, an event loop stuck) would keep taking its share of new connections and hang
+them: each front end's event loop writes a heartbeat to its pipe to this process, and one not
+heard from for SILENT_S is killed, and so started again. Draining asks each front end to drain,
 waits for them, and only then closes the links: the calls they hold still get answers.
 """
 
@@ -37,6 +40,8 @@ START_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 60.0  # past a front end's own grace period (30 s)
 FAST_DEATH_S = 5.0  # a front end that dies sooner after its start waits before the next one
 MAX_PAUSE_S = 30.0
+HEARTBEAT_S = 1.0  # how often a front end's event loop says it still turns
+SILENT_S = 10.0  # a front end not heard from for this long is killed and started again
 
 
 class HttpWorkers:
@@ -111,7 +116,7 @@ class HttpWorkers:
             process = self._processes[index]
             assert process is not None
             started = time.monotonic()
-            status = await process.wait()
+            status = await self._until_ended(index, process)
             if self._stopping:
                 return
             lived = time.monotonic() - started
@@ -128,6 +133,28 @@ class HttpWorkers:
                     logger.error("%s; trying again in %.1f s", exc, pause)
                     await asyncio.sleep(pause)
             if self._stopping:
+                return
+
+    async def _until_ended(self, index: int, process: asyncio.subprocess.Process) -> int:
+        """The front end's exit status, once it ends; killed first if it falls silent."""
+        listening = asyncio.create_task(self._listen(index, process))
+        try:
+            return await process.wait()
+        finally:
+            listening.cancel()
+
+    async def _listen(self, index: int, process: asyncio.subprocess.Process) -> None:
+        assert process.stdout is not None
+        while True:
+            try:
+                heard = await asyncio.wait_for(process.stdout.read(4096), SILENT_S)
+            except TimeoutError:
+                if process.returncode is None and not self._stopping:
+                    logger.error("HTTP front end %d (pid %d) has not been heard from for %.0f s (stopped, or its "
+                                 "event loop stuck): stopping it", index, process.pid, SILENT_S)
+                    process.kill()
+                return
+            if not heard:  # its end of the pipe closed: it is ending
                 return
 
     async def drain(self) -> None:

@@ -9,6 +9,7 @@ killed under load is replaced while the other serves on; a stop drains what is i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import tempfile
@@ -28,6 +29,7 @@ from tritonclient.utils import InferenceServerException
 from loadtest import localserver
 from loadtest.fanout import children
 from loadtest.localmodels import onnx_bytes, write_onnx_model
+from server.http.workers import SILENT_S
 from tests.integration.test_lifecycle import SLOW, WAIT_S, Call, hold, wait_until
 from tests.unit.http.tiny_models import write_spin_model
 
@@ -52,11 +54,11 @@ def write_echo_model(root: Path) -> None:
 
 
 @contextmanager
-def workers_server(root: Path, *extra: str) -> Iterator[localserver.StartedServer]:
+def workers_server(root: Path, *extra: str, log_path: Path | None = None) -> Iterator[localserver.StartedServer]:
     logs = Path(tempfile.gettempdir()) / "batchline-test-logs"
     logs.mkdir(exist_ok=True)
     with localserver.started_server(root, "--http-workers", "2", "--allow-grpc", "false", *extra,
-                                    log_path=logs / f"workers-{time.monotonic_ns()}.log",
+                                    log_path=log_path or logs / f"workers-{time.monotonic_ns()}.log",
                                     startup_timeout_s=180) as server:
         yield server
 
@@ -249,6 +251,26 @@ def test_a_front_end_killed_under_load_is_replaced_and_the_other_serves_on(repos
                 assert client.post(f"{server.url}/v2/models/spin/infer", json={
                     "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [2.0]}]},
                     headers={"Connection": "close"}).status_code == 200
+
+
+def test_a_front_end_that_stops_answering_is_replaced(repository: Path, tmp_path: Path) -> None:
+    """Stopped (SIGSTOP), it would keep taking its share of new connections and hang them:
+    not heard from for a while, it is killed and another takes its place."""
+    log = tmp_path / "server.log"
+    with workers_server(repository, log_path=log) as server:
+        first = front_ends(server)
+        os.kill(first[0], signal.SIGSTOP)
+        try:
+            wait_until(lambda: len(front_ends(server)) == 2 and first[0] not in front_ends(server),
+                       "the stopped front end is replaced", timeout_s=SILENT_S + 30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(first[0], signal.SIGCONT)
+        assert first[1] in front_ends(server)  # the one still answering was left alone
+        with httpx.Client(timeout=10) as client:  # new connections, spread over both, are answered
+            for _ in range(20):
+                assert client.get(f"{server.url}/v2/health/ready", headers={"Connection": "close"}).status_code == 200
+        assert "has not been heard from" in log.read_text()
 
 
 def test_a_stop_drains_calls_in_flight_and_ends_every_process(repository: Path) -> None:
