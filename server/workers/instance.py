@@ -220,20 +220,15 @@ class ModelInstance:
         self._jobs.put(None)  # if the run ever returns, the thread closes the engine and ends
 
     def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            result: Any = None
-            error: BaseException | None = None
-            try:
-                result = job.call()
-            except BaseException as exc:  # noqa: BLE001 (every outcome goes back to the waiting caller)
-                error = exc if isinstance(exc, Exception) else EngineError(f"{type(exc).__name__}: {exc}")
-            if job.loop is None:  # a caller off the loop waits on a thread-safe future
-                _settle(job.future, result, error)
-                continue
-            try:
-                job.loop.call_soon_threadsafe(_settle, job.future, result, error)
-            except RuntimeError:  # the loop is closed: nobody waits for this run any more
-                pass
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                break
+            _run(job)
+            # Nothing of a batch stays held while the thread waits for the next: its inputs may
+            # be large, or views of a front end's shared memory (server/link.py) that would keep
+            # it mapped after that front end is gone.
+            del job
         try:
             self.pipeline.engine.close()
         except Exception:
@@ -246,6 +241,23 @@ class ModelInstance:
             return
         self._jobs.put(None)
         self._thread.join()
+
+
+def _run(job: _Job) -> None:
+    """Run one job and hand its outcome to whoever waits for it."""
+    result: Any = None
+    error: BaseException | None = None
+    try:
+        result = job.call()
+    except BaseException as exc:  # noqa: BLE001 (every outcome goes back to the waiting caller)
+        error = exc if isinstance(exc, Exception) else EngineError(f"{type(exc).__name__}: {exc}")
+    if job.loop is None:  # a caller off the loop waits on a thread-safe future
+        _settle(job.future, result, error)
+        return
+    try:
+        job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+    except RuntimeError:  # the loop is closed: nobody waits for this run any more
+        pass
 
 
 def _settle(

@@ -5,6 +5,7 @@ engine is a numpy doubler whose faults are chosen by the batch's x values (tests
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -202,3 +203,15 @@ def test_out_of_memory_is_told_from_other_errors() -> None:
 def test_torch_cuda_out_of_memory_is_known_by_its_type() -> None:
     torch = pytest.importorskip("torch")
     assert is_out_of_memory(torch.cuda.OutOfMemoryError("tried to allocate 2.00 GiB"))
+
+
+async def test_an_idle_instance_holds_nothing_of_its_last_batch(faults: Faults) -> None:
+    """Inputs may be large, or views of a front end's shared memory that would stay mapped."""
+    worker = instance(faults)
+    inputs = feed(1.0, 2.0)
+    held = weakref.ref(inputs["x"])
+    result = await worker.run([inputs])
+    assert doubled(result.outputs[0]) == [2.0, 4.0]
+    del inputs, result
+    await eventually(lambda: held() is None, "the batch's inputs are freed once it is answered")
+    worker.close()
