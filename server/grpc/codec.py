@@ -19,7 +19,7 @@ import numpy as np
 
 from server.errors import InvalidInput, Unsupported
 from server.grpc.protos import grpc_service_pb2 as pb
-from server.protocol.binary import tensor_from_bytes, tensor_to_bytes
+from server.protocol.binary import reshaped, tensor_from_bytes, tensor_to_bytes
 from server.protocol.datatypes import BYTES, MAX_DIMS, numpy_dtype
 from server.protocol.shared_memory import BYTE_SIZE, REGION, NOT_TAKEN, RegionRef, Windows, region_ref
 
@@ -116,11 +116,13 @@ def declare(request: pb.ModelInferRequest) -> DeclaredRequest:
     targets: dict[str, RegionRef] = {}
     if request.outputs:
         outputs = []
+        names: set[str] = set()  # a set: a list's check is quadratic, and a client may ask for 100,000
         for output in request.outputs:
             if "classification" in output.parameters:
                 raise Unsupported("the classification extension is not supported by this server")
-            if output.name in outputs:
+            if output.name in names:
                 raise InvalidInput(f"output '{output.name}' is asked for more than once")
+            names.add(output.name)
             ref = region_ref(plain_parameters(output.parameters), f"output '{output.name}'") if output.parameters else None
             if ref is not None:
                 targets[output.name] = ref
@@ -171,14 +173,14 @@ def _from_contents(tensor: pb.ModelInferRequest.InferInputTensor, shape: list[in
     if datatype == BYTES:
         array = np.empty(count, dtype=np.object_)
         array[:] = list(values)
-        return array.reshape(shape)
+        return reshaped(array, shape, name)
     if datatype in _NARROW:
         wide = np.fromiter(values, dtype=np.int64, count=count)
         info = np.iinfo(dtype)
         if count and (wide.min() < info.min or wide.max() > info.max):
             raise InvalidInput(f"input '{name}': a value is out of range for {datatype}")
-        return wide.astype(dtype).reshape(shape)
-    return np.fromiter(values, dtype=dtype, count=count).reshape(shape)
+        return reshaped(wide.astype(dtype), shape, name)
+    return reshaped(np.fromiter(values, dtype=dtype, count=count), shape, name)
 
 
 def plain_parameters(parameters: Any) -> dict[str, Any]:

@@ -49,7 +49,7 @@ def tensor_from_bytes(raw: Buffer, datatype: str, shape: Sequence[int], name: st
     count = _element_count(shape, name)
     data = _byte_view(raw)
     if datatype == BYTES:
-        return _reshaped(_bytes_tensor(data, count, name), shape, name)
+        return reshaped(_bytes_tensor(data, count, name), shape, name)
     dtype = _dtype_of(datatype, name)
     expected = count * dtype.itemsize
     if len(data) != expected:
@@ -60,7 +60,7 @@ def tensor_from_bytes(raw: Buffer, datatype: str, shape: Sequence[int], name: st
     array = np.frombuffer(data, dtype=dtype, count=count)
     if datatype == "BOOL":
         array = _normalized_bools(array)
-    return _reshaped(array, shape, name)
+    return reshaped(array, shape, name)
 
 
 def tensor_to_bytes(array: np.ndarray, datatype: str) -> bytes:
@@ -143,8 +143,9 @@ def _element_count(shape: Sequence[int], name: str) -> int:
     return math.prod(int(dim) for dim in shape)
 
 
-def _reshaped(array: np.ndarray, shape: Sequence[int], name: str) -> np.ndarray:
-    """Reshape; numpy refuses absurd dimensions (as in [0, 2**63]), which is the client's error."""
+def reshaped(array: np.ndarray, shape: Sequence[int], name: str) -> np.ndarray:
+    """Reshape a client's tensor; numpy refuses absurd dimensions (as in [0, 2**63]: zero
+    elements, but no such array), which is the client's error."""
     try:
         return array.reshape(shape)
     except ValueError:

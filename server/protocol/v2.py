@@ -16,7 +16,7 @@ import numpy as np
 import orjson
 
 from server.errors import InvalidInput, Unsupported
-from server.protocol.binary import BinaryCursor, split_body, tensor_from_bytes, tensor_to_bytes
+from server.protocol.binary import BinaryCursor, reshaped, split_body, tensor_from_bytes, tensor_to_bytes
 from server.protocol.datatypes import MAX_DIMS, numpy_dtype
 from server.protocol.shared_memory import BYTE_SIZE, REGION, NOT_TAKEN, RegionRef, Windows, region_ref
 
@@ -216,10 +216,7 @@ def json_tensor(data: object, datatype: str, shape: list[int], name: str) -> np.
         raise InvalidInput(
             f"input '{name}': shape {shape} needs {expected} elements, data has {array.size}"
         )
-    try:
-        return array.reshape(shape)
-    except ValueError as exc:  # e.g. [0, 2**63]: zero elements, but no such array
-        raise InvalidInput(f"input '{name}': shape {shape} is not a valid array shape") from exc
+    return reshaped(array, shape, name)
 
 
 def _flatten(data: list[Any]) -> list[Any]:
@@ -275,14 +272,16 @@ def _requested_outputs(value: object) -> list[RequestedOutput] | None:
     if not isinstance(value, list):
         raise InvalidInput("'outputs' must be a list")
     requested = []
+    names: set[str] = set()  # a set: a list's check is quadratic, and a client may ask for 100,000
     for raw in value:
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
             raise InvalidInput("each requested output must be an object with a 'name'")
         parameters = _parameters(raw.get("parameters"), f"output '{raw['name']}'")
         if parameters.get("classification"):
             raise Unsupported("the classification extension is not supported by this server")
-        if any(r.name == raw["name"] for r in requested):
+        if raw["name"] in names:
             raise InvalidInput(f"output '{raw['name']}' is asked for more than once")
+        names.add(raw["name"])
         binary = _flag(parameters, "binary_data", f"output '{raw['name']}'")
         region = region_ref(parameters, f"output '{raw['name']}'")
         requested.append(RequestedOutput(raw["name"], binary, region))

@@ -127,6 +127,8 @@ def test_a_request_whose_parts_do_not_fit_is_invalid_before_any_data_is_read(cha
     ("INT8", [300], [1], "out of range"),
     ("UINT16", [70000], [1], "out of range"),
     ("NOPE", [1], [1], "datatype"),
+    ("FP32", [], [0, 2**62], "too large"),  # zero elements, but no such array
+    ("BYTES", [], [0, 2**62], "too large"),
 ])
 def test_typed_contents_that_do_not_match_are_invalid(datatype: str, values: list, shape: list[int], reason: str) -> None:
     request = pb.ModelInferRequest(model_name="m")
@@ -234,4 +236,14 @@ def test_an_output_asked_for_twice_is_refused() -> None:
     request.outputs.add(name="y")
     request.outputs.add(name="y")
     with pytest.raises(InvalidInput, match="output 'y' is asked for more than once"):
+        codec.declare(request)
+
+
+def test_many_requested_outputs_are_checked_in_one_pass() -> None:
+    """As a list's, the duplicate check took 10 s for 40,000 names here, on the event loop."""
+    request = _request(_raw("x", ARRAYS["FP32"], "FP32"), raw=True)
+    for i in range(100_000):
+        request.outputs.add(name=f"o{i}")
+    request.outputs.add(name="o99999")
+    with pytest.raises(InvalidInput, match="output 'o99999' is asked for more than once"):
         codec.declare(request)
