@@ -167,6 +167,12 @@ class DataPlane:
             raise
 
     @staticmethod
+    def count_expired(model: ModelVersion) -> None:
+        """A call whose deadline passed before it could start (a front end's own check),
+        counted as the batcher counts one it drops at its deadline."""
+        model.stats.count_failure("deadline")
+
+    @staticmethod
     def start_call(
         model: ModelVersion,
         inputs: dict[str, tuple[str, np.ndarray]],

@@ -294,7 +294,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 record.model_version = model.version
             declared = codec.declare(request)
             batch_size = self._plane.check_inputs(model, declared.declared)
-            parameters = with_deadline(declared.parameters, time_remaining)
+            try:
+                parameters = with_deadline(declared.parameters, time_remaining)
+            except DeadlineExceeded:
+                self._plane.count_expired(model)
+                raise
             regions = self._plane.shared_memory
             if declared.decode_cost > INLINE_DECODE_COST:
                 inputs = await asyncio.to_thread(codec.decode_inputs, request, declared.in_shared_memory,

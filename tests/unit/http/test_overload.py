@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from server.dataplane import DataPlane
-from server.errors import InvalidInput, ServerBusy
+from server.errors import DeadlineExceeded, InvalidInput, ServerBusy
 from server.grpc.protos import grpc_service_pb2 as pb
 from server.grpc.servicer import InferenceServicer
 from server.http import v2_infer
@@ -244,3 +244,14 @@ def _timed(work: Callable[[], Any]) -> float:
     start = time.perf_counter()
     work()
     return time.perf_counter() - start
+
+
+async def test_a_grpc_call_whose_deadline_passed_on_arrival_is_counted_as_a_deadline(plane: DataPlane) -> None:
+    """Refused before it reaches the batcher, it is counted as the batcher counts one it drops."""
+    servicer = InferenceServicer(plane, flight=InFlight(4))
+    request = pb.ModelInferRequest(model_name="spin")
+    tensor = request.inputs.add(name="x", datatype="FP32", shape=[1, 1])
+    tensor.contents.fp32_contents.append(1.0)
+    with pytest.raises(DeadlineExceeded):
+        await servicer._infer(request, 0.0001, None, time.perf_counter_ns())
+    assert plane.statistics("spin", None)["model_stats"][0]["failures"] == {"deadline": 1}
