@@ -30,7 +30,7 @@ UNREACHABLE = "the server process does not answer; retry"
 # request never goes out on a connection the other side is closing.
 _POOL = httpx.Limits(keepalive_expiry=1.0)
 _SAFE = ("GET", "HEAD", "OPTIONS")  # sent again once when a pooled connection fails; their body is not passed on
-_BODY_FRAMING = frozenset({b"content-length", b"content-encoding"})  # of a body, so not for a body left here
+_BODY_FRAMING = frozenset({b"content-length", b"content-encoding", b"expect"})  # of a body: not for one left here
 
 
 class ForwardApp:

@@ -138,24 +138,33 @@ class HttpWorkers:
     async def _until_ended(self, index: int, process: asyncio.subprocess.Process) -> int:
         """The front end's exit status, once it ends; killed first if it falls silent."""
         listening = asyncio.create_task(self._listen(index, process))
+        listening.add_done_callback(_retrieve)
         try:
             return await process.wait()
         finally:
             listening.cancel()
 
     async def _listen(self, index: int, process: asyncio.subprocess.Process) -> None:
+        """Kill the front end once SILENT_S of windows in a row brought no heartbeat. Counted in
+        windows, not timed in one wait: a stall of this process's own loop (or of the whole
+        group, frozen and thawed) times out one window at most before the pipe is read again,
+        so it never reads as every front end falling silent at once."""
         assert process.stdout is not None
-        while True:
+        window = 2 * HEARTBEAT_S
+        silent = 0
+        while silent * window < SILENT_S:
             try:
-                heard = await asyncio.wait_for(process.stdout.read(4096), SILENT_S)
+                heard = await asyncio.wait_for(process.stdout.read(4096), window)
             except TimeoutError:
-                if process.returncode is None and not self._stopping:
-                    logger.error("HTTP front end %d (pid %d) has not been heard from for %.0f s (stopped, or its "
-                                 "event loop stuck): stopping it", index, process.pid, SILENT_S)
-                    process.kill()
-                return
+                silent += 1
+                continue
             if not heard:  # its end of the pipe closed: it is ending
                 return
+            silent = 0
+        if process.returncode is None and not self._stopping:
+            logger.error("HTTP front end %d (pid %d) has not been heard from for %.0f s (stopped, or its event "
+                         "loop stuck): stopping it", index, process.pid, SILENT_S)
+            process.kill()
 
     async def drain(self) -> None:
         self._stopping = True
@@ -178,6 +187,12 @@ class HttpWorkers:
         for process in self._processes:
             if process is not None and process.returncode is None:
                 process.kill()
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Log a listener's failure (none is expected) instead of leaving it unread."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("listening to an HTTP front end failed", exc_info=task.exception())
 
 
 def _settings_json(settings: ServerSettings) -> bytes:

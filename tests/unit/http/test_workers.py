@@ -5,7 +5,10 @@ door (no queues to refuse from), and a forward to a server process that does not
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +18,13 @@ import pytest
 from pydantic import SecretStr
 
 from server.asgi import body
+from server.http import workers
 from server.http.door import Admitted, Door, Refused
 from server.http.forward import UNREACHABLE, ForwardApp
 from server.http.frontend import HttpFrontEnd
 from server.http.shared_port import reserve_port, reuse_port_socket
 from server.http.worker_process import front_end_app
-from server.http.workers import _settings_json
+from server.http.workers import HttpWorkers, _settings_json
 from server.settings import ServerSettings
 from tests.unit.http.conftest import Exchange
 
@@ -142,12 +146,14 @@ async def test_a_client_that_leaves_part_way_through_a_forwarded_body_is_never_p
     """Without a declared length (chunked), a body cut short would otherwise end as if it were
     complete: the server process must see the connection close instead."""
     received: list[dict[str, Any]] = []
+    ended = asyncio.Event()
 
     async def records(scope: dict, receive: Any, send: Any) -> None:  # type: ignore[type-arg]
         while True:
             message = await receive()
             received.append(message)
             if message["type"] == "http.disconnect" or not message.get("more_body"):
+                ended.set()
                 break
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"ok"})
@@ -161,15 +167,40 @@ async def test_a_client_that_leaves_part_way_through_a_forwarded_body_is_never_p
     try:
         for declared in ({}, {"content-length": "100"}):
             received.clear()
+            ended.clear()
             leaving = Exchange([{"type": "http.request", "body": b'{"parameters": ', "more_body": True},
                                 {"type": "http.disconnect"}], declared, path="/v2/repository/models/m/load")
             await asyncio.wait_for(forward(leaving.scope, leaving.receive, leaving.send), 10)
             assert leaving.sent == []  # nobody to answer
-            for _ in range(100):
-                if received and received[-1]["type"] == "http.disconnect":
-                    break
-                await asyncio.sleep(0.02)
-            assert received and received[-1]["type"] == "http.disconnect", received
+            await asyncio.wait_for(ended.wait(), 10)
+            assert received[-1]["type"] == "http.disconnect", received
     finally:
         await forward.close()
         await server_process.drain()
+
+
+async def test_a_silent_front_end_is_killed_and_a_stall_here_kills_none(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    """One that sends no heartbeat is killed; one whose heartbeats wait in the pipe while this
+    process's own loop stalls past the limit is left alone."""
+    monkeypatch.setattr(workers, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(workers, "SILENT_S", 0.5)
+    beats = "import sys, time\nwhile True:\n    sys.stdout.write('.'); sys.stdout.flush(); time.sleep(0.05)"
+    beating, silent = [await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE)
+                       for code in (beats, "import time; time.sleep(60)")]
+    front_ends = HttpWorkers(ServerSettings(model_repository=tmp_path), None, 0, 2, "", "")  # type: ignore[arg-type]
+    listening = [asyncio.create_task(front_ends._listen(i, p)) for i, p in enumerate((beating, silent))]
+    try:
+        await asyncio.sleep(0.2)
+        time.sleep(1.0)  # noqa: ASYNC251 (this loop stalls for twice the limit, on purpose)
+        assert await asyncio.wait_for(silent.wait(), 10) == -signal.SIGKILL
+        await asyncio.sleep(0.5)
+        assert beating.returncode is None and not listening[0].done()
+    finally:
+        for task in listening:
+            task.cancel()
+        for process in (beating, silent):
+            if process.returncode is None:
+                process.kill()
+            await process.wait()

@@ -8,8 +8,8 @@ import time
 import numpy as np
 
 from server.config import ModelConfig
+from server.scheduler.admission import REQUEST_OPTIONS, Admission
 from tests.unit.admitting import admit
-from server.scheduler.admission import Admission
 
 CONFIG = ModelConfig.model_validate(
     {
@@ -47,3 +47,30 @@ async def test_no_timeout_no_deadline() -> None:
     config = CONFIG.model_copy(update={"dynamic_batching": None})
     admitted = await admit(Admission(config, None), INPUTS, {}, time.perf_counter_ns())
     assert admitted.deadline_ns is None
+
+
+class Watched(dict):  # type: ignore[type-arg]
+    """Parameters that note every key read."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.read: set[str] = set()
+
+    def get(self, key: str, default: object = None) -> object:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: str) -> object:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(str(key))
+        return super().__contains__(key)
+
+
+async def test_admission_reads_only_the_parameters_a_front_end_passes_on() -> None:
+    """A front-end process sends the server process REQUEST_OPTIONS alone (server/link.py)."""
+    parameters = Watched({"timeout": 1_000_000, "priority": 0, "mine": 1})
+    await admit(Admission(CONFIG, None), INPUTS, parameters)
+    assert parameters.read and parameters.read <= set(REQUEST_OPTIONS)
