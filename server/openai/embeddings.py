@@ -67,15 +67,16 @@ async def embed(
                                           received_ns).answer()  # every chunk's deadline counts from the call's arrival
 
     tasks = [asyncio.ensure_future(run(part, r)) for part, r in zip(plan, records, strict=True)]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
-        for task in tasks:
-            task.cancel()  # nothing for those done; the rest are dropped from the queue
-    failures = [task.exception() for task in tasks if task.done() and not task.cancelled()]
-    failure = next((error for error in failures if error is not None), None)
+    failure = await _first_failure(tasks)
     if failure is not None:
-        raise failure
+        # Raised from here, the error's traceback holds this frame: nothing in it may hold the
+        # error back (the tasks do), or the call's texts, megabytes of them, live in a reference
+        # cycle until a rare full collection.
+        del tasks
+        try:
+            raise failure
+        finally:
+            del failure
     vectors = np.empty((len(texts), output.dims[0]), dtype=np.float32)
     for part, task in zip(plan, tasks, strict=True):
         outputs: list[Output] = task.result()
@@ -85,6 +86,18 @@ async def embed(
     record.queue_ns = max(r.queue_ns for r in records)
     record.compute_ns = max(r.compute_ns for r in records)
     return vectors
+
+
+async def _first_failure(tasks: list[asyncio.Future[list[Output]]]) -> BaseException | None:
+    """Wait for every chunk, or for the first to fail (the rest are then cancelled, dropped from
+    the queue); that failure, if any."""
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()  # nothing for those done
+    return next((task.exception() for task in tasks if task.done() and not task.cancelled() and task.exception()),
+                None)
 
 
 def _tensor(texts: list[bytes], part: list[int], batched: bool) -> np.ndarray:
