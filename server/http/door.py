@@ -40,6 +40,9 @@ from server.http.infer import BUSY, BUSY_BODY, INFER_PATH, FastInferApp, InferEn
 from server.protocol.v2 import encode_error
 
 WHOLE_BYTES = 64 << 10  # a body up to this is joined to its head (one write); a larger one is written apart
+# A request's line and headers past this are refused (431) and the connection closed: the parser
+# joins a long line or value piece by piece, and 400 MB of one header held the loop for 88 s.
+MAX_HEAD_BYTES = 64 << 10
 _EXPECT = b"expect"
 _MAX_CACHED_BODIES = 256
 
@@ -126,6 +129,37 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
 
     class DoorProtocol(HttpToolsProtocol):
         _last_started: RequestResponseCycle | None = None  # the latest request started, either way
+        _in_head = False  # between a request's first byte and the end of its headers
+        _begun = 0  # requests begun on this connection
+        _head_bytes = 0  # of the reads since the one the unfinished head began in
+
+        def data_received(self, data: bytes) -> None:
+            """Counted a read at a time, after the parser has it: a head begun within a read
+            counts from the next read on (so requests pipelined in one read never add up),
+            and the parser has taken at most a read more than the limit when it is refused."""
+            begun = self._begun
+            super().data_received(data)
+            if self._in_head and not self.transport.is_closing():
+                self._head_bytes = 0 if self._begun != begun else self._head_bytes + len(data)
+                if self._head_bytes > MAX_HEAD_BYTES:
+                    self._refuse_head()
+
+        def on_message_begin(self) -> None:
+            self._begun += 1
+            self._in_head = True
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            super().on_headers_complete()
+
+        def _refuse_head(self) -> None:
+            """431 and close; only a close while an answer of this connection is still due."""
+            if self.cycle is None or self.cycle.response_complete:
+                body = encode_error(f"the request's line and headers exceed {MAX_HEAD_BYTES} bytes")
+                self.transport.write(b"".join([
+                    *_head(431, self.server_state.default_headers, body_headers(body, {}), False), body]))
+            self.transport.close()
 
         def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
             self._last_started = cycle

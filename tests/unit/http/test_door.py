@@ -5,6 +5,7 @@ connection kept, pipelined requests answered in order, 100-continue and HTTP/1.0
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -364,4 +365,36 @@ async def test_a_client_that_leaves_after_sending_a_large_body_has_its_queued_ca
         assert gate.ran() == [HOLD], "the engine ran a request whose client had left"
     finally:
         gate.released.set()
+        await frontend.drain()
+
+
+async def test_a_head_past_its_limit_is_refused_and_requests_pipelined_in_one_read_are_not(plane: DataPlane) -> None:
+    """A header of megabytes took the parser quadratic time to join, on the event loop; many
+    small requests in one read are not one large head."""
+    plane.start([])
+    frontend, port = await started(create_app(plane))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /v2/health/live HTTP/1.1\r\nHost: batchline\r\nX-Big: ")
+
+        async def send_on() -> None:  # 4 MiB of one header, a piece at a time, until the server closes
+            with contextlib.suppress(ConnectionError):
+                for _ in range(32):
+                    writer.write(b"x" * (128 << 10))
+                    await writer.drain()
+
+        sending = asyncio.create_task(send_on())
+        status, headers, body = await read_response(reader)
+        assert status == 431 and headers["connection"] == "close"
+        assert "line and headers exceed" in orjson.loads(body)["error"]
+        await asyncio.wait_for(sending, ANSWER_WITHIN_S)
+        writer.close()
+        near = b"GET /v2/health/live HTTP/1.1\r\nHost: batchline\r\nX-Near: " + b"x" * (60 << 10) + b"\r\n\r\n"
+        flood = get("/v2/health/live") * 3000  # about 150 KB in a read or two
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(near + flood)
+        for _ in range(3001):
+            assert (await read_response(reader))[0] == 200
+        writer.close()
+    finally:
         await frontend.drain()
