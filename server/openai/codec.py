@@ -48,15 +48,20 @@ def texts_of(request: EmbeddingRequest) -> list[str]:
     return [request.input] if isinstance(request.input, str) else request.input
 
 
-def utf8(texts: list[str]) -> list[bytes]:
+def utf8(texts: list[str], max_item_bytes: int) -> list[bytes]:
     """Each text as UTF-8, as the model's BYTES input takes it. JSON can carry a lone surrogate
-    (\\ud800), which is no text at all: refused here, naming the item."""
+    (\\ud800), which is no text at all: refused here, naming the item; so is a text over the
+    model's max_item_bytes, before any part of the list is computed."""
     encoded = []
     for i, text in enumerate(texts):
         try:
-            encoded.append(text.encode())
+            item = text.encode()
         except UnicodeEncodeError:
             raise InvalidRequest(f"input[{i}] holds a lone surrogate, which is not text", "input") from None
+        if len(item) > max_item_bytes:
+            raise InvalidRequest(f"input[{i}] is {len(item)} bytes of UTF-8, over the model's max_item_bytes of "
+                                 f"{max_item_bytes}", "input")
+        encoded.append(item)
     return encoded
 
 

@@ -135,7 +135,7 @@ async def _embeddings(
     record.model_version = model.version
     try:
         dimensions = codec.target_dimensions(model.config, request.dimensions)
-        texts = codec.utf8(codec.texts_of(request))
+        texts = codec.utf8(codec.texts_of(request), model.config.max_item_bytes)
     except InvalidInput:
         model.stats.count_failure("invalid")  # counted as v2 counts a request its model refuses
         raise

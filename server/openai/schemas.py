@@ -26,7 +26,7 @@ class EmbeddingRequest(BaseModel):
         default="float", description="base64: each vector as little-endian float32 bytes, base64-encoded"
     )
     dimensions: int | None = Field(
-        default=None, gt=0,
+        default=None, gt=0, strict=True,  # not true, 3.0 or "3": OpenAI takes an integer
         description="Shorter vectors, for a model that declares Matryoshka dimensions (re-normalized)",
     )
     user: str | None = Field(default=None, description="Accepted and ignored")

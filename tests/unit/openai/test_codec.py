@@ -47,6 +47,8 @@ def test_a_string_or_a_list_of_strings_is_the_input() -> None:
         ({"encoding_format": "int8"}, "encoding_format", "'encoding_format'"),
         ({"dimensions": 0}, "dimensions", "'dimensions'"),
         ({"dimensions": 1.5}, "dimensions", "'dimensions'"),
+        ({"dimensions": True}, "dimensions", "'dimensions'"),
+        ({"dimensions": "8"}, "dimensions", "'dimensions'"),
         ({"model": ""}, "model", "'model'"),
         ({"truncate": True}, "truncate", "unrecognized request argument supplied: truncate"),
     ],
@@ -71,8 +73,17 @@ def test_a_lone_surrogate_is_refused_and_other_text_is_utf8() -> None:
     """JSON can spell one (\\ud800); the parser refuses it, and utf8 would too, naming the item."""
     assert refusal(b'{"model": "m", "input": ["ok", "\\ud800"]}').message.startswith("the body is not valid JSON")
     with pytest.raises(InvalidRequest, match=r"input\[1\] holds a lone surrogate"):
-        codec.utf8(["ok", "\ud800"])
-    assert codec.utf8(["é", "😀"]) == ["é".encode(), "😀".encode()]
+        codec.utf8(["ok", "\ud800"], 64)
+    assert codec.utf8(["é", "😀"], 64) == ["é".encode(), "😀".encode()]
+
+
+def test_a_text_over_the_models_item_limit_is_refused_before_any_is_computed() -> None:
+    """Naming the text in the list the client sent, not its place in a chunk."""
+    with pytest.raises(InvalidRequest, match=r"input\[2\] is 5 bytes of UTF-8, over the model's max_item_bytes of 4") \
+            as caught:
+        codec.utf8(["a", "bb", "ccccc", "d"], 4)
+    assert caught.value.param == "input"
+    assert codec.utf8(["é", "ab"], 2) == ["é".encode(), b"ab"]  # bytes, not characters
 
 
 def config(matryoshka: list[int] | None) -> ModelConfig:
