@@ -94,9 +94,12 @@ class ModelStatistics:
     memory_splits: int = 0  # batches halved after running out of memory
     instance_batch_caps: dict[str, int] = field(default_factory=dict)  # in-service instance -> working cap
 
-    def count_failure(self, reason: str) -> None:
+    def count_failure(self, reason: str, ns: int = 0) -> None:
+        """One request failed, for `reason`, `ns` after the model received it where that is
+        known (0 for a refusal): Triton's `fail` counts every failed request, `failures` says why."""
         assert reason in OUTCOMES and reason != "success", reason
         self.failures[reason] += 1
+        self.fail.add(ns)
 
     def record_success(self, ns: int) -> None:
         """One request answered with results `ns` after the model received it: the statistics'

@@ -180,7 +180,7 @@ class Batcher:
 
     def _give_up(self, request: InferenceRequest, why: str) -> None:
         self._drop(request)
-        self._stats.count_failure("deadline")
+        self._stats.count_failure("deadline", self._clock() - request.received_ns)
         request.fail(DeadlineExceeded(why))
         self._release(request, None)
 
@@ -209,7 +209,7 @@ class Batcher:
         """A queued future that completes from outside was cancelled by its client."""
         if request.state is RequestState.QUEUED:
             self._drop(request)
-            self._stats.count_failure("cancelled")
+            self._stats.count_failure("cancelled", self._clock() - request.received_ns)
             self._release(request, None)
 
     def _drop(self, request: InferenceRequest) -> None:
@@ -376,8 +376,7 @@ class Batcher:
         self._running.pop(task, None)
 
     def _fail_request(self, request: InferenceRequest, error: BaseException, done_ns: int) -> None:
-        self._stats.fail.add(done_ns - request.received_ns)
-        self._stats.count_failure("engine_error")
+        self._stats.count_failure("engine_error", done_ns - request.received_ns)
         self._release(request, lambda: request.fail(error))
 
     def _answer_late(self, request: InferenceRequest, done_ns: int) -> None:
@@ -398,8 +397,7 @@ class Batcher:
 
     def _late(self, request: InferenceRequest, done_ns: int, what: str) -> DeadlineExceeded:
         """Count a request answered past its deadline; the error it gets."""
-        self._stats.fail.add(done_ns - request.received_ns)
-        self._stats.count_failure("deadline")
+        self._stats.count_failure("deadline", done_ns - request.received_ns)
         late_ms = (done_ns - request.deadline_ns) / 1e6 if request.deadline_ns is not None else 0.0
         return DeadlineExceeded(f"{what} {late_ms:.0f} ms after its deadline; its result was dropped")
 

@@ -307,6 +307,27 @@ async def test_a_full_queue_refuses_at_once() -> None:
     b.submit(request([4.0]))  # room again once the queue moved
 
 
+async def test_every_failed_request_counts_in_fail_as_triton_counts_it() -> None:
+    """`fail` is every failed request, whatever `failures` says it was: a refusal, a cancel, a
+    deadline in the queue (with the time it waited)."""
+    fake = FakeInstance()
+    b, stats = batcher([fake], max_queue_size=2)
+    b.submit(request([0.0]))
+    await settle()
+    gone, late = request([1.0]), request([2.0], deadline_ns=time.perf_counter_ns() + 1_000_000)
+    b.submit(gone)
+    b.submit(late)
+    with pytest.raises(QueueFull):
+        b.submit(request([3.0]))
+    gone.future.cancel()
+    with pytest.raises(DeadlineExceeded):
+        await late.future
+    assert dict(stats.failures) == {"queue_full": 1, "cancelled": 1, "deadline": 1}
+    assert stats.fail.count == 3 and stats.fail.ns >= 1_000_000  # the late one waited its millisecond
+    fake.release(0)
+    await settle()
+
+
 async def test_a_cancelled_request_is_dropped_before_compute() -> None:
     fake = FakeInstance()
     b, stats = batcher([fake])
