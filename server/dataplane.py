@@ -8,6 +8,7 @@ arrays, and failures are the typed errors of `server.errors`. Each front end own
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -167,10 +168,10 @@ class DataPlane:
             raise
 
     @staticmethod
-    def count_expired(model: ModelVersion) -> None:
+    def count_expired(model: ModelVersion, received_ns: int) -> None:
         """A call whose deadline passed before it could start (a front end's own check),
         counted as the batcher counts one it drops at its deadline."""
-        model.stats.count_failure("deadline")
+        model.stats.count_failure("deadline", time.perf_counter_ns() - received_ns)
 
     @staticmethod
     def start_call(
@@ -205,8 +206,17 @@ class Call(NamedTuple):
         return [(name, datatype, results[name]) for name, datatype in self.selection]
 
     async def answer(self) -> list[Output]:
-        """The outputs asked for, once computed (the call's error, raised)."""
-        return self.outputs(await self.future)
+        """The outputs asked for, once computed (the call's error, raised). Raised from here,
+        the error's traceback holds this frame, and the frame would hold the error back through
+        the call's future: a cycle keeping the caller's frames (its inputs) until a rare full
+        collection, were they not let go first."""
+        future = self.future
+        try:
+            results = await future
+        except BaseException:
+            del self, future
+            raise
+        return self.outputs(results)
 
     def withdraw(self) -> None:
         """Its caller gave up: drop it if it is still queued; one computing runs to its end and

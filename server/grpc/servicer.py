@@ -297,7 +297,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             try:
                 parameters = with_deadline(declared.parameters, time_remaining)
             except DeadlineExceeded:
-                self._plane.count_expired(model)
+                self._plane.count_expired(model, received_ns)
                 raise
             regions = self._plane.shared_memory
             if declared.decode_cost > INLINE_DECODE_COST:

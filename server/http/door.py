@@ -40,8 +40,9 @@ from server.http.infer import BUSY, BUSY_BODY, INFER_PATH, FastInferApp, InferEn
 from server.protocol.v2 import encode_error
 
 WHOLE_BYTES = 64 << 10  # a body up to this is joined to its head (one write); a larger one is written apart
-# A request's line and headers past this are refused (431) and the connection closed: the parser
-# joins a long line or value piece by piece, and 400 MB of one header held the loop for 88 s.
+# A request's line and headers (or a chunked body's trailers) past this are refused (431) and the
+# connection closed: the parser joins a long line or value piece by piece, and 400 MB of one
+# header held the loop for 88 s.
 MAX_HEAD_BYTES = 64 << 10
 _EXPECT = b"expect"
 _MAX_CACHED_BODIES = 256
@@ -129,32 +130,45 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
 
     class DoorProtocol(HttpToolsProtocol):
         _last_started: RequestResponseCycle | None = None  # the latest request started, either way
-        _in_head = False  # between a request's first byte and the end of its headers
+        _in_message = False  # from a request's first byte to its end
         _begun = 0  # requests begun on this connection
-        _head_bytes = 0  # of the reads since the one the unfinished head began in
+        _bodies = 0  # pieces of body read on this connection
+        _head_bytes = 0  # read of the unfinished request since its last piece of body: head, or trailers
 
         def data_received(self, data: bytes) -> None:
-            """Counted a read at a time, after the parser has it: a head begun within a read
-            counts from the next read on (so requests pipelined in one read never add up),
-            and the parser has taken at most a read more than the limit when it is refused."""
-            begun = self._begun
+            """Counted a read at a time, after the parser has it, so the parser has taken at most
+            a read more than the limit when the head is refused. A read that began a request
+            from idle counts whole; one where a piece of body came, or a request began after
+            others (pipelined in the same read), counts from the next read on: a request's
+            body, and requests that follow each other, never add up."""
+            idle = not self._in_message
+            begun, bodies = self._begun, self._bodies
             super().data_received(data)
-            if self._in_head and not self.transport.is_closing():
-                self._head_bytes = 0 if self._begun != begun else self._head_bytes + len(data)
-                if self._head_bytes > MAX_HEAD_BYTES:
-                    self._refuse_head()
+            if not self._in_message or self.transport.is_closing():
+                return
+            began = self._begun - begun
+            if self._bodies != bodies or began > 1 or (began == 1 and not idle):
+                self._head_bytes = 0
+            elif began == 1:
+                self._head_bytes = len(data)
+            else:
+                self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse_head()
 
         def on_message_begin(self) -> None:
             self._begun += 1
-            self._in_head = True
+            self._in_message = True
             super().on_message_begin()
 
-        def on_headers_complete(self) -> None:
-            self._in_head = False
-            super().on_headers_complete()
+        def on_body(self, body: bytes) -> None:
+            self._bodies += 1
+            super().on_body(body)
 
         def _refuse_head(self) -> None:
-            """431 and close; only a close while an answer of this connection is still due."""
+            """431 and close; only a close while an answer of this connection is still due (its
+            own, for trailers; or one pipelined before it, lost with the connection: a client
+            sending such a head behind its own requests gets no more answers)."""
             if self.cycle is None or self.cycle.response_complete:
                 body = encode_error(f"the request's line and headers exceed {MAX_HEAD_BYTES} bytes")
                 self.transport.write(b"".join([
@@ -194,6 +208,7 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             endpoint with the whole body asks no more, so a client that left went unnoticed and
             its queued call ran. A pipelined request waiting its turn keeps reading paused, as
             uvicorn has it."""
+            self._in_message = False
             super().on_message_complete()
             if not self.pipeline:
                 self.flow.resume_reading()

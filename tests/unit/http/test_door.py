@@ -389,6 +389,18 @@ async def test_a_head_past_its_limit_is_refused_and_requests_pipelined_in_one_re
         assert "line and headers exceed" in orjson.loads(body)["error"]
         await asyncio.wait_for(sending, ANSWER_WITHIN_S)
         writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /v2/health/live HTTP/1.1\r\nHost: batchline\r\nX-Big: " + b"x" * (200 << 10))
+        assert (await read_response(reader))[0] == 431  # in one write: the read that begins a head counts
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v2/repository/index HTTP/1.1\r\nHost: batchline\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-Trailer: ")
+        sending = asyncio.create_task(send_on())  # trailers are joined as headers are: counted the same
+        with contextlib.suppress(ConnectionResetError):  # closed, with the rest unread: a reset
+            await asyncio.wait_for(reader.read(), ANSWER_WITHIN_S)  # until the server closes, not hangs
+        await asyncio.wait_for(sending, ANSWER_WITHIN_S)
+        writer.close()
         near = b"GET /v2/health/live HTTP/1.1\r\nHost: batchline\r\nX-Near: " + b"x" * (60 << 10) + b"\r\n\r\n"
         flood = get("/v2/health/live") * 3000  # about 150 KB in a read or two
         reader, writer = await asyncio.open_connection("127.0.0.1", port)

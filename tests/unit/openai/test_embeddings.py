@@ -7,7 +7,6 @@ import asyncio
 import gc
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from server.config import ModelConfig, load_model_config
+from server.dataplane import Call
 from server.errors import QueueFull
 from server.openai.embeddings import chunk_size, chunks, embed
 from server.preprocess import TextTokenizer
@@ -59,13 +59,13 @@ class FakePlane:
         self.now = self.most = 0
         self.received: list[int | None] = []
 
-    def start_call(self, *call: Any) -> SimpleNamespace:
-        """A started call as the route reads it: `answer()`, the outputs once computed."""
-        return SimpleNamespace(answer=lambda: self._answer(*call))
+    def start_call(self, *call: Any) -> Call:
+        """A started call as the data plane starts one: its future, completed as computed."""
+        return Call(asyncio.ensure_future(self._answer(*call)), [("embedding", "FP32")], call[0])
 
     async def _answer(self, model: FakeModel, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any],
                       outputs: list[str] | None, record: RequestRecord,
-                      received_ns: int | None = None) -> list[tuple[str, str, np.ndarray]]:
+                      received_ns: int | None = None) -> dict[str, np.ndarray]:
         self.received.append(received_ns)
         datatype, array = inputs["text"]
         assert datatype == "BYTES" and array.shape == (len(array), 1) and outputs == ["embedding"]
@@ -87,8 +87,7 @@ class FakePlane:
             self.now -= 1
         record.tokens = sum(len(t) for t in texts)
         record.queue_ns, record.compute_ns = len(texts), 10 * len(texts)
-        vectors = np.array([[len(t)] * DIMS for t in texts], dtype=np.float32)
-        return [("embedding", "FP32", vectors)]
+        return {"embedding": np.array([[len(t)] * DIMS for t in texts], dtype=np.float32)}
 
 
 def test_chunks_group_texts_of_like_length_and_keep_every_index_once() -> None:
