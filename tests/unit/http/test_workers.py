@@ -108,6 +108,16 @@ async def test_a_forward_to_a_server_process_that_does_not_answer_is_a_503(tmp_p
     await forward.close()
 
 
+async def forwarding_to(app: Any, tmp_path: Path) -> tuple[HttpFrontEnd, ForwardApp]:
+    """A server process's own HTTP app, `app`, on a Unix socket, and a front end's forward to it."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "app.sock"))
+    listener.listen()
+    server_process = HttpFrontEnd(app, listener, "warning", grace_s=1)
+    await server_process.start()
+    return server_process, ForwardApp(str(tmp_path / "app.sock"))
+
+
 async def test_a_forwarded_body_that_stops_part_way_is_a_408_that_closes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -121,12 +131,7 @@ async def test_a_forwarded_body_that_stops_part_way_is_a_408_that_closes(
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(tmp_path / "app.sock"))
-    listener.listen()
-    server_process = HttpFrontEnd(reads_it_all, listener, "warning", grace_s=1)
-    await server_process.start()
-    forward = ForwardApp(str(tmp_path / "app.sock"))
+    server_process, forward = await forwarding_to(reads_it_all, tmp_path)
     try:
         stalled = Exchange([{"type": "http.request", "body": b'{"model": ', "more_body": True}],
                            path="/v1/embeddings")
@@ -158,12 +163,7 @@ async def test_a_client_that_leaves_part_way_through_a_forwarded_body_is_never_p
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(tmp_path / "app.sock"))
-    listener.listen()
-    server_process = HttpFrontEnd(records, listener, "warning", grace_s=1)
-    await server_process.start()
-    forward = ForwardApp(str(tmp_path / "app.sock"))
+    server_process, forward = await forwarding_to(records, tmp_path)
     try:
         for declared in ({}, {"content-length": "100"}):
             received.clear()
