@@ -96,7 +96,7 @@ class ModelStatistics:
 
     def count_failure(self, reason: str, ns: int = 0) -> None:
         """One request failed, for `reason`, `ns` after the model received it where that is
-        known (0 for a refusal): Triton's `fail` counts every failed request, `failures` says why."""
+        known (0 for a refusal): `fail` counts them all (Triton's field), `failures` by kind."""
         assert reason in OUTCOMES and reason != "success", reason
         self.failures[reason] += 1
         self.fail.add(ns)
