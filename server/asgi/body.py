@@ -24,6 +24,7 @@ T = TypeVar("T")
 
 BODY_IDLE_TIMEOUT_S = 30.0
 # what the OpenAPI documents say of the 408
+CLIENT_LEFT = "the client disconnected while sending the body"  # Cancelled's words, whoever reads a body
 STALLED = f"The body stopped coming part-way: no part of it for {BODY_IDLE_TIMEOUT_S:g} s (the connection is closed)"
 
 

@@ -10,6 +10,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from server.asgi.body import CLIENT_LEFT
 from server.errors import (
     BatchlineError,
     Cancelled,
@@ -120,7 +121,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_client_left(_: Request, exc: Exception) -> Response:
         """The client closed its connection while a route read the body: nobody reads this
         answer, and nothing went wrong here to log (else each such client logs a traceback)."""
-        status, body, headers = error_parts(Cancelled("the client disconnected while sending the body"))
+        status, body, headers = error_parts(Cancelled(CLIENT_LEFT))
         return Response(body, status_code=status, media_type="application/json", headers=headers)
 
     app.add_exception_handler(BatchlineError, on_error)

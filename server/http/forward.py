@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from server.asgi.body import next_part
+from server.asgi.body import CLIENT_LEFT, next_part
 from server.asgi.respond import body_headers, send_messages
 from server.asgi.types import Receive, Scope, Send
 from server.errors import BatchlineError, Cancelled, Unavailable
@@ -92,7 +92,7 @@ async def _body(receive: Receive) -> AsyncIterator[bytes]:
     while True:
         message = await next_part(receive)
         if message["type"] == "http.disconnect":
-            raise Cancelled("the client disconnected while sending the body")
+            raise Cancelled(CLIENT_LEFT)
         chunk = message.get("body", b"")
         if chunk:
             yield chunk

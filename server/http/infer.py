@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from server.access_log import AccessLog
 from server.asgi.disconnect import unless_client_leaves
 from server.asgi.lengths import TOO_LONG, declared_length
-from server.asgi.body import next_part
+from server.asgi.body import CLIENT_LEFT, next_part
 from server.asgi.respond import JSON, body_headers, send_messages, send_response
 from server.asgi.types import ASGIApp, Message, Receive, Scope, Send
 from server.dataplane import DataPlane
@@ -184,7 +184,7 @@ class InferEndpoint:
         while True:
             message = await next_part(receive)
             if message["type"] == "http.disconnect":
-                raise Cancelled("the client disconnected while sending the body")
+                raise Cancelled(CLIENT_LEFT)
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self._limit:

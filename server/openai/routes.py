@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server.access_log import AccessLog
-from server.asgi.body import next_part
+from server.asgi.body import CLIENT_LEFT, next_part
 from server.asgi.disconnect import unless_client_leaves
 from server.asgi.lengths import declared_length
 from server.dataplane import DataPlane
@@ -175,7 +175,7 @@ async def _body(request: Request, limit: int) -> bytes:
     while True:
         message = await next_part(request.receive)
         if message["type"] == "http.disconnect":
-            raise Cancelled("the client disconnected while sending the body")
+            raise Cancelled(CLIENT_LEFT)
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
