@@ -3,6 +3,11 @@
 Every front end takes from the same budget before it reads a request's body (HTTP v2, OpenAI's
 /v1, gRPC), so memory under load is bounded by what the server took in, whichever protocol it
 came by, and a client refused here costs the server almost nothing.
+
+A body whose length its head declares is counted whole from the head on. One without a declared
+length is counted as its parts arrive, and one that inflates (a Content-Encoding) by the body
+limit while it inflates: counting such a body as the limit from its head on let sixteen clients
+trickling a few bytes each hold the default 1 GiB, and every other call was refused meanwhile.
 """
 
 from __future__ import annotations
@@ -12,12 +17,10 @@ from server.errors import ServerBusy
 BUSY_MESSAGE = "the server is at its limit of requests in flight; retry after Retry-After seconds"
 
 
-def body_reservation(declared: int | None, compressed: bool, limit: int) -> int:
-    """The bytes a request's body holds while in flight, known before it is read: its declared
-    length, else (undeclared, or compressed and so able to inflate) the body limit."""
-    if declared is None or compressed:
-        return limit
-    return min(declared, limit + 1)
+def body_reservation(declared: int | None, limit: int) -> int:
+    """The bytes a request's body holds from its head on: its declared length (one past the
+    limit at most: the 413 comes as it is read), or nothing for a body that declares none."""
+    return 0 if declared is None else min(declared, limit + 1)
 
 
 class InFlight:
@@ -34,20 +37,46 @@ class InFlight:
         """Whether a request holding `nbytes` would be let in now."""
         return self.requests < self.max_requests and not (self.bytes and self.bytes + nbytes > self.max_bytes)
 
-    def try_take(self, nbytes: int) -> bool:
-        """Count a request in when there is room; False (nothing counted) when there is none."""
+    def try_hold(self, nbytes: int) -> Hold | None:
+        """A request counted in, holding `nbytes`, when there is room; None (nothing counted)
+        when there is none."""
         if not self.has_room(nbytes):
-            return False
+            return None
         self.requests += 1
         self.bytes += nbytes
-        return True
+        return Hold(self, nbytes)
 
-    def take(self, nbytes: int) -> None:
-        """Count a request in, or refuse it (ServerBusy, answered 429 / RESOURCE_EXHAUSTED)."""
-        if not self.try_take(nbytes):
+    def hold(self, nbytes: int) -> Hold:
+        """A request counted in, or refused (ServerBusy, answered 429 / RESOURCE_EXHAUSTED)."""
+        held = self.try_hold(nbytes)
+        if held is None:
             raise ServerBusy(BUSY_MESSAGE)
+        return held
 
-    def give_back(self, nbytes: int) -> None:
-        """Count a request out: it was answered, or its client left."""
-        self.requests -= 1
-        self.bytes -= nbytes
+
+class Hold:
+    """What one request holds of its InFlight, from its head to its answer."""
+
+    __slots__ = ("_flight", "nbytes")
+
+    def __init__(self, flight: InFlight, nbytes: int) -> None:
+        self._flight = flight
+        self.nbytes = nbytes
+
+    def hold_to(self, nbytes: int) -> None:
+        """Hold `nbytes` in all from now on: less is always let go of; more is refused
+        (ServerBusy) when the rest of the bound is held by others and has no room for it. A
+        request holding every byte held alone always grows, as it was let in alone."""
+        flight = self._flight
+        more = nbytes - self.nbytes
+        if more > 0 and flight.bytes != self.nbytes and flight.bytes + more > flight.max_bytes:
+            raise ServerBusy(BUSY_MESSAGE)
+        flight.bytes += more
+        self.nbytes = nbytes
+
+    def release(self) -> None:
+        """Count the request out: it was answered, or its client left. Once only."""
+        flight = self._flight
+        flight.requests -= 1
+        flight.bytes -= self.nbytes
+        self.nbytes = 0

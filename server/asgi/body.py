@@ -1,4 +1,5 @@
-"""A request body's next part, within BODY_IDLE_TIMEOUT_S.
+"""A request body read as it arrives: each part within BODY_IDLE_TIMEOUT_S, the whole within
+the body limit and the bytes in flight its request may hold.
 
 A client that stops sending its body part-way (a process frozen mid-upload: the connection
 stays open) would hold what its request reserved of the bytes in flight for as long as the
@@ -12,13 +13,14 @@ request cycle says so, and most bodies arrive whole with their head.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from server.asgi.types import Message, Receive
-from server.errors import RequestTimeout
+from server.errors import Cancelled, PayloadTooLarge, RequestTimeout
+from server.inflight import Hold
 
 T = TypeVar("T")
 
@@ -43,3 +45,43 @@ async def within_idle_timeout(part: Awaitable[T]) -> T:
     except TimeoutError:
         raise RequestTimeout(f"no part of the request body came for {BODY_IDLE_TIMEOUT_S:g} s; "
                              "the request was dropped") from None
+
+
+async def read_body(receive: Receive, limit: int, declared: int | None, hold: Hold | None = None) -> bytes:
+    """The whole body: refused (413) past `limit`, at once when its `declared` length is over it.
+    Its bytes past what `hold` holds already (a body whose head declared no length) are counted
+    into it as they arrive, refused (429) when the server's bound has no room for them."""
+    if declared is not None and declared > limit:
+        raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
+    chunk, more = await _next_chunk(receive)
+    if not more and (hold is None or len(chunk) <= hold.nbytes) and len(chunk) <= limit:
+        return chunk  # most bodies: whole in one part, within what their head declared
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
+        if hold is not None and size > hold.nbytes:
+            hold.hold_to(size)
+        chunks.append(chunk)
+        if not more:
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunk, more = await _next_chunk(receive)
+
+
+async def body_parts(receive: Receive) -> AsyncIterator[bytes]:
+    """The body's parts as they arrive, for a reader that passes them on."""
+    more = True
+    while more:
+        chunk, more = await _next_chunk(receive)
+        if chunk:
+            yield chunk
+
+
+async def _next_chunk(receive: Receive) -> tuple[bytes, bool]:
+    """The body's next part and whether more follow; Cancelled when the client left part-way."""
+    message = await next_part(receive)
+    if message["type"] == "http.disconnect":
+        raise Cancelled(CLIENT_LEFT)
+    return message.get("body", b""), message.get("more_body", False)

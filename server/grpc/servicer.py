@@ -283,8 +283,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse:
         """One infer request through the data plane, cheapest refusals first; its deadline
         counts from `received_ns`, when the call arrived."""
-        held = codec.held_bytes(request)  # already read and parsed by grpc: held until the answer
-        self._flight.take(held)
+        hold = self._flight.hold(codec.held_bytes(request))  # read and parsed by grpc: held until the answer
         self.in_flight += 1
         try:
             if record is not None:
@@ -314,7 +313,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return _answer(request.model_name, model.version, request.id, outputs, targets)
         finally:
             self.in_flight -= 1
-            self._flight.give_back(held)
+            hold.release()
 
     # -- shared ----------------------------------------------------------------------------------
 

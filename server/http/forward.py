@@ -8,11 +8,9 @@ the server process alone. Only infer, the hot path, is decoded in the front end.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import httpx
 
-from server.asgi.body import CLIENT_LEFT, next_part
+from server.asgi.body import body_parts
 from server.asgi.respond import body_headers, send_messages
 from server.asgi.types import Receive, Scope, Send
 from server.errors import BatchlineError, Cancelled, Unavailable
@@ -51,7 +49,7 @@ class ForwardApp:
         try:
             try:
                 response = await self._client.send(self._client.build_request(
-                    method, url, headers=headers, content=None if method in _SAFE else _body(receive)), stream=True)
+                    method, url, headers=headers, content=None if method in _SAFE else body_parts(receive)), stream=True)
             except httpx.TransportError:
                 if method not in _SAFE:
                     raise
@@ -83,18 +81,3 @@ async def _error(scope: Scope, send: Send, error: Exception) -> None:
     a `Connection: close` among the headers (a body that stopped part-way)."""
     status, body, extra = (openai_error_parts if scope["path"].startswith(f"{OPENAI_PREFIX}/") else error_parts)(error)
     await send_messages(send, status, body_headers(body, extra), body)
-
-
-async def _body(receive: Receive) -> AsyncIterator[bytes]:
-    """The body, passed on as it comes; RequestTimeout (408) when it stops part-way, Cancelled
-    when the client leaves part-way (the server process then sees a connection closed short of
-    its declared length, never a request that looks whole)."""
-    while True:
-        message = await next_part(receive)
-        if message["type"] == "http.disconnect":
-            raise Cancelled(CLIENT_LEFT)
-        chunk = message.get("body", b"")
-        if chunk:
-            yield chunk
-        if not message.get("more_body", False):
-            return

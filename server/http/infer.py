@@ -23,14 +23,14 @@ from collections.abc import Awaitable, Callable
 from server.access_log import AccessLog
 from server.asgi.disconnect import unless_client_leaves
 from server.asgi.lengths import TOO_LONG, declared_length
-from server.asgi.body import CLIENT_LEFT, next_part
+from server.asgi.body import read_body
 from server.asgi.respond import JSON, body_headers, send_messages, send_response
 from server.asgi.types import ASGIApp, Message, Receive, Scope, Send
 from server.dataplane import DataPlane
 from server.errors import Cancelled, InvalidInput, PayloadTooLarge, RequestTimeout
 from server.http import v2_infer
 from server.http.errors import error_parts
-from server.inflight import BUSY_MESSAGE, InFlight, body_reservation
+from server.inflight import BUSY_MESSAGE, Hold, InFlight, body_reservation
 from server.protocol.v2 import encode_error
 from server.scheduler.request import RequestRecord
 
@@ -100,15 +100,15 @@ class InferEndpoint:
         and the body bytes it `reserved` (what `reservation` says of them). The server's HTTP
         protocol calls this directly for the calls its door lets in (server/http/door.py)."""
         started = time.perf_counter_ns()
-        flight = self.flight
-        if not flight.try_take(reserved):  # one check: the door's earlier one may be stale by now
+        hold = self.flight.try_hold(reserved)  # one check: the door's earlier one may be stale by now
+        if hold is None:
             await self._refuse_busy(scope, send, headers, model, started)
             return
         try:
             record = RequestRecord() if self._access_log.enabled else None
-            status = await self._respond(scope, headers, receive, send, model, version, record, started)
+            status = await self._respond(scope, headers, hold, receive, send, model, version, record, started)
         finally:
-            flight.give_back(reserved)
+            hold.release()
         if record is not None:
             client = scope.get("client")
             self._access_log.write(
@@ -116,9 +116,8 @@ class InferEndpoint:
             )
 
     def reservation(self, headers: dict[bytes, bytes]) -> int:
-        """The body bytes a request holds while in flight: declared, or the limit when undeclared
-        or compressed."""
-        return body_reservation(declared_length(headers.get(_CONTENT_LENGTH)), _CONTENT_ENCODING in headers, self._limit)
+        """The body bytes a request holds from its head on (server/inflight.py)."""
+        return body_reservation(declared_length(headers.get(_CONTENT_LENGTH)), self._limit)
 
     def log_refusal(self, scope: Scope, model: str, status: int, started: int) -> None:
         """The access log line of a request refused before its body was read."""
@@ -142,6 +141,7 @@ class InferEndpoint:
         self,
         scope: Scope,
         headers: dict[bytes, bytes],
+        hold: Hold,
         receive: Receive,
         send: Send,
         model: str,
@@ -152,7 +152,7 @@ class InferEndpoint:
         """Answer one infer call; the status sent, or CLIENT_CLOSED when the client left first
         (one access log line per request, dropped ones included)."""
         try:
-            body = await self._body(headers, receive)
+            body = await self._body(headers, hold, receive)
             header_length = _header_length(headers)
         except Cancelled:
             return CLIENT_CLOSED  # the client is gone; nobody to answer
@@ -175,30 +175,21 @@ class InferEndpoint:
             return await _send(scope, send, 200, content, None)
         return await _send(scope, send, 200, content, {HEADER_LENGTH: str(binary_header_length)}, _BINARY)
 
-    async def _body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
-        declared = declared_length(headers.get(_CONTENT_LENGTH))
-        if declared is not None and declared > self._limit:
-            raise PayloadTooLarge(f"the request body exceeds the limit of {self._limit} bytes")
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await next_part(receive)
-            if message["type"] == "http.disconnect":
-                raise Cancelled(CLIENT_LEFT)
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self._limit:
-                raise PayloadTooLarge(f"the request body exceeds the limit of {self._limit} bytes")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
+    async def _body(self, headers: dict[bytes, bytes], hold: Hold, receive: Receive) -> bytes:
+        """The body, inflated when it has a Content-Encoding: while it inflates, the request holds
+        the body limit more (what it may inflate to), then what it inflated to."""
+        limit = self._limit
+        body = await read_body(receive, limit, declared_length(headers.get(_CONTENT_LENGTH)), hold)
+        encoding = headers.get(_CONTENT_ENCODING, b"identity").decode("latin-1").strip().lower()
         if encoding in _IDENTITY:
             return body
+        hold.hold_to(hold.nbytes + limit)
         if len(body) * _MAX_DEFLATE_RATIO > v2_infer.INLINE_DECODE_BYTES:  # it may inflate to megabytes
-            return await asyncio.to_thread(_decompressed, body, encoding, self._limit)
-        return _decompressed(body, encoding, self._limit)
+            inflated = await asyncio.to_thread(_decompressed, body, encoding, limit)
+        else:
+            inflated = _decompressed(body, encoding, limit)
+        hold.hold_to(len(inflated))
+        return inflated
 
 
 _IDENTITY = ("identity", "")

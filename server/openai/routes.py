@@ -21,12 +21,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server.access_log import AccessLog
-from server.asgi.body import CLIENT_LEFT, next_part
+from server.asgi.body import read_body
 from server.asgi.disconnect import unless_client_leaves
 from server.asgi.lengths import declared_length
 from server.dataplane import DataPlane
-from server.errors import Cancelled, InvalidInput, ModelNotFound, PayloadTooLarge, ServerBusy
-from server.inflight import InFlight, body_reservation
+from server.errors import Cancelled, InvalidInput, ModelNotFound, ServerBusy
+from server.inflight import Hold, InFlight, body_reservation
 from server.model import ModelVersion
 from server.openai import PREFIX, codec
 from server.openai.embeddings import embed
@@ -66,15 +66,14 @@ def openai_router(
         started = time.perf_counter_ns()
         record = RequestRecord()
         model = "-"  # for the access log line: the model the body names, once it is read
-        held = body_reservation(declared_length(request.headers.get("content-length", "").encode("latin-1")),
-                                False, max_body_bytes)
+        declared = declared_length(request.headers.get("content-length", "").encode("latin-1"))
         try:
-            bound.take(held)
+            hold = bound.hold(body_reservation(declared, max_body_bytes))
         except ServerBusy as exc:
             response = error_response(exc)
         else:
             try:
-                parsed = await _parsed(request, max_body_bytes)
+                parsed = await _parsed(request, max_body_bytes, declared, hold)
                 model = parsed.model
                 outcome = await unless_client_leaves(
                     request.receive, lambda: _embeddings(plane, parsed, record, started), request.scope)
@@ -84,7 +83,7 @@ def openai_router(
             except Exception as exc:  # noqa: BLE001 (every failure is answered in OpenAI's shape)
                 response = error_response(exc)
             finally:
-                bound.give_back(held)
+                hold.release()
         if log.enabled:
             client = request.client
             log.write(f"{client.host}:{client.port}" if client else "-", request.scope["path"], model,
@@ -118,9 +117,9 @@ def openai_router(
     return router
 
 
-async def _parsed(request: Request, limit: int) -> EmbeddingRequest:
+async def _parsed(request: Request, limit: int, declared: int | None, hold: Hold) -> EmbeddingRequest:
     """The body's size (413) and shape (400), checked before anything else."""
-    body = await _body(request, limit)
+    body = await read_body(request.receive, limit, declared, hold)
     if len(body) > INLINE_BODY_BYTES:
         return await asyncio.to_thread(codec.parse_request, body)
     return codec.parse_request(body)
@@ -163,23 +162,3 @@ def _model(model: ModelVersion) -> dict[str, Any]:
     with contextlib.suppress(OSError):
         created = int(model.path.stat().st_mtime)
     return codec.model_object(model.config.name, created)
-
-
-async def _body(request: Request, limit: int) -> bytes:
-    """The body, refused (413) once it passes `limit`: at once when its declared length does."""
-    declared = declared_length(request.headers.get("content-length", "").encode("latin-1"))
-    if declared is not None and declared > limit:
-        raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await next_part(request.receive)
-        if message["type"] == "http.disconnect":
-            raise Cancelled(CLIENT_LEFT)
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)

@@ -5,6 +5,7 @@ parsed off the event loop. Engines are held by input (the gate), never by time."
 from __future__ import annotations
 
 import asyncio
+import gzip
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -76,12 +77,97 @@ async def test_past_max_in_flight_bytes_the_declared_length_is_refused(plane: Da
     task, _ = await held(app, gate)
     assert endpoint.flight.bytes == len(body)
     assert_busy(await call(app, Exchange.of(infer_body(1.0, 2.0))))
-    # no declared length: the request may hold up to the body limit
+    # no declared length: let in, and refused as its part arrives with no room for it
     chunked = Exchange([{"type": "http.request", "body": infer_body(1.0), "more_body": False}])
-    assert_busy(await call(app, chunked))
+    await call(app, chunked)
+    assert chunked.status == 429 and chunked.headers["retry-after"] == "1", chunked.sent
+    assert "in flight" in chunked.json()["error"]
+    assert endpoint.flight.bytes == len(body) and endpoint.flight.requests == 1
     gate.released.set()
     await task
     assert endpoint.flight.bytes == 0
+
+
+class Trickle(Exchange):
+    """A client sending a body without a Content-Length, a part whenever the test says."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.parts: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    def send_part(self, body: bytes, more: bool) -> None:
+        self.parts.put_nowait({"type": "http.request", "body": body, "more_body": more})
+
+    async def receive(self) -> dict[str, Any]:
+        self.receive_calls += 1
+        return await self.parts.get()
+
+
+async def test_a_body_without_a_declared_length_holds_only_what_has_arrived(plane: DataPlane) -> None:
+    """Counted as the body limit from its head on, a few clients trickling bodies held the whole
+    byte bound, and every other call was refused meanwhile."""
+    flight = InFlight(100, 1000)
+    app = FastInferApp(unreachable, InferEndpoint(plane, LIMIT, flight=flight))
+    body = infer_body(1.0)
+    trickles = [Trickle() for _ in range(3)]
+    tasks = [asyncio.create_task(call(app, t)) for t in trickles]
+    for trickle in trickles:
+        trickle.send_part(body[:10], more=True)
+    await eventually(lambda: flight.bytes == 30, "each holds the 10 bytes it sent")
+    served = await call(app, Exchange.of(infer_body(2.0)))
+    assert served.status == 200 and served.json()["outputs"][0]["data"] == [2.0]
+    for trickle in trickles:
+        trickle.send_part(body[10:], more=False)
+    await asyncio.gather(*tasks)
+    assert [t.json()["outputs"][0]["data"] for t in trickles] == [[1.0]] * 3
+    assert flight.requests == 0 and flight.bytes == 0
+
+
+async def test_a_compressed_body_holds_the_limit_only_while_it_inflates(plane: DataPlane, gate: Gate) -> None:
+    """What it inflates to is not known from its head: while it inflates it holds the body
+    limit more, so other requests' room is never overdrawn; once inflated, what it holds is
+    its inflated size, for as long as it waits."""
+    flight = InFlight(100, LIMIT + (1 << 20))
+    app = FastInferApp(unreachable, InferEndpoint(plane, LIMIT, flight=flight))
+    body = infer_body(HOLD)
+    compressed = Exchange.of(gzip.compress(body), {"content-encoding": "gzip"})
+    task = asyncio.create_task(call(app, compressed))
+    await eventually(gate.held.is_set, "the inflated request is in the engine")
+    assert flight.bytes == len(body)
+    another = Exchange.of(gzip.compress(infer_body(1.0)), {"content-encoding": "gzip"})
+    queued = asyncio.create_task(call(app, another))  # room for the limit beside the first: let in
+    await eventually(lambda: flight.bytes == len(body) + len(infer_body(1.0)), "both hold their inflated bodies")
+    gate.released.set()
+    await asyncio.gather(task, queued)
+    assert compressed.json()["outputs"][0]["data"] == [HOLD]
+    assert another.json()["outputs"][0]["data"] == [1.0]
+    assert flight.requests == 0 and flight.bytes == 0
+    # no room for the limit beside what others hold: refused before it inflates
+    small = InFlight(100, 1 << 20)
+    hold = small.hold(1)
+    refused = await call(FastInferApp(unreachable, InferEndpoint(plane, LIMIT, flight=small)),
+                         Exchange.of(gzip.compress(infer_body(1.0)), {"content-encoding": "gzip"}))
+    assert refused.status == 429, refused.sent
+    assert small.bytes == 1
+    hold.release()
+
+
+def test_a_hold_grows_within_the_bound_and_lets_go_of_what_it_no_longer_holds() -> None:
+    flight = InFlight(10, 100)
+    first = flight.hold(60)
+    second = flight.hold(30)
+    second.hold_to(40)
+    assert flight.bytes == 100
+    with pytest.raises(ServerBusy):
+        second.hold_to(41)
+    assert (flight.bytes, second.nbytes) == (100, 40)
+    first.hold_to(10)
+    assert flight.bytes == 50
+    first.release()
+    second.hold_to(10_000)  # alone, it grows past the bound, as a lone request is let in past it
+    assert flight.bytes == 10_000
+    second.release()
+    assert (flight.requests, flight.bytes) == (0, 0)
 
 
 async def test_a_lone_request_larger_than_the_byte_budget_is_served(plane: DataPlane) -> None:

@@ -76,7 +76,7 @@ def test_a_front_ends_door_refuses_only_what_it_can_judge(tmp_path: Path) -> Non
     # no queue here to look at: the server process refuses there
     assert isinstance(door.decide(scope), Admitted)
     endpoint = app.app.endpoint  # type: ignore[attr-defined]
-    assert endpoint.flight.try_take(0)  # this front end's share of 2 in flight is 1
+    assert endpoint.flight.try_hold(0) is not None  # this front end's share of 2 in flight is 1
     refused = door.decide(scope)
     assert isinstance(refused, Refused) and refused.retry_after == "1"
 
