@@ -19,9 +19,10 @@ Faults stay within the batch that met them:
   halves of a half that fails, so one request whose values the engine cannot take (text that
   does not parse, an id out of range) fails alone and the others are answered: about log2(N)
   more runs.
-  After one more failed run than finding one such request may take (log2(N) + 3, rounded
-  down), what is left fails unrun: an engine that fails everything costs a batch that many
-  runs, not one a request.
+  After one more failed run in a row than finding one such request may take (log2(N) + 3,
+  rounded down), what is left fails unrun: an engine that fails everything costs a batch that
+  many runs, not one a request. A run that succeeds starts the count again, so several such
+  requests in one batch each fail alone and every other request is answered.
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ class ModelInstance:
         ran_out: list[tuple[int, set[int]]] = []  # (rows, requests) of each group that ran out of memory
         total = BatchResult([])
         # finding one request at fault, by halves of requests, fails the batch and a part a level
-        # (1 + log2(N) runs), with one more to spare
+        # (1 + log2(N) runs), with one more to spare; a run that succeeds shows the engine works,
+        # and the count of failed runs in a row starts again
         search_runs = len(pieces).bit_length() + 2
         failures = 0
         while work:
@@ -148,7 +150,7 @@ class ModelInstance:
                     failed.update((p.request, error) for p in group)
                     if failures >= search_runs and work:  # not one request's values, it seems: the rest fails unrun
                         unrun = {p.request for rest in work for p in rest} - failed.keys()
-                        logger.error("%d more requests of the batch fail unrun on %s: its engine failed %d times",
+                        logger.error("%d more requests of the batch fail unrun on %s: its engine failed %d times in a row",
                                      len(unrun), self.label, failures)
                         failed.update((request, error) for request in unrun)
                         work.clear()
@@ -164,6 +166,7 @@ class ModelInstance:
                 whole = False
                 continue
             whole = False
+            failures = 0
             total.compute_input_ns += result.compute_input_ns
             total.compute_infer_ns += result.compute_infer_ns
             total.compute_output_ns += result.compute_output_ns

@@ -174,6 +174,18 @@ async def test_the_request_at_fault_is_found_among_requests_of_uneven_rows(fault
     worker.close()
 
 
+async def test_several_requests_the_engine_cannot_take_each_fail_alone(faults: Faults) -> None:
+    """Four of eight: the failed runs add up past the search's bound, but a run that succeeds
+    in between starts the count again, so every good request is answered (they failed unrun)."""
+    worker = instance(faults)
+    values = [RAISE, 1.0, 2.0, RAISE, 4.0, RAISE, RAISE, 8.0]
+    result = await worker.run([feed(v) for v in values])
+    assert sorted(result.failed) == [0, 3, 5, 6]
+    assert {i: doubled(o) for i, o in enumerate(result.outputs) if i not in result.failed} == {
+        1: [2.0], 2: [4.0], 4: [8.0], 7: [16.0]}
+    worker.close()
+
+
 async def test_an_engine_that_fails_everything_costs_a_batch_a_few_runs_not_one_a_request(faults: Faults) -> None:
     """After one more failed run than finding one bad request may take (8 requests: 6), the rest
     fails unrun."""
