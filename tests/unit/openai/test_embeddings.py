@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from server.config import ModelConfig, load_model_config
+from server.config import DynamicBatching, ModelConfig, load_model_config
 from server.dataplane import Call
 from server.errors import QueueFull
-from server.openai.embeddings import chunk_size, chunks, embed
+from server.openai.embeddings import chunk_size, chunks, embed, tokens_at_most
 from server.preprocess import TextTokenizer
 from server.scheduler.admission import Admission
 from server.scheduler.request import RequestRecord
@@ -96,6 +96,25 @@ def test_chunks_group_texts_of_like_length_and_keep_every_index_once() -> None:
     assert plan == [[1, 4, 6], [3, 0, 5], [2]]
     assert sorted(i for part in plan for i in part) == list(range(len(sizes)))
     assert chunks([4], 64) == [[0]]
+
+
+def test_with_a_token_budget_a_chunk_of_long_texts_holds_fewer_of_them() -> None:
+    sizes = [40, 10, 200, 10, 40, 10]
+    assert chunks(sizes, 64, max_tokens=80) == [[1, 3, 5], [0, 4], [2]]  # 4 x 10 fits, 3 x 40 would not
+    assert chunks(sizes, 2, max_tokens=80) == [[1, 3], [5, 0], [4], [2]]  # and never more than the size
+    assert chunks([500], 64, max_tokens=80) == [[0]]  # alone, whatever its tokens
+    assert tokens_at_most(b"x" * 10, 512) == 12 and tokens_at_most(b"x" * 10_000, 256) == 256
+
+
+async def test_a_model_with_a_token_budget_gets_its_long_texts_in_smaller_chunks() -> None:
+    """On one CPU core a chunk of 64 texts at 256 tokens ran for seconds, and every other
+    caller's text waited behind it; within the model's max_batch_tokens it runs as a batch may."""
+    budgeted = config(max_batch_size=8).model_copy(update={"dynamic_batching": DynamicBatching(max_batch_tokens=210)})
+    texts = [b"x" * 100, b"abc", b"y" * 100, b"def", b"z" * 100, b"ghi", b"w" * 100, b"jkl"]
+    plane = FakePlane(expected=3)
+    vectors = await embed(plane, FakeModel(budgeted), texts, RequestRecord())  # type: ignore[arg-type]
+    assert [len(call) for call in plane.calls] == [4, 2, 2]  # 4 x 5 tokens; 2 x 102, as 3 x 102 > 210
+    np.testing.assert_array_equal(vectors[:, 0], [len(t) for t in texts])
 
 
 def test_the_chunk_is_the_measured_batch_cap_within_max_batch_size() -> None:
