@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from server.dataplane import DataPlane
+from server.errors import Unavailable
 from server.http.app import create_app
 from server.http.auth import AccessPolicy
 from server.model import ModelState
@@ -82,6 +84,28 @@ async def test_a_reload_lets_queued_requests_finish_and_serves_new_ones(root: Pa
     assert [r.status_code for r in done] == [200, 200, 200], [r.text for r in done]
     assert echoed(done[1]) == 5.0
     assert sorted(gate.ran()) == [5.0, 6.0, HOLD]
+
+
+async def test_a_call_its_front_end_admitted_before_a_reload_is_served_by_the_version_it_chose(
+    root: Path, gate: Gate
+) -> None:
+    """A front end chooses the version, then parses the body (on a worker thread when large) or
+    sends a list's later chunks: a reload that swapped versions meanwhile answered it 503,
+    though no request is to fail because of the swap. The old version drains it."""
+    async with serving(root, gate) as (client, repository):
+        plane = DataPlane(repository)
+        old = plane.admit("spin", None)
+        running = await hold_the_instance(client, gate)
+        reload = asyncio.create_task(client.post("/v2/repository/models/spin/load"))
+        await eventually(lambda: old.state is ModelState.UNLOADING, "the reload swapped versions and drains the old one")
+        late = plane.start_call(old, {"x": ("FP32", np.array([[4.0]], np.float32))}, {}).answer()
+        gate.released.set()
+        outputs, *done = await asyncio.wait_for(asyncio.gather(late, running, reload), 30)
+        assert [r.status_code for r in done] == [200, 200], [r.text for r in done]
+        assert outputs[0][2].ravel().tolist() == [4.0]
+        with pytest.raises(Unavailable):  # once drained and closed, it takes nothing more
+            plane.start_call(old, {"x": ("FP32", np.array([[5.0]], np.float32))}, {})
+    assert sorted(gate.ran()) == [4.0, HOLD]
 
 
 async def test_an_unload_lets_queued_requests_finish_and_refuses_new_ones_with_503(root: Path, gate: Gate) -> None:
