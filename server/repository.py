@@ -77,8 +77,8 @@ class ModelRepository:
         for name, result in zip(chosen, results):
             if isinstance(result, ModelNotFound):  # asked for, not there: the server is not ready
                 self._failures[name] = result.message
-            if isinstance(result, Exception):
-                logger.error("model %s was not loaded: %s", name, result)
+            if isinstance(result, Exception):  # (some of its versions may serve: the message says)
+                logger.error("model %s: %s", name, result)
 
     async def load(self, name: str, config_override: str | None = None) -> None:
         """(Re)load a model. The new versions load and warm up while the old ones serve; they
@@ -132,6 +132,11 @@ class ModelRepository:
             await asyncio.gather(*(m.unload() for m in old.values()))
             if failed and len(failed) == len(fresh):
                 raise Unavailable(f"failed to load '{name}': {failed[0].reason}")
+            if failed:  # nothing served before: what loaded serves, and the caller is told what did not
+                reasons = "; ".join(f"version {m.version}: {m.reason}" for m in failed)
+                served = [str(v) for v, m in sorted(fresh.items()) if m.ready]
+                kept = f"version {served[0]} serves" if len(served) == 1 else f"versions {', '.join(served)} serve"
+                raise Unavailable(f"failed to load '{name}': {reasons} ({kept})")
 
     def _failed(self, name: str, reason: str, serving: list[int], error: type[BatchlineError]) -> BatchlineError:
         """The error a failed (re)load answers; with nothing serving, the model shows it too."""

@@ -328,3 +328,20 @@ async def test_a_reload_keeps_the_old_version_when_one_of_several_new_ones_fails
     assert failed.value.message.endswith("(versions 1, 2 serve on)")
     await repository.unload_all()
 
+
+
+async def test_a_first_load_where_one_version_fails_serves_the_others_and_says_which_failed(tmp_path: Path) -> None:
+    """With nothing serving yet, the versions that loaded serve (a server starting with one bad
+    version of three still serves that model); the call answers the failure, never 200."""
+    repository = ModelRepository(tmp_path)
+    write_model(tmp_path, "double", {**DOUBLING_CONFIG, "version_policy": {"all": {}}}, doubling)
+    doubling(tmp_path / "double" / "2")
+    doubling(tmp_path / "double" / "3")
+    (tmp_path / "double" / "2" / "model.onnx").write_bytes(b"broken")
+    with pytest.raises(Unavailable) as failed:
+        await repository.load("double")
+    assert "version 2: ONNX Runtime cannot load" in failed.value.message
+    assert failed.value.message.endswith("(versions 1, 3 serve)")
+    assert [(v, s) for v, s, _ in index(repository)] == [("1", "READY"), ("2", "UNAVAILABLE"), ("3", "READY")]
+    assert (await repository.get("double").start_request({"x": rows(1.0)}))["y"].tolist() == [[2.0, 2.0]]
+    await repository.unload_all()
