@@ -128,8 +128,13 @@ class ModelRepository:
                 raise self._failed(name, reasons, serving, Unavailable)
             self._failures.pop(name, None)
             self._unloaded.discard(name)
+            replaced = {v: (m, old[v], old[v].stats.totals()) for v, m in fresh.items() if v in old}
+            for new, previous, _ in replaced.values():
+                new.stats.carry_totals(previous.stats)  # one series under the same labels, not a reset
             self._versions[name] = fresh
             await asyncio.gather(*(m.unload() for m in old.values()))
+            for new, previous, at_swap in replaced.values():  # what the old one answered as it drained
+                new.stats.carry_totals(previous.stats, since=at_swap)
             if failed and len(failed) == len(fresh):
                 raise Unavailable(f"failed to load '{name}': {failed[0].reason}")
             if failed:  # nothing served before: what loaded serves, and the caller is told what did not

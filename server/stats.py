@@ -3,10 +3,15 @@
 Owned by the model's batcher and model, updated only on the event loop thread, so no locks.
 Plain Python, no Prometheus: `server/metrics.py` turns it into metric families at scrape time,
 so the hot path pays one bisect per histogram and the two views always agree.
+
+A reload replaces a version with a new one of the same number: its counts go on from the old
+one's (`carry_totals`), as the one series Prometheus scrapes under the same labels, and what the
+old one answers while it drains after the swap is added when it is done.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from bisect import bisect_left
 from collections import Counter, defaultdict
@@ -62,6 +67,15 @@ class BatchStats:
     compute_input: Duration = field(default_factory=Duration)
     compute_infer: Duration = field(default_factory=Duration)
     compute_output: Duration = field(default_factory=Duration)
+
+
+# What a version counts, as opposed to its state (batch cap and profile, instances now in
+# service or stuck, their working caps): what a reload carries on.
+_TOTALS = (
+    "inference_count", "execution_count", "success", "fail", "queue", "compute_input", "compute_infer",
+    "compute_output", "batches", "dispatch_reasons", "failures", "instance_busy_ns", "request_seconds",
+    "queue_seconds", "compute_seconds", "batch_sizes", "instances_abandoned", "instances_replaced", "memory_splits",
+)
 
 
 @dataclass
@@ -129,6 +143,39 @@ class ModelStatistics:
 
     def record_busy(self, instance: str, ns: int) -> None:
         self.instance_busy_ns[instance] += ns
+
+    def totals(self) -> ModelStatistics:
+        """A copy of what this has counted so far (its state, caps and instances left out)."""
+        taken = ModelStatistics()
+        for name in _TOTALS:
+            setattr(taken, name, copy.deepcopy(getattr(self, name)))
+        return taken
+
+    def carry_totals(self, other: ModelStatistics, since: ModelStatistics | None = None) -> None:
+        """Add what `other` counted (since `since`, a `totals()` of it taken earlier)."""
+        before = since or ModelStatistics()
+        for name in _TOTALS:
+            mine, theirs, old = getattr(self, name), getattr(other, name), getattr(before, name)
+            if isinstance(mine, int):
+                setattr(self, name, mine + theirs - old)
+            elif isinstance(mine, Duration):
+                mine.add(theirs.ns - old.ns, theirs.count - old.count)
+            elif isinstance(mine, Histogram):
+                mine.counts = [a + b - c for a, b, c in zip(mine.counts, theirs.counts, old.counts, strict=True)]
+                mine.sum += theirs.sum - old.sum
+                mine.count += theirs.count - old.count
+            elif isinstance(mine, Counter):
+                mine.update(theirs)
+                mine.subtract(old)
+                for key in [k for k, v in mine.items() if not v]:
+                    del mine[key]
+            else:  # batches: batch size -> its three durations
+                for size, batch in theirs.items():
+                    earlier = old.get(size, BatchStats())
+                    for part in ("compute_input", "compute_infer", "compute_output"):
+                        now, then = getattr(batch, part), getattr(earlier, part)
+                        getattr(mine[size], part).add(now.ns - then.ns, now.count - then.count)
+        self.last_inference_ms = max(self.last_inference_ms, other.last_inference_ms)
 
     def as_dict(self, name: str, version: int) -> dict[str, object]:
         return {

@@ -116,3 +116,33 @@ def test_gpu_counters_and_price_appear_only_when_present() -> None:
     assert samples[("batchline_gpu_energy_joules_total", first)] == 1234.5
     assert ("batchline_gpu_power_watts", (("gpu", "1"), ("name", "H200"))) not in samples
     assert samples[("batchline_device_price_per_hour", (("device", "gpu"),))] == 2.5
+
+
+def test_a_reload_carries_every_total_and_adds_what_the_old_version_counted_after_the_swap() -> None:
+    def busy(stats: ModelStatistics, size: int) -> None:
+        stats.record_queued(1_000)
+        stats.record_batch(size, 1, 10, 20, 30)
+        stats.record_success(2_000)
+        stats.record_busy("m-1-0", 500)
+        stats.count_failure("deadline", 300)
+        stats.dispatch_reasons["full"] += 1
+        stats.memory_splits += 1
+
+    old = ModelStatistics(batch_cap=8, instances_in_service=1)
+    busy(old, 4)
+    fresh = ModelStatistics(batch_cap=16, instances_in_service=2)
+    fresh.carry_totals(old)
+    at_swap = old.totals()
+    busy(old, 2)  # drained after the swap
+    busy(fresh, 4)
+    fresh.carry_totals(old, since=at_swap)
+    whole = ModelStatistics()
+    for size in (4, 2, 4):
+        busy(whole, size)
+    dropped = ("last_inference", "batch_cap", "batch_profile", "instances")
+    assert {k: v for k, v in fresh.as_dict("m", 1).items() if k not in dropped} == \
+        {k: v for k, v in whole.as_dict("m", 1).items() if k not in dropped}
+    assert (fresh.batch_cap, fresh.instances_in_service) == (16, 2)  # its own state, not carried
+    for name in ("request_seconds", "queue_seconds", "compute_seconds", "batch_sizes"):
+        assert vars(getattr(fresh, name)) == vars(getattr(whole, name)), name
+    assert fresh.instance_busy_ns == whole.instance_busy_ns and fresh.memory_splits == 3

@@ -108,6 +108,31 @@ async def test_a_call_its_front_end_admitted_before_a_reload_is_served_by_the_ve
     assert sorted(gate.ran()) == [4.0, HOLD]
 
 
+async def test_a_reload_counts_on_from_the_old_version_and_what_it_answered_as_it_drained(
+    root: Path, gate: Gate
+) -> None:
+    """One series under the same labels: the counts go on from the old version's, not from
+    zero, and the requests it answers after the swap are counted (they were in neither)."""
+    async with serving(root, gate) as (client, repository):
+        for value in (1.0, 2.0):
+            echoed(await infer(client, value))
+        old = repository.get("spin")
+        running = await hold_the_instance(client, gate)
+        queued = asyncio.create_task(infer(client, 5.0))
+        await eventually(lambda: old.queue_depth == 1, "a second request is queued behind it")
+        reload = asyncio.create_task(client.post("/v2/repository/models/spin/load"))
+        await eventually(lambda: old.state is ModelState.UNLOADING, "the reload swapped versions and drains the old one")
+        echoed(await infer(client, 6.0))
+        gate.released.set()
+        done = await asyncio.wait_for(asyncio.gather(running, queued, reload), 30)
+        assert [r.status_code for r in done] == [200, 200, 200]
+        echoed(await infer(client, 7.0))
+        stats = (await client.get("/v2/models/spin/stats")).json()["model_stats"][0]
+    assert stats["inference_stats"]["success"]["count"] == 6
+    assert stats["inference_count"] == stats["execution_count"] == 6  # every request alone in its batch
+    assert sum(b["compute_infer"]["count"] for b in stats["batch_stats"]) == 6
+
+
 async def test_an_unload_lets_queued_requests_finish_and_refuses_new_ones_with_503(root: Path, gate: Gate) -> None:
     async with serving(root, gate) as (client, repository):
         old = repository.get("spin")
