@@ -28,6 +28,8 @@ from server.protocol.datatypes import DATATYPES, numpy_dtype
 EngineName = Literal["onnxruntime", "torch", "tensorrt"]  # the keys of server.engines.registry.ENGINES
 Precision = Literal["fp32", "fp16", "bf16", "int8"]
 DeviceKind = Literal["CPU", "GPU"]
+MAX_PRIORITY_LEVELS = 100
+MAX_INSTANCES = 128  # of a model version, over all its instance groups
 
 
 class _Strict(BaseModel):
@@ -93,7 +95,9 @@ class DynamicBatching(_Strict):
     max_queue_delay_microseconds: int = Field(default=0, ge=0)
     preferred_batch_size: list[Annotated[int, Field(gt=0)]] = Field(default_factory=list)
     preserve_ordering: bool = False
-    priority_levels: int = Field(default=0, ge=0, description="0 or 1: one level. Level 1 is the highest.")
+    # Each level is a queue every dispatch looks at: a bound keeps a config from stalling the loop.
+    priority_levels: int = Field(default=0, ge=0, le=MAX_PRIORITY_LEVELS,
+                                 description="0 or 1: one level. Level 1 is the highest.")
     default_priority_level: int = Field(default=0, ge=0)
     default_queue_policy: QueuePolicy = Field(default_factory=QueuePolicy)
     max_batch_tokens: int | None = Field(
@@ -414,6 +418,10 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
+        instances = sum(g.count * len(g.gpus or [None]) for g in self.instance_group)
+        if instances > MAX_INSTANCES:
+            raise ValueError(f"instance_group: {instances} instances in all, over {MAX_INSTANCES} (a thread and an "
+                             "engine each)")
         for kind, tensors in (("inputs", self.inputs), ("outputs", self.outputs)):
             names = [t.name for t in tensors]
             duplicates = sorted({n for n in names if names.count(n) > 1})

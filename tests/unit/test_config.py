@@ -424,3 +424,17 @@ def test_triton_config_says_what_a_build_was_built_as() -> None:
     parameters = {k: v["string_value"] for k, v in rendered["parameters"].items()}
     assert parameters == {"precision": "fp32", "build_source": "m", "build_engine": "torch",
                           "build_precision": "int8", "build_device": "cpu"}
+
+
+def test_priority_levels_and_instances_in_all_are_bounded(tmp_path: Path) -> None:
+    """3,000,000 levels loaded: a queue each, looked at by every dispatch (the event loop stalled
+    3 s, and 2.3 GB), and five groups of 64 instances started 320 threads and engines."""
+    levels = write_config(tmp_path, config_with(dynamic_batching={"priority_levels": 3_000_000}), "levels")
+    assert_rejected(levels, "priority_levels", "100")
+    groups = write_config(tmp_path, config_with(instance_group=[{"count": 64}] * 5), "groups")
+    assert_rejected(groups, "320 instances in all, over 128")
+    per_gpu = write_config(tmp_path, config_with(instance_group=[{"count": 40, "kind": "GPU", "gpus": [0, 1, 2, 3]}]),
+                           "per_gpu")
+    assert_rejected(per_gpu, "160 instances in all")
+    assert load_model_config(write_config(tmp_path, config_with(
+        dynamic_batching={"priority_levels": 100}, instance_group=[{"count": 64}] * 2), "fine")).levels == 100
