@@ -31,7 +31,7 @@ from server.config import ModelConfig, load_model_config
 from server.engines.base import Engine
 from server.engines.registry import artifact_file
 from server.engines.timing import time_runs
-from server.layout import config_path, version_dir, version_numbers
+from server.layout import config_path, found_version_dir, version_numbers
 from server.scheduler.batcher import LENGTH_WINDOW
 
 MAX_RUNS_PER_BATCH = 100_000
@@ -93,7 +93,7 @@ def model_files(folder: Path) -> ModelFiles:
     versions = version_numbers(folder)
     if not versions:
         raise FileNotFoundError(f"{folder} holds no version folder; build it first")
-    version = version_dir(folder, versions[-1])
+    version = found_version_dir(folder, versions[-1])
     return ModelFiles(folder, config, version, artifact_file(config, version))
 
 

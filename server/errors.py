@@ -62,6 +62,11 @@ class EngineError(BatchlineError):
     """The engine failed while running a batch; only that batch's requests see it."""
 
 
+class ConfigMismatch(EngineError):
+    """The config describes tensors the model does not have: a load given it is refused as a
+    bad config (400), not as a model that could not load (503)."""
+
+
 class ConfigError(BatchlineError):
     """A model configuration is invalid; the message names file, field and reason."""
 

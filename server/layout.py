@@ -44,11 +44,22 @@ def version_numbers(model_dir: Path) -> list[int]:
     """The versions on disk, ascending; none when the folder does not exist."""
     if not model_dir.is_dir():
         return []
-    return sorted(int(p.name) for p in model_dir.iterdir() if is_version_folder(p))
+    return sorted({int(p.name) for p in model_dir.iterdir() if is_version_folder(p)})
 
 
 def version_dir(model_dir: Path, version: int) -> Path:
+    """Where `version` is written: its number as a folder name."""
     return model_dir / str(version)
+
+
+def found_version_dir(model_dir: Path, version: int) -> Path:
+    """Where `version` is read from: the folder of its number, or, where there is none, one
+    that names it with leading zeros ("02", which `version_numbers` reads as 2, as Triton does)."""
+    plain = version_dir(model_dir, version)
+    if plain.is_dir() or not model_dir.is_dir():
+        return plain
+    padded = sorted(p for p in model_dir.iterdir() if is_version_folder(p) and int(p.name) == version)
+    return padded[0] if padded else plain
 
 
 def config_path(model_dir: Path) -> Path:

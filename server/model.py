@@ -32,7 +32,7 @@ from server.config import ModelConfig, TensorConfig
 from server.devices import Device, placements
 from server.engines import create_engine
 from server.engines.registry import ENGINES
-from server.errors import BatchlineError, EngineError, InvalidInput, Unavailable
+from server.errors import BatchlineError, ConfigMismatch, EngineError, InvalidInput, Unavailable
 from server.gpu import driver_versions, identity
 from server.load_gate import LOADS, run_load
 from server.preprocess import TextTokenizer
@@ -64,6 +64,7 @@ class ModelVersion:
         self.path = path
         self.state = ModelState.LOADING
         self.reason = ""
+        self.config_mismatch = False  # it failed to load because its config does not describe its model
         self.stats = ModelStatistics()
         self.placement = ""  # where and on what it runs, once ready (the model config's parameters show it)
         self.instances: list[ModelInstance] = []  # in service (the batcher says which are idle)
@@ -92,6 +93,7 @@ class ModelVersion:
             await run_load(self._build)
             gpus, driver = await run_load(_gpu_identities, self.instances)  # NVML may block: off the loop
         except BatchlineError as exc:
+            self.config_mismatch = isinstance(exc, ConfigMismatch)
             self._fail(exc.message)
             return
         except Exception as exc:  # a bug or an engine's own error type: keep the server up

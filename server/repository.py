@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from server.config import ModelConfig, load_model_config
 from server.engines.registry import ENGINES
 from server.errors import BatchlineError, ConfigError, EngineError, InvalidInput, ModelNotFound, Unavailable
-from server.layout import CONFIG_FILENAME, config_path, version_dir, version_number, version_numbers
+from server.layout import CONFIG_FILENAME, config_path, found_version_dir, version_number, version_numbers
 from server.load_gate import LOADS, run_load
 from server.model import ModelState, ModelVersion
 from server.quantize.ensure import ensure_built
@@ -50,11 +50,27 @@ class ModelRepository:
         self._unloaded: set[str] = set()  # explicitly unloaded, shown as such in the index
         self._locks: dict[str, asyncio.Lock] = {}
         self._changing: set[asyncio.Task[None]] = set()  # loads and unloads whose callers may have left
+        self._not_names: set[str] = set()  # folders left out for a name that is not UTF-8, said in the log
 
     def names_on_disk(self) -> list[str]:
+        """The model folders; one whose name is not UTF-8 is left out (said once in the log):
+        no client could name it, and every protocol's index, and /metrics, would fail on it."""
         if not self.root.is_dir():
             return []
-        return sorted(p.name for p in self.root.iterdir() if config_path(p).is_file())
+        names = []
+        for path in self.root.iterdir():
+            if not config_path(path).is_file():
+                continue
+            try:
+                path.name.encode("utf-8")
+            except UnicodeEncodeError:
+                if path.name not in self._not_names:
+                    self._not_names.add(path.name)
+                    logger.warning("the folder %r in the model repository is left out: its name is not UTF-8",
+                                   path.name.encode("utf-8", "surrogateescape"))
+                continue
+            names.append(path.name)
+        return sorted(names)
 
     def _model_dir(self, name: str) -> Path:
         """The model's folder; any name that cannot be one (a path, too long for the file system,
@@ -119,13 +135,15 @@ class ModelRepository:
                 raise self._failed(name, exc.message, serving, InvalidInput) from exc
             except EngineError as exc:
                 raise self._failed(name, exc.message, serving, Unavailable) from exc
-            fresh = {v: ModelVersion(config, v, version_dir(path, v)) for v in selected}
+            fresh = {v: ModelVersion(config, v, found_version_dir(path, v)) for v in selected}
             await asyncio.gather(*(m.load() for m in fresh.values()))
             failed = [m for m in fresh.values() if not m.ready]
+            # a config that misdescribes its model is the caller's to fix (400); anything else, 503
+            refusal = InvalidInput if failed and all(m.config_mismatch for m in failed) else Unavailable
             if failed and serving:  # swap only a wholly ready set; the old one serves on
                 await asyncio.gather(*(m.unload() for m in fresh.values() if m.ready))
                 reasons = "; ".join(f"version {m.version}: {m.reason}" for m in failed)
-                raise self._failed(name, reasons, serving, Unavailable)
+                raise self._failed(name, reasons, serving, refusal)
             self._failures.pop(name, None)
             self._unloaded.discard(name)
             replaced = {v: (m, old[v], old[v].stats.totals()) for v, m in fresh.items() if v in old}
@@ -136,12 +154,12 @@ class ModelRepository:
             for new, previous, at_swap in replaced.values():  # what the old one answered as it drained
                 new.stats.carry_totals(previous.stats, since=at_swap)
             if failed and len(failed) == len(fresh):
-                raise Unavailable(f"failed to load '{name}': {failed[0].reason}")
+                raise refusal(f"failed to load '{name}': {failed[0].reason}")
             if failed:  # nothing served before: what loaded serves, and the caller is told what did not
                 reasons = "; ".join(f"version {m.version}: {m.reason}" for m in failed)
                 served = [str(v) for v, m in sorted(fresh.items()) if m.ready]
                 kept = f"version {served[0]} serves" if len(served) == 1 else f"versions {', '.join(served)} serve"
-                raise Unavailable(f"failed to load '{name}': {reasons} ({kept})")
+                raise refusal(f"failed to load '{name}': {reasons} ({kept})")
 
     def _failed(self, name: str, reason: str, serving: list[int], error: type[BatchlineError]) -> BatchlineError:
         """The error a failed (re)load answers; with nothing serving, the model shows it too."""
@@ -288,8 +306,8 @@ def _is_folder_name(name: str) -> bool:
     if name in ("", ".", "..") or "/" in name or "\0" in name:
         return False
     try:
-        return len(name.encode("utf-8", "surrogateescape")) <= _MAX_NAME_BYTES
-    except UnicodeEncodeError:  # a lone surrogate that no file name can hold
+        return len(name.encode("utf-8")) <= _MAX_NAME_BYTES
+    except UnicodeEncodeError:  # a lone surrogate: a folder whose name is not UTF-8 (names_on_disk), or none
         return False
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from server.engines.spec import EngineIO, TensorSpec
-from server.errors import EngineError, InvalidInput
+from server.errors import ConfigMismatch, EngineError, InvalidInput
 from server.protocol.datatypes import v2_datatype
 
 FLOAT_DATATYPES = frozenset({"FP16", "BF16", "FP32", "FP64"})
@@ -105,7 +105,7 @@ def check_signature(io: EngineIO, signature: EngineSignature) -> None:
     problems = _mismatches("input", engine_inputs(io), signature.inputs, signature)
     problems += _mismatches("output", engine_outputs(io), signature.outputs, signature)
     if problems:
-        raise EngineError(f"the config does not describe the model '{io.model}': " + "; ".join(problems))
+        raise ConfigMismatch(f"the config does not describe the model '{io.model}': " + "; ".join(problems))
 
 
 def _mismatches(

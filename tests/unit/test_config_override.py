@@ -52,6 +52,23 @@ async def test_a_bad_override_is_refused_and_the_served_version_stays(plane: Dat
     assert plane.model_config("double", None)["max_batch_size"] == 4
 
 
+@pytest.mark.parametrize("change", [
+    {"inputs": [{"name": "x", "datatype": "FP64", "dims": [2]}]},
+    {"outputs": [{"name": "y", "datatype": "FP32", "dims": [5]}]},
+    {"inputs": [*DOUBLING_CONFIG["inputs"], {"name": "extra", "datatype": "FP32", "dims": [1]}]},
+])
+async def test_an_override_that_does_not_describe_the_model_is_a_bad_config(
+    plane: DataPlane, change: dict[str, object]
+) -> None:
+    """400, as any bad config: a 503 tells clients and load balancers to retry what never loads."""
+    with pytest.raises(InvalidInput, match="the config does not describe the model"):
+        await plane.load("double", {"config": json.dumps({**DOUBLING_CONFIG, **change})})
+    assert plane.model_ready("double", None)
+    await plane.unload("double")
+    with pytest.raises(InvalidInput, match="the config does not describe the model"):  # nothing serving: the same
+        await plane.load("double", {"config": json.dumps({**DOUBLING_CONFIG, **change})})
+
+
 async def test_files_and_a_config_that_is_not_text_are_refused(plane: DataPlane) -> None:
     with pytest.raises(InvalidInput, match="files is not supported"):
         await plane.load("double", {"file:1/model.onnx": b"\0"})

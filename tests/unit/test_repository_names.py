@@ -3,8 +3,10 @@ version the repository has, or a ModelNotFound (404); never an OSError or a Valu
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -13,6 +15,7 @@ from server.errors import ModelNotFound
 from server.layout import version_number
 from server.repository import ModelRepository
 from tests.unit.hypothesis_profile import bounded
+from tests.unit.onnx_models import DOUBLING_CONFIG, doubling, write_model
 
 
 @pytest.mark.parametrize(
@@ -53,3 +56,32 @@ def test_any_name_and_version_is_found_or_not_found(tmp_path_factory: pytest.Tem
     repository = ModelRepository(tmp_path_factory.getbasetemp() / "no-models-here")
     with pytest.raises(ModelNotFound):
         repository.get(name, version)
+
+
+async def test_a_version_folder_with_leading_zeros_serves_as_its_number(tmp_path: Path) -> None:
+    """"02" is version 2, as Triton reads it: it was read so, then loaded from a folder "2" that
+    does not exist, and the model failed to load."""
+    write_model(tmp_path, "padded", DOUBLING_CONFIG, doubling)
+    (tmp_path / "padded" / "1").rename(tmp_path / "padded" / "02")
+    repository = ModelRepository(tmp_path)
+    await repository.load("padded")
+    try:
+        served = repository.get("padded", "2")
+        assert served.version == 2 and served.path.name == "02"
+        assert (await served.start_request({"x": ("FP32", np.array([[1.0, 2.0]], np.float32))}))["y"].tolist() == [[2.0, 4.0]]
+    finally:
+        await repository.unload_all()
+
+
+async def test_a_model_folder_whose_name_is_not_utf8_is_left_out(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """No client can name it, and the index (both protocols) and /metrics failed on it."""
+    write_model(tmp_path, "good", DOUBLING_CONFIG, doubling)
+    odd = Path(os.fsdecode(bytes(tmp_path) + b"/bad\xff"))
+    write_model(odd.parent, odd.name, DOUBLING_CONFIG, doubling)
+    repository = ModelRepository(tmp_path)
+    assert repository.names_on_disk() == ["good"]
+    assert repository.names_on_disk() == ["good"]
+    assert [r.message for r in caplog.records].count(
+        "the folder b'bad\\xff' in the model repository is left out: its name is not UTF-8") == 1
+    with pytest.raises(ModelNotFound):
+        await repository.load(odd.name)
