@@ -34,7 +34,7 @@ from server.engines import create_engine
 from server.engines.registry import ENGINES
 from server.errors import BatchlineError, ConfigMismatch, EngineError, InvalidInput, Unavailable
 from server.gpu import driver_versions, identity
-from server.load_gate import LOADS, run_load
+from server.load_gate import LOADS, run_load, run_now
 from server.preprocess import TextTokenizer
 from server.protocol.datatypes import numpy_dtype
 from server.recording import TrafficRecorder
@@ -174,9 +174,9 @@ class ModelVersion:
                 " no more are started: restart the server to free them"
             )
         logger.warning("model %s: replacing instance %s, stuck in the engine", self.label, stuck.label)
-        fresh = await run_load(self._new_instance, stuck.device, stuck.label, True)
+        fresh = await run_now(self._new_instance, stuck.device, stuck.label, True)
         if self._closed:  # unloaded while the fresh one warmed up
-            await run_load(fresh.close)
+            await run_now(fresh.close)
             raise Unavailable(f"model {self.label} was unloaded")
         self.instances.append(fresh)
         return fresh
@@ -478,7 +478,7 @@ class ModelVersion:
             await self._batcher.drain()
         self._closed = True  # on the loop, so a replacement warming up now is closed, not kept
         instances, self.instances = self.instances, []
-        await run_load(_close_all, instances)  # engines freed first: the final write below need not hold them
+        await run_now(_close_all, instances)  # engines freed first: the final write below need not hold them
         if self._recording is not None and self.recorder is not None:
             self._recording.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import server.model
+from server import load_gate
 from server.load_gate import LoadGate
 from server.repository import ModelRepository
 from tests.unit.onnx_models import DOUBLING_CONFIG, doubling, write_model
@@ -144,3 +145,21 @@ async def test_a_load_leaves_the_threads_requests_offload_their_work_to(
         await load
     assert repository.get("double").ready, "the load itself went through"
     await repository.unload_all()
+
+
+async def test_an_unload_never_waits_for_a_load_thread(tmp_path: Path) -> None:
+    """Every load thread held by loads waiting their turn (eight versions, each waiting for the
+    others' profiles): an unrelated model's unload waited 14 s for one to close its instances."""
+    write_model(tmp_path, "double", DOUBLING_CONFIG, doubling)
+    repository = ModelRepository(tmp_path)
+    await repository.load("double")
+    held = threading.Event()
+    loop = asyncio.get_running_loop()
+    waiting = [loop.run_in_executor(load_gate._LOAD_THREADS, held.wait, 30)
+               for _ in range(load_gate._LOAD_THREADS._max_workers)]
+    try:
+        await asyncio.wait_for(repository.unload("double"), 10)
+        assert repository.loaded() == []
+    finally:
+        held.set()
+        await asyncio.gather(*waiting)
