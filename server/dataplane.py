@@ -131,9 +131,10 @@ class DataPlane:
         config.yaml for this load only, as Triton's repository extension allows."""
         if any(k.startswith("file:") for k in parameters):
             raise InvalidInput("loading with files is not supported; put the model's files in its folder")
-        override = parameters.get("config") or None
-        if override is not None and not isinstance(override, str):
+        override = parameters.get("config")
+        if override is not None and not isinstance(override, str):  # a gRPC bool_param false was no config
             raise InvalidInput("the 'config' parameter must be a string: the model's config as JSON")
+        override = override or None  # "": config.yaml
         if override is not None and len(override) > MAX_CONFIG_OVERRIDE_CHARS:
             raise InvalidInput(f"the 'config' parameter is over {MAX_CONFIG_OVERRIDE_CHARS} characters")
         try:

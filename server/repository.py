@@ -51,6 +51,7 @@ class ModelRepository:
         self._locks: dict[str, asyncio.Lock] = {}
         self._changing: set[asyncio.Task[None]] = set()  # loads and unloads whose callers may have left
         self._not_names: set[str] = set()  # folders left out for a name that is not UTF-8, said in the log
+        self._loading: set[str] = set()  # models loading with no version serving: LOADING in the index
 
     def names_on_disk(self) -> list[str]:
         """The model folders; one whose name is not UTF-8 is left out (said once in the log):
@@ -117,49 +118,56 @@ class ModelRepository:
 
     async def _load(self, name: str, path: Path, config_override: str | None) -> None:
         async with self._locks.setdefault(name, asyncio.Lock()):
-            old = self._versions.get(name, {})
-            serving = sorted(v for v, m in old.items() if m.ready)
+            self._loading.add(name)
             try:
-                if config_override is None:
-                    config = self._with_overrides(load_model_config(config_path(path)))
-                else:
-                    config = self._with_overrides(override_config(path, config_override))
-                if config.build is not None:  # a variant built from another model: build or reuse
-                    await run_load(_built, self.root, name, config)
-                    # the build publishes the config it serves under (a torch INT8 program takes FP32)
-                    config = self._with_overrides(load_model_config(config_path(path)))
-                selected = config.version_policy.select(version_numbers(path))
-                if not selected:
-                    raise ConfigError(f"{path}: no version folder (e.g. {path}/1) to serve")
-            except ConfigError as exc:
-                raise self._failed(name, exc.message, serving, InvalidInput) from exc
-            except EngineError as exc:
-                raise self._failed(name, exc.message, serving, Unavailable) from exc
-            fresh = {v: ModelVersion(config, v, found_version_dir(path, v)) for v in selected}
-            await asyncio.gather(*(m.load() for m in fresh.values()))
-            failed = [m for m in fresh.values() if not m.ready]
-            # a config that misdescribes its model is the caller's to fix (400); anything else, 503
-            refusal = InvalidInput if failed and all(m.config_mismatch for m in failed) else Unavailable
-            if failed and serving:  # swap only a wholly ready set; the old one serves on
-                await asyncio.gather(*(m.unload() for m in fresh.values() if m.ready))
-                reasons = "; ".join(f"version {m.version}: {m.reason}" for m in failed)
-                raise self._failed(name, reasons, serving, refusal)
-            self._failures.pop(name, None)
-            self._unloaded.discard(name)
-            replaced = {v: (m, old[v], old[v].stats.totals()) for v, m in fresh.items() if v in old}
-            for new, previous, _ in replaced.values():
-                new.stats.carry_totals(previous.stats)  # one series under the same labels, not a reset
-            self._versions[name] = fresh
-            await asyncio.gather(*(m.unload() for m in old.values()))
-            for new, previous, at_swap in replaced.values():  # what the old one answered as it drained
-                new.stats.carry_totals(previous.stats, since=at_swap)
-            if failed and len(failed) == len(fresh):
-                raise refusal(f"failed to load '{name}': {failed[0].reason}")
-            if failed:  # nothing served before: what loaded serves, and the caller is told what did not
-                reasons = "; ".join(f"version {m.version}: {m.reason}" for m in failed)
-                served = [str(v) for v, m in sorted(fresh.items()) if m.ready]
-                kept = f"version {served[0]} serves" if len(served) == 1 else f"versions {', '.join(served)} serve"
-                raise refusal(f"failed to load '{name}': {reasons} ({kept})")
+                await self._load_locked(name, path, config_override)
+            finally:
+                self._loading.discard(name)
+
+    async def _load_locked(self, name: str, path: Path, config_override: str | None) -> None:
+        old = self._versions.get(name, {})
+        serving = sorted(v for v, m in old.items() if m.ready)
+        try:
+            if config_override is None:
+                config = self._with_overrides(load_model_config(config_path(path)))
+            else:
+                config = self._with_overrides(override_config(path, config_override))
+            if config.build is not None:  # a variant built from another model: build or reuse
+                await run_load(_built, self.root, name, config)
+                # the build publishes the config it serves under (a torch INT8 program takes FP32)
+                config = self._with_overrides(load_model_config(config_path(path)))
+            selected = config.version_policy.select(version_numbers(path))
+            if not selected:
+                raise ConfigError(f"{path}: no version folder (e.g. {path}/1) to serve")
+        except ConfigError as exc:
+            raise self._failed(name, exc.message, serving, InvalidInput) from exc
+        except EngineError as exc:
+            raise self._failed(name, exc.message, serving, Unavailable) from exc
+        fresh = {v: ModelVersion(config, v, found_version_dir(path, v)) for v in selected}
+        await asyncio.gather(*(m.load() for m in fresh.values()))
+        failed = [m for m in fresh.values() if not m.ready]
+        # a config that misdescribes its model is the caller's to fix (400); anything else, 503
+        refusal = InvalidInput if failed and all(m.config_mismatch for m in failed) else Unavailable
+        if failed and serving:  # swap only a wholly ready set; the old one serves on
+            await asyncio.gather(*(m.unload() for m in fresh.values() if m.ready))
+            reasons = "; ".join(f"version {m.version}: {m.reason}" for m in failed)
+            raise self._failed(name, reasons, serving, refusal)
+        self._failures.pop(name, None)
+        self._unloaded.discard(name)
+        replaced = {v: (m, old[v], old[v].stats.totals()) for v, m in fresh.items() if v in old}
+        for new, previous, _ in replaced.values():
+            new.stats.carry_totals(previous.stats)  # one series under the same labels, not a reset
+        self._versions[name] = fresh
+        await asyncio.gather(*(m.unload() for m in old.values()))
+        for new, previous, at_swap in replaced.values():  # what the old one answered as it drained
+            new.stats.carry_totals(previous.stats, since=at_swap)
+        if failed and len(failed) == len(fresh):
+            raise refusal(f"failed to load '{name}': {failed[0].reason}")
+        if failed:  # nothing served before: what loaded serves, and the caller is told what did not
+            reasons = "; ".join(f"version {m.version}: {m.reason}" for m in failed)
+            served = [str(v) for v, m in sorted(fresh.items()) if m.ready]
+            kept = f"version {served[0]} serves" if len(served) == 1 else f"versions {', '.join(served)} serve"
+            raise refusal(f"failed to load '{name}': {reasons} ({kept})")
 
     def _failed(self, name: str, reason: str, serving: list[int], error: type[BatchlineError]) -> BatchlineError:
         """The error a failed (re)load answers; with nothing serving, the model shows it too."""
@@ -247,7 +255,9 @@ class ModelRepository:
         """Every model on disk, and every model loaded or asked for that is not."""
         entries = []
         for name in sorted({*self.names_on_disk(), *self._versions, *self._failures}):
-            if name in self._failures:
+            if name in self._loading and name not in self._versions:  # a reload shows the versions serving
+                entries.append(IndexEntry(name, "", "LOADING", ""))
+            elif name in self._failures:
                 entries.append(IndexEntry(name, "", "UNAVAILABLE", self._failures[name]))
             elif name in self._versions:
                 entries.extend(

@@ -15,6 +15,7 @@ from server.errors import (
     BatchlineError,
     Cancelled,
     ConfigError,
+    ConfigMismatch,
     DeadlineExceeded,
     EngineError,
     ExecutionTimeout,
@@ -22,8 +23,8 @@ from server.errors import (
     ModelNotFound,
     OutOfMemory,
     PayloadTooLarge,
-    RequestTimeout,
     QueueFull,
+    RequestTimeout,
     ServerBusy,
     Unavailable,
     Unsupported,
@@ -36,6 +37,7 @@ CODE_BY_ERROR: dict[type[BatchlineError], grpc.StatusCode] = {
     InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
     Unsupported: grpc.StatusCode.INVALID_ARGUMENT,  # as HTTP's 400: the request asks for what is not here
     ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
+    ConfigMismatch: grpc.StatusCode.INVALID_ARGUMENT,  # a load's config that misdescribes its model
     ModelNotFound: grpc.StatusCode.NOT_FOUND,
     PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,  # what gRPC itself answers for a message too large
     RequestTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,  # HTTP's alone: grpc reads whole messages itself

@@ -106,13 +106,17 @@ def create_app(
 
     @v2.post("/repository/index", summary="Models in the repository and their state", tags=["repository"])
     async def repository_index(request: Request) -> Response:
-        options = await _json_object(request)
-        return _json(plane.repository_index(bool(options.get("ready", False))))
+        ready = (await _json_object(request)).get("ready", False)
+        if not isinstance(ready, bool):  # bool("false") is True
+            raise InvalidInput("'ready' must be true or false")
+        return _json(plane.repository_index(ready))
 
     @v2.post("/repository/models/{model}/load", summary="Load or reload a model", tags=["repository"])
     async def load(request: Request, model: str) -> Response:
-        parameters = (await _json_object(request)).get("parameters") or {}
-        if not isinstance(parameters, dict):
+        parameters = (await _json_object(request)).get("parameters")
+        if parameters is None:
+            parameters = {}
+        if not isinstance(parameters, dict):  # [] was taken for no parameters
             raise InvalidInput("'parameters' must be an object")
         await plane.load(model, parameters)
         return _json({})

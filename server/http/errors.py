@@ -15,6 +15,7 @@ from server.errors import (
     BatchlineError,
     Cancelled,
     ConfigError,
+    ConfigMismatch,
     DeadlineExceeded,
     EngineError,
     ExecutionTimeout,
@@ -37,6 +38,7 @@ STATUS_BY_ERROR: dict[type[BatchlineError], int] = {
     InvalidInput: 400,
     Unsupported: 400,
     ConfigError: 400,
+    ConfigMismatch: 400,  # a load's config that misdescribes its model
     ModelNotFound: 404,
     RequestTimeout: 408,
     PayloadTooLarge: 413,

@@ -74,6 +74,8 @@ async def test_files_and_a_config_that_is_not_text_are_refused(plane: DataPlane)
         await plane.load("double", {"file:1/model.onnx": b"\0"})
     with pytest.raises(InvalidInput, match="must be a string"):
         await plane.load("double", {"config": 7})
+    with pytest.raises(InvalidInput, match="must be a string"):  # gRPC's bool_param: false was no config at all
+        await plane.load("double", {"config": False})
 
 
 @pytest.mark.parametrize("field", ["model_filename", "tokenizer"])

@@ -345,3 +345,16 @@ async def test_a_first_load_where_one_version_fails_serves_the_others_and_says_w
     assert [(v, s) for v, s, _ in index(repository)] == [("1", "READY"), ("2", "UNAVAILABLE"), ("3", "READY")]
     assert (await repository.get("double").start_request({"x": rows(1.0)}))["y"].tolist() == [[2.0, 2.0]]
     await repository.unload_all()
+
+
+async def test_a_model_loading_with_nothing_serving_shows_loading_in_the_index(tmp_path: Path, faults: Faults) -> None:
+    """As Triton's index shows it; not UNAVAILABLE "unloaded", nor nothing, while it warms up."""
+    repository = ModelRepository(tmp_path)
+    write_model(tmp_path, "double", {**DOUBLING_CONFIG, "warmup": {"inputs": {"x": HANG}}}, doubling)
+    load = asyncio.create_task(repository.load("double"))
+    await eventually(faults.held.is_set, "the warm-up runs")
+    assert index(repository) == [("", "LOADING", "")]
+    faults.release.set()
+    await asyncio.wait_for(load, 10)
+    assert index(repository) == [("1", "READY", "")]
+    await repository.unload_all()

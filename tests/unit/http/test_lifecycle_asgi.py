@@ -233,3 +233,16 @@ async def test_without_dynamic_batching_queued_requests_never_share_a_batch(
         gate.released.set()
         await asyncio.wait_for(asyncio.gather(running, *queued), 30)
     assert gate.batches == ([[HOLD], [1.0, 2.0, 3.0]] if dynamic else [[HOLD], [1.0], [2.0], [3.0]])
+
+
+async def test_control_bodies_of_the_wrong_type_are_refused_not_read_as_something_else(root: Path, gate: Gate) -> None:
+    """{"ready": "false"} listed ready models only (bool("false") is True), and "parameters": []
+    loaded as if there were none."""
+    async with serving(root, gate) as (client, _):
+        for body in ({"ready": "false"}, {"ready": 0}):
+            refused = await client.post("/v2/repository/index", json=body)
+            assert refused.status_code == 400 and "'ready' must be true or false" in refused.json()["error"]
+        assert (await client.post("/v2/repository/index", json={"ready": False})).status_code == 200
+        refused = await client.post("/v2/repository/models/spin/load", json={"parameters": []})
+        assert refused.status_code == 400 and "'parameters' must be an object" in refused.json()["error"]
+        assert (await client.post("/v2/repository/models/spin/load", json={"parameters": None})).status_code == 200
