@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -34,6 +35,18 @@ MAX_INSTANCES = 128  # of a model version, over all its instance groups
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_truth_for_a_number(cls, value: object, info: ValidationInfo) -> object:
+        """`max_batch_size: true` (or YAML's `yes`) was read as 1; a number field takes numbers."""
+        if (isinstance(value, bool) and info.field_name is not None
+                and cls.model_fields[info.field_name].annotation in _NUMBERS):
+            raise ValueError("expected a number, not true or false")
+        return value
+
+
+_NUMBERS = (int, float, int | None, float | None)
 
 
 def _in_version_folder(value: str) -> str:

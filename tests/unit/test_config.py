@@ -438,3 +438,13 @@ def test_priority_levels_and_instances_in_all_are_bounded(tmp_path: Path) -> Non
     assert_rejected(per_gpu, "160 instances in all")
     assert load_model_config(write_config(tmp_path, config_with(
         dynamic_batching={"priority_levels": 100}, instance_group=[{"count": 64}] * 2), "fine")).levels == 100
+
+
+def test_a_number_field_refuses_true_and_false(tmp_path: Path) -> None:
+    """`max_batch_size: true` (or YAML's `yes`) was read as 1."""
+    assert_rejected(write_config(tmp_path, "name: toy\n" + yaml.safe_dump({**BASE, "max_batch_size": True})),
+                    "max_batch_size", "not true or false")
+    assert_rejected(write_config(tmp_path, config_with(dynamic_batching={"max_queue_delay_microseconds": False}),
+                                 "delay"), "not true or false")
+    assert load_model_config(write_config(tmp_path, config_with(dynamic_batching={"preserve_ordering": True}),
+                                          "flag")).dynamic_batching.preserve_ordering

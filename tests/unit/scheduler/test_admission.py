@@ -232,6 +232,7 @@ EXPECTED_STATUS = {
     errors.InvalidInput: 400,
     errors.Unsupported: 400,
     errors.ConfigError: 400,
+    errors.ConfigMismatch: 400,
     errors.ModelNotFound: 404,
     errors.PayloadTooLarge: 413,
     errors.QueueFull: 429,
