@@ -25,6 +25,7 @@ import numpy as np
 
 from server.config import ModelConfig
 from server.layout import DATASET_FILE, EVAL_DIR, INPUTS_FILE, LABELS_FILE, RECORDED_FILE
+from server.protocol.datatypes import numpy_dtype
 from server.quantize.errors import BuildError, EvalDataUnavailable
 
 MAX_CALIBRATION = 256
@@ -102,6 +103,19 @@ def load_eval_data(model_dir: Path, version_dir: Path, config: ModelConfig, reco
     )
 
 
+def _as_datatype(array: np.ndarray, datatype: str, name: str, path: Path) -> np.ndarray:
+    """`array` as the input's datatype takes it: numpy's float64 (what most data is) as FP32,
+    integers as floats. Calibration feeds the engine directly, and ONNX Runtime refuses a double
+    for a float; a cast that would lose what the values are (floats to integers) is refused."""
+    target = numpy_dtype(datatype)
+    if array.dtype == target:
+        return array
+    if np.can_cast(array.dtype, target, casting="same_kind") or (array.dtype.kind in "biu" and target.kind == "f"):
+        return array.astype(target)
+    raise BuildError(f"{path}: {name!r} is {datatype} in the config but holds {array.dtype}, which does not cast to "
+                     "it without losing what the values are")
+
+
 def _tensors(model_dir: Path, stored: Path, config: ModelConfig) -> TensorData:
     """eval/inputs.npz (+ labels.npy) or eval/recorded.npz, checked against the config, split
     into calibration and evaluation items once, deterministically."""
@@ -126,6 +140,13 @@ def _tensors(model_dir: Path, stored: Path, config: ModelConfig) -> TensorData:
         if (tensor.datatype == "BYTES") != textual:
             raise BuildError(f"{path}: {tensor.name!r} is {tensor.datatype} in the config but holds {array.dtype} "
                              "(text as a numpy string array, numbers as numbers)")
+        if textual:
+            continue
+        dims = tensor.dims
+        if array.ndim != len(dims) + 1 or any(d not in (-1, n) for d, n in zip(dims, array.shape[1:], strict=False)):
+            raise BuildError(f"{path}: {tensor.name!r} holds items of shape {list(array.shape[1:])}; the config's "
+                             f"dims are {list(dims)} (-1: any), items along the first axis")
+        arrays[tensor.name] = _as_datatype(array, tensor.datatype, tensor.name, path)
     if labels is not None and (labels.shape != (count,) or labels.dtype.kind not in "iu"):
         raise BuildError(f"{model_dir / LABELS_FILE}: one integer class per item ({count}), got "
                          f"{labels.dtype} {labels.shape}")

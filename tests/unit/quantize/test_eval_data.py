@@ -66,6 +66,11 @@ def test_calibration_takes_at_most_its_cap_and_leaves_the_rest_to_evaluate(tmp_p
     ({"a": np.zeros((1, 3), np.float32), "b": np.zeros((1, 1), np.int64)}, None, "at least 2"),
     ({"a": np.array([["x"] * 3] * 4), "b": np.zeros((4, 1), np.int64)}, None, "'a' is FP32 in the config"),
     (items(4), np.zeros(3, np.int64), "one integer class per item"),
+    ({"a": np.zeros((4, 3), np.float32), "b": np.full((4, 1), 1.5)}, None,
+     "'b' is INT64 in the config but holds float64, which does not cast"),
+    ({"a": np.zeros((4, 4), np.float32), "b": np.zeros((4, 1), np.int64)}, None,
+     r"'a' holds items of shape \[4\]; the config's dims are \[3\]"),
+    ({"a": np.zeros(4, np.float32), "b": np.zeros((4, 1), np.int64)}, None, r"'a' holds items of shape \[\]"),
     (items(4), np.zeros(4, np.float32), "one integer class per item"),
 ])
 def test_data_that_does_not_fit_the_model_is_refused_saying_why(
@@ -74,6 +79,16 @@ def test_data_that_does_not_fit_the_model_is_refused_saying_why(
     write(tmp_path, labels=labels, **arrays)
     with pytest.raises(BuildError, match=message):
         load_eval_data(tmp_path, tmp_path / "1", config())
+
+
+def test_numbers_come_as_the_inputs_datatype_whatever_numpy_made_them(tmp_path: Path) -> None:
+    """np.load of ordinary data gives float64: the INT8 build calibrated on it as it was, and
+    ONNX Runtime refused a double for a float (the README's own commands failed there)."""
+    write(tmp_path, a=np.arange(30, dtype=np.float64).reshape(10, 3), b=np.arange(10, dtype=np.int32).reshape(10, 1))
+    data = load_eval_data(tmp_path, tmp_path / "1", config())
+    assert isinstance(data, TensorData)
+    for part in (data.inputs, data.calibration):
+        assert (part["a"].dtype, part["b"].dtype) == (np.float32, np.int64)
 
 
 def test_text_comes_as_a_numpy_string_array(tmp_path: Path) -> None:
