@@ -122,6 +122,7 @@ def staging(variant_dir: Path) -> Iterator[Path]:
     """A hidden temp folder for the build; removed unless it was published or rejected."""
     stage = Path(tempfile.mkdtemp(prefix=".build-", dir=variant_dir))
     try:
+        stage.chmod(0o755)  # it becomes the version folder: mkdtemp's 0700 hid it from a server of another user
         yield stage
     finally:
         if stage.exists():

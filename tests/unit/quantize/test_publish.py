@@ -169,6 +169,8 @@ def test_a_published_version_carries_its_config_and_a_record_of_every_file(old_s
     assert (version / variant.PUBLISHED_CONFIG).read_text() == (old_state / "config.yaml").read_text()
     assert load_model_config(old_state / "config.yaml").version_policy.specific.versions == [1]  # type: ignore[union-attr]
     assert not [p for p in old_state.iterdir() if p.name.startswith(".") and p.name != ".build.lock"]
+    # readable by a server running as another user (the image's): mkdtemp made it 0700
+    assert version.stat().st_mode & 0o777 == 0o755
 
 
 def test_a_rollback_is_copying_a_versions_published_config(old_state: Path) -> None:
