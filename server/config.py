@@ -563,6 +563,19 @@ def _warmup_value_problem(value: WarmupValue, datatype: str) -> str | None:
     return None
 
 
+def validated_config(raw: dict[str, object], where: str) -> ModelConfig:
+    """`raw` as a ModelConfig; ConfigError naming `where` (a file, or what drafted it), each
+    field and the reason, when it is not one."""
+    try:
+        return ModelConfig.model_validate(raw)
+    except ValidationError as exc:
+        reasons = "; ".join(
+            f"field '{'.'.join(str(p) for p in err['loc']) or '(top level)'}': {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"{where}: {reasons}") from exc
+
+
 def load_model_config(path: Path) -> ModelConfig:
     """Read and validate one config file; errors name the file, the field and the reason."""
     try:
@@ -576,14 +589,7 @@ def load_model_config(path: Path) -> ModelConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     raw.setdefault("name", path.parent.name)
-    try:
-        config = ModelConfig.model_validate(raw)
-    except ValidationError as exc:
-        reasons = "; ".join(
-            f"field '{'.'.join(str(p) for p in err['loc']) or '(top level)'}': {err['msg']}"
-            for err in exc.errors()
-        )
-        raise ConfigError(f"{path}: {reasons}") from exc
+    config = validated_config(raw, str(path))
     if config.name != path.parent.name:
         raise ConfigError(
             f"{path}: field 'name': {config.name!r} differs from its folder {path.parent.name!r}"

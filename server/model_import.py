@@ -15,6 +15,7 @@ exported to ONNX first, with its tokenizer carried over and the text tokenized i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from server.config import ModelConfig
+from server.config import validated_config
 from server.engines.digests import record_digests
 from server.engines.registry import ENGINES
 from server.engines.signature import EngineSignature, TensorSignature, check_signature
@@ -85,14 +86,18 @@ def _onnx_signature(artifact: Path) -> EngineSignature:
 def _program_signature(artifact: Path) -> EngineSignature:
     import torch
 
-    from server.engines.torch import EXPORT_LOCK, program_signature
+    from server.engines.torch import EXPORT_LOCK, batch_range, program_signature, structure_problem
 
     try:
         with EXPORT_LOCK:
             program = torch.export.load(str(artifact))
     except Exception as exc:  # torch raises many types for a file that is not a program
         raise ImportRefused(f"{artifact}: not a torch.export program torch {torch.__version__} loads: {exc}") from exc
-    return program_signature(program)
+    problem = structure_problem(program)
+    if problem is not None:
+        raise ImportRefused(f"{artifact}: {problem}")
+    signature = program_signature(program)
+    return dataclasses.replace(signature, batch_range=batch_range(program))
 
 
 def draft_config(
@@ -119,7 +124,7 @@ def draft_config(
     batched = _batched(signature, shapes, max_batch_size)
     config: dict[str, Any] = {"name": name, "engine": engine, "max_batch_size": 0}
     if batched:
-        config["max_batch_size"] = max_batch_size or DEFAULT_MAX_BATCH_SIZE
+        config["max_batch_size"] = _max_batch_size(signature.batch_range, max_batch_size)
     config["inputs"] = [_tensor(t, shapes[t.name], batched) for t in signature.inputs]
     config["outputs"] = [_tensor(t, shapes[t.name], batched) for t in signature.outputs]
     if batched:
@@ -148,6 +153,22 @@ def _shape(tensor: TensorSignature, dims: dict[str, list[int]]) -> list[int | No
         raise ImportRefused(f"the model does not say the rank of '{tensor.name}': give its full shape, the batch "
                             f"dim first if it has one, e.g. --dims {tensor.name}=-1,3 (-1 for a variable dim)")
     return list(tensor.shape)
+
+
+def _max_batch_size(exported: tuple[int, int | None] | None, asked: int | None) -> int:
+    """What the config serves: `asked` (else DEFAULT_MAX_BATCH_SIZE), within the batch sizes a
+    program was `exported` for. One that takes no batch of 1 or 2 is refused: the server forms
+    batches from one request up (a lower bound of 2 is what torch.export writes for any dim it
+    may specialize, and such programs run a batch of 1)."""
+    if exported is None:
+        return asked or DEFAULT_MAX_BATCH_SIZE
+    lower, upper = exported
+    if lower > 2:
+        raise ImportRefused(f"the program takes batches of {lower} or more: the server forms batches of 1 and up; "
+                            "export it with a batch dim of min=1")
+    if upper is not None and asked is not None and asked > upper:
+        raise ImportRefused(f"--max-batch-size {asked}: the program was exported for batches of at most {upper}")
+    return min(asked or DEFAULT_MAX_BATCH_SIZE, upper or DEFAULT_MAX_BATCH_SIZE)
 
 
 def _batched(signature: EngineSignature, shapes: dict[str, list[int | None]], max_batch_size: int | None) -> bool:
@@ -200,7 +221,7 @@ def import_model(
         raise ImportRefused("--max-length is for Hugging Face folders: a model file's inputs are its own")
     engine, signature = read_signature(artifact)
     raw = draft_config(name, engine, signature, max_batch_size, dims)
-    config = ModelConfig.model_validate(raw)
+    config = validated_config(raw, f"the config drafted from {artifact}")
     check_signature(EngineIO.from_config(config), signature)
     data_files = external_data_files(artifact) if engine == "onnxruntime" else []
     with _staged(repository, name) as staging:
@@ -287,7 +308,7 @@ def _import_folder(
     except hf_export.ExportRefused as exc:
         raise ImportRefused(exc.message) from exc
     raw = draft_text_config(name, source, max_batch_size)
-    config = ModelConfig.model_validate(raw)
+    config = validated_config(raw, f"the config drafted from {folder}")
     with _staged(repository, name) as staging:
         version = version_dir(staging, FIRST_VERSION)
         graph = version / ENGINES["onnxruntime"].artifact
@@ -413,6 +434,9 @@ def run_import(args: argparse.Namespace) -> int:
                               args.max_length, say=print)
     except BatchlineError as exc:
         print(f"batchline import: {exc.message}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a folder it cannot read, a repository it cannot write
+        print(f"batchline import: {exc}", file=sys.stderr)
         return 2
     print(f"imported {args.path} as {folder}; review {config_path(folder)}, then: "
           f"batchline serve --model-repository {repository} --model {args.name}\n"

@@ -45,6 +45,8 @@ class EngineSignature:
     outputs: tuple[TensorSignature, ...]
     positional: bool = False  # matched to the config's tensors by position (a program's arguments)
     casts_float_inputs: bool = False  # floating inputs are cast to the engine's precision on the way in
+    # the batch sizes the artifact was exported for (lower, upper or None), where it says
+    batch_range: tuple[int, int | None] | None = None
 
 
 @dataclass(frozen=True)

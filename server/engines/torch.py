@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ from server.devices import Device
 from server.engines.base import Engine, EngineDescription
 from server.engines.signature import EngineSignature, TensorSignature, engine_inputs, engine_outputs
 from server.engines.spec import EngineIO, EngineSpec
-from server.errors import EngineError
+from server.errors import ConfigMismatch, EngineError
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +151,13 @@ class TorchEngine(Engine):
             program = load_program(self._path)
         except Exception as exc:  # torch raises many types for a bad archive
             raise EngineError(f"torch cannot load {self._path}: {exc}") from exc
+        problem = structure_problem(program)
+        if problem is not None:
+            raise EngineError(f"{self._path}: {problem}")
+        limits = batch_range(program) if self._batched else None
+        if limits is not None and limits[1] is not None and spec.io.max_batch_size > limits[1]:
+            raise ConfigMismatch(f"max_batch_size {spec.io.max_batch_size} is over the {limits[1]} the program was "
+                                 "exported for (its batch dim's max): lower it, or export with a larger max")
         self._signature = program_signature(program)
         self._module = program_module(program, self._device)
         if self._dtype != torch.float32:
@@ -284,6 +292,40 @@ def _pinned(array: np.ndarray) -> torch.Tensor:
 @functools.cache
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+def structure_problem(program: torch.export.ExportedProgram) -> str | None:
+    """Why the server cannot call `program` as it calls one (tensors in by position, tensors out
+    by position), or None when it can: a dict or nested output, a keyword or list argument."""
+    from torch.utils._pytree import LeafSpec
+
+    def flat(spec: Any) -> bool:
+        return isinstance(spec, LeafSpec) or (
+            spec.type in (tuple, list) and all(isinstance(c, LeafSpec) for c in spec.children_specs))
+
+    args, kwargs = program.call_spec.in_spec.children_specs
+    if kwargs.num_leaves or not flat(args):
+        return ("its forward takes keyword, list or dict arguments: the server passes tensors by position; export "
+                "a wrapper whose forward takes each tensor as an argument of its own")
+    if not flat(program.call_spec.out_spec):
+        return ("its forward returns a dict or a nested structure: the server reads a tensor or a tuple of tensors; "
+                "export a wrapper that returns a tuple")
+    return None
+
+
+def batch_range(program: torch.export.ExportedProgram) -> tuple[int, int | None] | None:
+    """The batch sizes `program` was exported for (the bounds of its first input's first dim;
+    None for no upper bound), or None when that dim is not variable."""
+    first = program.graph_signature.user_inputs[0] if program.graph_signature.user_inputs else None
+    node = next((n for n in program.graph.nodes if n.op == "placeholder" and n.name == first), None)
+    value = node.meta.get("val") if node is not None else None
+    if not isinstance(value, torch.Tensor) or not value.ndim or not hasattr(value.shape[0], "node"):
+        return None
+    bound = program.range_constraints.get(value.shape[0].node.expr)
+    if bound is None:
+        return None
+    upper = float(bound.upper)  # torch's int_oo says it is finite (an integer); as a float it is inf
+    return int(bound.lower), int(upper) if math.isfinite(upper) else None
 
 
 def program_signature(program: torch.export.ExportedProgram) -> EngineSignature:

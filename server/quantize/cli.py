@@ -86,7 +86,7 @@ def run_build(args: argparse.Namespace) -> int:
             sequence_length=args.sequence_length,
             progress=lambda message: print(message, file=sys.stderr, flush=True), track=bars(sys.stderr),
         )
-    except (BatchlineError, ValueError) as exc:
+    except (BatchlineError, ValueError, OSError) as exc:  # OSError: a repository it cannot write (never 1: the gate's)
         print(f"batchline build: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return 2
     print(result.to_json() if args.json else result.markdown())

@@ -171,13 +171,12 @@ def _batch_limit(program: torch.export.ExportedProgram) -> int:
     """The largest batch the source program was exported for (the upper bound of its first
     input's batch dim; other dynamic dims, a sequence's, do not bound it), at most MAX_BATCH:
     the build cannot take more than its source did."""
-    first = program.graph_signature.user_inputs[0]
-    node = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == first)
-    batch = node.meta["val"].shape[0]
-    bound = program.range_constraints.get(batch.node.expr) if hasattr(batch, "node") else None
-    if bound is None or not bound.upper.is_finite:
+    from server.engines.torch import batch_range
+
+    limits = batch_range(program)
+    if limits is None or limits[1] is None:
         return MAX_BATCH
-    return max(1, min(MAX_BATCH, int(bound.upper)))
+    return max(1, min(MAX_BATCH, limits[1]))
 
 
 def _examples(ctx: BuildContext) -> tuple[torch.Tensor, ...]:

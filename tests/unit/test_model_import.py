@@ -14,6 +14,7 @@ import yaml
 from onnx import TensorProto, helper
 
 from server.config import load_model_config
+from server.errors import InvalidInput
 from server.engines.digests import RECORD, file_digest
 from server.model_import import ImportRefused, import_model, parse_dims
 from server.repository import ModelRepository
@@ -131,6 +132,66 @@ async def test_a_torch_export_program_imports_batched_and_serves(tmp_path: Path)
         assert result[output].tolist() == [[8.0], [8.0], [8.0]]
     finally:
         await served.unload_all()
+
+
+class Named(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": x * 2, "probs": x.softmax(-1)}
+
+
+class Nested(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        return x, (x * 2, x * 3)
+
+
+class Listed(torch.nn.Module):
+    def forward(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        return xs[0] + xs[1]
+
+
+class Keyword(torch.nn.Module):
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        return x * scale
+
+
+@pytest.mark.parametrize(("module", "args", "kwargs", "reason"), [
+    (Named(), (torch.ones(2, 3),), {}, "returns a dict or a nested structure"),
+    (Nested(), (torch.ones(2, 3),), {}, "returns a dict or a nested structure"),
+    (Listed(), ([torch.ones(2, 3), torch.ones(2, 3)],), {}, "takes keyword, list or dict arguments"),
+    (Keyword(), (torch.ones(2, 3),), {"scale": torch.ones(2, 3)}, "takes keyword, list or dict arguments"),
+])
+def test_a_program_the_server_cannot_call_by_position_is_refused_at_import(
+    tmp_path: Path, module: torch.nn.Module, args: tuple[object, ...], kwargs: dict[str, object], reason: str
+) -> None:
+    """Each imported, and its model then failed at warm-up: the server passes and reads tensors
+    by position."""
+    torch.export.save(torch.export.export(module, args, kwargs), tmp_path / "m.pt2")
+    with pytest.raises(ImportRefused, match=reason):
+        import_model(tmp_path / "m.pt2", tmp_path / "models", "m")
+    assert not (tmp_path / "models" / "m").exists()
+
+
+async def test_a_programs_batch_range_bounds_its_max_batch_size(tmp_path: Path) -> None:
+    """Exported for batches up to 16, it was given 32: a request of 20 rows was a 500."""
+    def exported(name: str, dim: torch.export.Dim) -> Path:
+        program = torch.export.export(Scale(), (torch.ones(4, 1, 4),), dynamic_shapes={"image": {0: dim}})
+        torch.export.save(program, tmp_path / f"{name}.pt2")
+        return tmp_path / f"{name}.pt2"
+
+    upto16 = exported("upto16", torch.export.Dim("batch", min=1, max=16))
+    folder = import_model(upto16, tmp_path / "models", "upto16")
+    assert load_model_config(folder / "config.yaml").max_batch_size == 16
+    with pytest.raises(ImportRefused, match="exported for batches of at most 16"):
+        import_model(upto16, tmp_path / "models", "upto16b", max_batch_size=20)
+    with pytest.raises(ImportRefused, match="takes batches of 3 or more"):
+        import_model(exported("from3", torch.export.Dim("batch", min=3)), tmp_path / "models", "from3")
+    # a config written by hand past the program's max is a bad config at load
+    config = folder / "config.yaml"
+    config.write_text(config.read_text().replace("max_batch_size: 16", "max_batch_size: 32"))
+    served = ModelRepository(tmp_path / "models")
+    with pytest.raises(InvalidInput, match="max_batch_size 32 is over the 16 the program was exported for"):
+        await served.load("upto16")
+    await served.unload_all()
 
 
 def test_the_command_writes_the_folder_and_says_how_to_serve_it(tmp_path: Path) -> None:
