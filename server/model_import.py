@@ -97,7 +97,24 @@ def _program_signature(artifact: Path) -> EngineSignature:
     if problem is not None:
         raise ImportRefused(f"{artifact}: {problem}")
     signature = program_signature(program)
-    return dataclasses.replace(signature, batch_range=batch_range(program))
+    return dataclasses.replace(signature, batch_range=batch_range(program),
+                               precision=_program_precision(artifact, program))
+
+
+_PRECISION_OF_WEIGHTS = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
+
+
+def _program_precision(artifact: Path, program: Any) -> str:
+    """What a program's floating weights are: its config's precision, which the engine casts
+    floating inputs to (an FP16 program given FP32 inputs fails, Float and Half). Weights of
+    several kinds (casts of its own inside) take FP32 in."""
+    kinds = {str(t.dtype) for t in [*program.state_dict.values(), *program.constants.values()]
+             if hasattr(t, "dtype") and t.dtype.is_floating_point}
+    kind = kinds.pop() if len(kinds) == 1 else "torch.float32"
+    if kind not in _PRECISION_OF_WEIGHTS:
+        raise ImportRefused(f"{artifact}: its weights are {kind}; the torch engine serves fp32, fp16 or bf16: "
+                            "export it in float32")
+    return _PRECISION_OF_WEIGHTS[kind]
 
 
 def draft_config(
@@ -116,6 +133,10 @@ def draft_config(
         if tensor.datatype is None:
             raise ImportRefused(f"tensor '{tensor.name}' has type {tensor.native_type or 'unknown'}, which the v2 "
                                 "protocol cannot carry: re-export the model with another type for it")
+        if tensor.datatype == "BF16":  # numpy has no bfloat16 of its own: no engine here takes or gives one
+            raise ImportRefused(f"tensor '{tensor.name}' is BF16, which no engine here takes or gives as a tensor: "
+                                "export it with FP32 tensors (a torch program may then be served in bf16 with "
+                                "`precision: bf16`, or built so with `batchline build --precision bf16`)")
     unknown = sorted(set(dims) - {t.name for t in tensors})
     if unknown:
         raise ImportRefused(f"--dims names {unknown[0]!r}, which the model does not have "
@@ -123,6 +144,9 @@ def draft_config(
     shapes = {t.name: _shape(t, dims) for t in tensors}
     batched = _batched(signature, shapes, max_batch_size)
     config: dict[str, Any] = {"name": name, "engine": engine, "max_batch_size": 0}
+    precision = signature.precision or _tensor_precision(tensors)
+    if precision != "fp32":
+        config["precision"] = precision
     if batched:
         config["max_batch_size"] = _max_batch_size(signature.batch_range, max_batch_size)
     config["inputs"] = [_tensor(t, shapes[t.name], batched) for t in signature.inputs]
@@ -153,6 +177,13 @@ def _shape(tensor: TensorSignature, dims: dict[str, list[int]]) -> list[int | No
         raise ImportRefused(f"the model does not say the rank of '{tensor.name}': give its full shape, the batch "
                             f"dim first if it has one, e.g. --dims {tensor.name}=-1,3 (-1 for a variable dim)")
     return list(tensor.shape)
+
+
+def _tensor_precision(tensors: list[TensorSignature]) -> str:
+    """What an artifact that says no more computes in, from its floating tensors: fp16 when
+    they are all FP16 (a graph converted to half), else fp32."""
+    floats = {t.datatype for t in tensors if t.datatype in ("FP16", "FP32", "FP64")}
+    return "fp16" if floats == {"FP16"} else "fp32"
 
 
 def _max_batch_size(exported: tuple[int, int | None] | None, asked: int | None) -> int:

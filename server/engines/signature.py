@@ -47,6 +47,7 @@ class EngineSignature:
     casts_float_inputs: bool = False  # floating inputs are cast to the engine's precision on the way in
     # the batch sizes the artifact was exported for (lower, upper or None), where it says
     batch_range: tuple[int, int | None] | None = None
+    precision: str | None = None  # what its floating weights are, where the artifact says (a program's)
 
 
 @dataclass(frozen=True)

@@ -299,11 +299,14 @@ def structure_problem(program: torch.export.ExportedProgram) -> str | None:
     by position), or None when it can: a dict or nested output, a keyword or list argument."""
     from torch.utils._pytree import LeafSpec
 
+    def children(spec: Any) -> list[Any]:  # children() from torch 2.13 on, children_specs before
+        return spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs
+
     def flat(spec: Any) -> bool:
         return isinstance(spec, LeafSpec) or (
-            spec.type in (tuple, list) and all(isinstance(c, LeafSpec) for c in spec.children_specs))
+            spec.type in (tuple, list) and all(isinstance(c, LeafSpec) for c in children(spec)))
 
-    args, kwargs = program.call_spec.in_spec.children_specs
+    args, kwargs = children(program.call_spec.in_spec)
     if kwargs.num_leaves or not flat(args):
         return ("its forward takes keyword, list or dict arguments: the server passes tensors by position; export "
                 "a wrapper whose forward takes each tensor as an argument of its own")

@@ -3,6 +3,7 @@ config is read from the model, serves, and asks instead of guessing where the mo
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,8 @@ import yaml
 from onnx import TensorProto, helper
 
 from server.config import load_model_config
-from server.errors import InvalidInput
+from server import model_import
+from server.errors import ConfigError, InvalidInput
 from server.engines.digests import RECORD, file_digest
 from server.model_import import ImportRefused, import_model, parse_dims
 from server.repository import ModelRepository
@@ -192,6 +194,81 @@ async def test_a_programs_batch_range_bounds_its_max_batch_size(tmp_path: Path) 
     with pytest.raises(InvalidInput, match="max_batch_size 32 is over the 16 the program was exported for"):
         await served.load("upto16")
     await served.unload_all()
+
+
+class Linear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+async def test_a_programs_precision_is_what_its_weights_are(tmp_path: Path) -> None:
+    """An all-FP16 program was written as fp32: the engine cast its inputs to FP32 and warm-up
+    failed (Float and Half). FP64 weights are refused, and BF16 tensors, which no engine here
+    takes from numpy."""
+    batch = torch.export.Dim("batch", min=1, max=64)
+
+    def exported(name: str, module: torch.nn.Module, dtype: torch.dtype) -> Path:
+        program = torch.export.export(module.to(dtype), (torch.ones(2, 3, dtype=dtype),), dynamic_shapes={"x": {0: batch}})
+        torch.export.save(program, tmp_path / f"{name}.pt2")
+        return tmp_path / f"{name}.pt2"
+
+    folder = import_model(exported("half", Linear(), torch.float16), tmp_path / "models", "half")
+    config = load_model_config(folder / "config.yaml")
+    assert config.precision == "fp16" and config.inputs[0].datatype == "FP16"
+    served = ModelRepository(tmp_path / "models")
+    await served.load("half")
+    try:
+        result = await served.get("half").start_request({"x": ("FP16", np.ones((2, 3), np.float16))})
+        assert result[config.outputs[0].name].shape == (2, 2)
+    finally:
+        await served.unload_all()
+    with pytest.raises(ImportRefused, match="weights are torch.float64"):
+        import_model(exported("double", Linear(), torch.float64), tmp_path / "models", "double")
+    with pytest.raises(ImportRefused, match="'x' is BF16"):
+        import_model(exported("brain", Linear(), torch.bfloat16), tmp_path / "models", "brain")
+
+
+def test_an_onnx_graph_of_half_tensors_is_written_as_fp16(tmp_path: Path) -> None:
+    """Its precision is what the artifact holds: written as fp32, a build took it for the FP32
+    reference and judged an INT8 build against it."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["n", 2])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["n", 2])
+    save(helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "half", [x], [y]), tmp_path / "half")
+    folder = import_model(tmp_path / "half" / "model.onnx", tmp_path / "models", "half")
+    assert load_model_config(folder / "config.yaml").precision == "fp16"
+    assert load_model_config(import_model(onnx_file(tmp_path), tmp_path / "models", "full") / "config.yaml").precision == "fp32"
+
+
+class Twice(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * 2
+        return y, y
+
+
+def test_a_draft_the_schema_refuses_is_a_message_not_a_traceback(tmp_path: Path) -> None:
+    """The same tensor returned twice drafts two outputs of one name: a pydantic traceback before."""
+    batch = torch.export.Dim("batch", min=1, max=64)
+    torch.export.save(torch.export.export(Twice(), (torch.ones(2, 3),), dynamic_shapes={"x": {0: batch}}),
+                      tmp_path / "twice.pt2")
+    with pytest.raises(ConfigError, match=r"the config drafted from .*twice.pt2: .*duplicate tensor names"):
+        import_model(tmp_path / "twice.pt2", tmp_path / "models", "twice")
+
+
+def test_a_file_system_refusal_is_a_message_and_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder it cannot read, a repository it cannot write: a traceback before."""
+    def refused(*_: object, **__: object) -> Path:
+        raise PermissionError(13, "Permission denied", str(tmp_path / "models"))
+
+    monkeypatch.setattr(model_import, "import_model", refused)
+    args = model_import.add_import_parser(argparse.ArgumentParser().add_subparsers()).parse_args(
+        [str(onnx_file(tmp_path)), "--name", "m", "--model-repository", str(tmp_path / "models")])
+    assert model_import.run_import(args) == 2
+    assert "batchline import: [Errno 13] Permission denied" in capsys.readouterr().err
 
 
 def test_the_command_writes_the_folder_and_says_how_to_serve_it(tmp_path: Path) -> None:
