@@ -236,12 +236,17 @@ def _dynamic(prepared: Path, ctx: BuildContext, notes: list[str]) -> BuildOutput
 
 
 class _Calibration:
-    """onnxruntime's CalibrationDataReader over the calibration items, in small batches."""
+    """onnxruntime's CalibrationDataReader over the calibration items, in small batches; one
+    item at a time for a model that does not batch (each item is a whole input)."""
 
     def __init__(self, config: ModelConfig, items: dict[str, np.ndarray], track: Track, batch: int = 32) -> None:
         count = len(next(iter(items.values())))
         names = {t.name: t.source_name for t in config.inputs}
-        batches = [{names[name]: array[i : i + batch] for name, array in items.items()} for i in range(0, count, batch)]
+        if config.batched:
+            batches = [{names[name]: array[i : i + batch] for name, array in items.items()}
+                       for i in range(0, count, batch)]
+        else:
+            batches = [{names[name]: array[i] for name, array in items.items()} for i in range(count)]
         self._batches = iter(track(batches, "calibrating", len(batches)))
 
     def get_next(self) -> dict[str, np.ndarray] | None:

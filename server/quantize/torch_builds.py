@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import shutil
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -139,9 +139,10 @@ def _static(ctx: BuildContext) -> BuildOutput:
     quantizer = X86InductorQuantizer()
     quantizer.set_global(get_default_x86_inductor_quantization_config())
     prepared = prepare_pt2e(program.module(), quantizer)
+    step = 32 if ctx.source_config.batched else 1  # a model that does not batch takes one item, whole
     with torch.no_grad():
-        for start in ctx.track(range(0, data.calibration_count, 32), "calibrating"):
-            prepared(*(torch.from_numpy(np.ascontiguousarray(data.calibration[t.name][start : start + 32]))
+        for start in ctx.track(range(0, data.calibration_count, step), "calibrating"):
+            prepared(*(torch.from_numpy(_items(data.calibration[t.name], start, step, ctx.source_config.batched))
                        for t in ctx.source_config.inputs))
     _export(convert_pt2e(prepared), ctx, _batch_limit(program))
     notes = [
@@ -158,12 +159,21 @@ def _static(ctx: BuildContext) -> BuildOutput:
 
 
 def _export(module: torch.nn.Module, ctx: BuildContext, max_batch: int) -> None:
-    """torch.export with a dynamic batch up to `max_batch`, saved into the stage (an archive, never a pickle)."""
+    """torch.export with a dynamic batch up to `max_batch` (none for a model that does not
+    batch), and every dim the config leaves variable (-1: a sequence's) left so, saved into the
+    stage (an archive, never a pickle)."""
     import torch
 
+    config = ctx.source_config
     examples = _examples(ctx)
     batch = torch.export.Dim("batch", min=1, max=max_batch)
-    exported = torch.export.export(module, examples, dynamic_shapes=tuple({0: batch} for _ in examples))
+    shapes = []
+    for tensor in config.inputs:
+        first = 1 if config.batched else 0
+        dynamic: dict[int, Any] = {0: batch} if config.batched else {}
+        dynamic.update({first + i: torch.export.Dim.AUTO for i, d in enumerate(tensor.dims) if d == -1})
+        shapes.append(dynamic or None)
+    exported = torch.export.export(module, examples, dynamic_shapes=tuple(shapes))
     torch.export.save(exported, str(ctx.stage / ARTIFACT))
 
 
@@ -184,6 +194,13 @@ def _examples(ctx: BuildContext) -> tuple[torch.Tensor, ...]:
     import torch
 
     data = ctx.data
+    batched = ctx.source_config.batched
     if isinstance(data, TensorData):
-        return tuple(torch.from_numpy(np.ascontiguousarray(data.inputs[t.name][:8])) for t in ctx.source_config.inputs)
+        return tuple(torch.from_numpy(_items(data.inputs[t.name], 0, 8, batched)) for t in ctx.source_config.inputs)
     raise BuildError("torch builds export with example inputs; this model's evaluation data has none")
+
+
+def _items(array: np.ndarray, start: int, count: int, batched: bool) -> np.ndarray:
+    """`count` items from `start` as one batch, or for a model that does not batch the item at
+    `start` alone: its inputs are one item, whole, with no batch dim."""
+    return np.ascontiguousarray(array[start : start + count] if batched else array[start])

@@ -254,3 +254,56 @@ def test_a_torch_rebuild_keeps_its_sources_batch_range_whatever_its_other_dims_a
     assert _batch_limit(torch.export.export(Sum(), example, dynamic_shapes=({0: batch, 1: sequence},))) == 1024
     assert _batch_limit(torch.export.export(Sum(), example, dynamic_shapes=({0: torch.export.Dim("b", max=64)},))) == 64
     assert _batch_limit(torch.export.export(Sum(), example)) == MAX_BATCH
+
+
+async def test_int8_builds_of_a_model_that_does_not_batch_and_of_one_with_a_sequence_dim(tmp_path: Path) -> None:
+    """Calibration fed items as batches to a model with no batch dim (both engines failed), and
+    the torch rebuild fixed every dim but the batch at the evaluation data's: a sequence dim
+    the source left variable became 6, and the build failed its signature check."""
+    import numpy as np
+    import torch
+    from onnx import TensorProto, helper
+
+    from server.model_import import import_model
+    from server.repository import ModelRepository
+    from tests.unit.onnx_models import save
+
+    class Lin(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layer(x)
+
+    class SequenceMean(Lin):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layer(x).mean(1)
+
+    torch.manual_seed(0)
+    models, rng = tmp_path / "models", np.random.default_rng(0)
+    torch.export.save(torch.export.export(Lin(), (torch.randn(2, 4),)), tmp_path / "fixed.pt2")
+    dims = {0: torch.export.Dim("b", max=1024), 1: torch.export.Dim("length", max=512)}
+    torch.export.save(torch.export.export(SequenceMean(), (torch.randn(2, 6, 4),), dynamic_shapes=(dims,)),
+                      tmp_path / "sequence.pt2")
+    weights = helper.make_tensor("w", TensorProto.FLOAT, [4, 3], rng.standard_normal(12).astype(np.float32).tolist())
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
+    save(helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "fixed", [x], [y], [weights]),
+         tmp_path / "onnx")
+    for name, artifact, items in (("fixed", tmp_path / "fixed.pt2", (100, 2, 4)),
+                                  ("onnxfixed", tmp_path / "onnx" / "model.onnx", (100, 2, 4)),
+                                  ("sequence", tmp_path / "sequence.pt2", (100, 6, 4))):
+        folder = import_model(artifact, models, name)
+        np.savez(folder / "eval" / "inputs.npz", x=rng.standard_normal(items))  # float64, as numpy makes data
+    for name, engine in (("fixed", "torch"), ("onnxfixed", "onnxruntime"), ("sequence", "torch")):
+        result = build(models, name, engine, "int8", progress=quiet, benchmark=False)
+        assert result.servable, result.markdown()
+    served = ModelRepository(models)
+    await served.load("sequence-torch-int8")
+    try:
+        nine = np.ones((2, 9, 4), np.float32)  # a length the evaluation data never had
+        output = served.get("sequence-torch-int8").config.outputs[0].name
+        assert (await served.get("sequence-torch-int8").start_request({"x": ("FP32", nine)}))[output].shape == (2, 3)
+    finally:
+        await served.unload_all()
