@@ -103,6 +103,15 @@ def load_eval_data(model_dir: Path, version_dir: Path, config: ModelConfig, reco
     )
 
 
+def _judged_output(config: ModelConfig, path: Path) -> str:
+    """The output the gate compares: the first with numbers in it (strings have no error to
+    measure: a model whose first output is text was judged on it and failed to convert)."""
+    judged = next((t.name for t in config.outputs if t.datatype not in ("BYTES", "BOOL")), None)
+    if judged is None:
+        raise BuildError(f"{path}: the model has no numeric output for the gate to compare")
+    return judged
+
+
 def _as_datatype(array: np.ndarray, datatype: str, name: str, path: Path) -> np.ndarray:
     """`array` as the input's datatype takes it: numpy's float64 (what most data is) as FP32,
     integers as floats. Calibration feeds the engine directly, and ONNX Runtime refuses a double
@@ -164,7 +173,7 @@ def _tensors(model_dir: Path, stored: Path, config: ModelConfig) -> TensorData:
         inputs={name: np.ascontiguousarray(array[evaluate]) for name, array in arrays.items()},
         calibration=chosen,
         labels=None if labels is None else labels[evaluate].astype(np.int64),
-        output=config.outputs[0].name,
+        output=_judged_output(config, path),
         fingerprint=digest.hexdigest(),
         origin=f"{stored}: {len(evaluate)} items evaluate, {cut} others are kept for calibration",
     )

@@ -91,6 +91,15 @@ def test_numbers_come_as_the_inputs_datatype_whatever_numpy_made_them(tmp_path: 
         assert (part["a"].dtype, part["b"].dtype) == (np.float32, np.int64)
 
 
+def test_the_gate_judges_the_first_numeric_output(tmp_path: Path) -> None:
+    write(tmp_path, **items(8))
+    labelled = config(outputs=[{"name": "label", "datatype": "BYTES", "dims": [1]},
+                               {"name": "score", "datatype": "FP32", "dims": [2]}])
+    assert load_eval_data(tmp_path, tmp_path / "1", labelled).output == "score"
+    with pytest.raises(BuildError, match="no numeric output for the gate"):
+        load_eval_data(tmp_path, tmp_path / "1", config(outputs=[{"name": "label", "datatype": "BYTES", "dims": [1]}]))
+
+
 def test_text_comes_as_a_numpy_string_array(tmp_path: Path) -> None:
     text = config(inputs=[{"name": "text", "datatype": "BYTES", "dims": [1]}])
     write(tmp_path, text=np.array([["one"], ["two"], ["three"], ["four"]]))
