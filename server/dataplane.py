@@ -168,14 +168,21 @@ class DataPlane:
             model.stats.count_failure("invalid")
             raise
 
+    def _serving_now(self, model: ModelVersion) -> ModelVersion:
+        """The version serving under `model`'s name and number now (Unavailable when none is:
+        unloaded, or dropped by a reload's version policy)."""
+        if self.stopping:
+            raise Unavailable("the server is shutting down; send the request to another replica")
+        return self.repository.get(model.config.name, str(model.version))
+
     @staticmethod
     def count_expired(model: ModelVersion, received_ns: int) -> None:
         """A call whose deadline passed before it could start (a front end's own check),
         counted as the batcher counts one it drops at its deadline."""
         model.stats.count_failure("deadline", time.perf_counter_ns() - received_ns)
 
-    @staticmethod
     def start_call(
+        self,
         model: ModelVersion,
         inputs: dict[str, tuple[str, np.ndarray]],
         parameters: dict[str, Any],
@@ -191,7 +198,12 @@ class DataPlane:
         front end took the request in: its `timeout` counts from there, not from admission.
         `checked_batch_size`: what `check_inputs` said of these inputs' declared shapes (the
         arrays were built to them), so they are not checked twice. Refusals raise here; what
-        the call meets later comes through its future."""
+        the call meets later comes through its future.
+        A reload may have replaced `model` since `admit` chose it (the front end parsed a large
+        body meanwhile, or sent a list's earlier chunks): the call goes to the version of its
+        number that serves now, whose admission checks the inputs against its own config."""
+        if not model.ready:
+            model, checked_batch_size = self._serving_now(model), None
         selection = output_tensors(model.config, outputs)
         return Call(model.start_request(inputs, parameters, record, received_ns, checked_batch_size), selection, model)
 

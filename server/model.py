@@ -364,12 +364,8 @@ class ModelVersion:
         admitted and queued here, with no task or coroutine of its own (a caller that needs none,
         a front end's link, pays for none); one whose admission goes to a worker thread gets a
         task. Cancelling the future drops a request not yet computing; `withdraw` drops one only
-        while it is queued, before a batch or its admission reads its inputs.
-        A version a reload replaced drains: a front end that chose it before the swap (and then
-        parsed the body, or sent a list's earlier chunks) is still served by it, as the requests
-        it queued before are, until it closes."""
-        if (self._batcher is None or self._admission is None or self._closed
-                or self.state not in (ModelState.READY, ModelState.UNLOADING)):
+        while it is queued, before a batch or its admission reads its inputs."""
+        if self._batcher is None or self._admission is None or not self.ready:
             raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready")
         batcher, admission = self._batcher, self._admission
         started = received_ns or time.perf_counter_ns()

@@ -86,26 +86,36 @@ async def test_a_reload_lets_queued_requests_finish_and_serves_new_ones(root: Pa
     assert sorted(gate.ran()) == [5.0, 6.0, HOLD]
 
 
-async def test_a_call_its_front_end_admitted_before_a_reload_is_served_by_the_version_it_chose(
+async def test_a_call_its_front_end_admitted_before_a_reload_is_served_by_the_version_serving_now(
     root: Path, gate: Gate
 ) -> None:
     """A front end chooses the version, then parses the body (on a worker thread when large) or
     sends a list's later chunks: a reload that swapped versions meanwhile answered it 503,
-    though no request is to fail because of the swap. The old version drains it."""
+    though no request is to fail because of the swap. It goes to the version that replaced it,
+    whether the old one still drains (busy) or is gone (idle)."""
+    def x(value: float) -> dict[str, tuple[str, np.ndarray]]:
+        return {"x": ("FP32", np.array([[value]], np.float32))}
+
     async with serving(root, gate) as (client, repository):
         plane = DataPlane(repository)
         old = plane.admit("spin", None)
         running = await hold_the_instance(client, gate)
         reload = asyncio.create_task(client.post("/v2/repository/models/spin/load"))
         await eventually(lambda: old.state is ModelState.UNLOADING, "the reload swapped versions and drains the old one")
-        late = plane.start_call(old, {"x": ("FP32", np.array([[4.0]], np.float32))}, {}).answer()
+        while_draining = plane.start_call(old, x(4.0), {}).answer()
         gate.released.set()
-        outputs, *done = await asyncio.wait_for(asyncio.gather(late, running, reload), 30)
+        outputs, *done = await asyncio.wait_for(asyncio.gather(while_draining, running, reload), 30)
         assert [r.status_code for r in done] == [200, 200], [r.text for r in done]
         assert outputs[0][2].ravel().tolist() == [4.0]
-        with pytest.raises(Unavailable):  # once drained and closed, it takes nothing more
-            plane.start_call(old, {"x": ("FP32", np.array([[5.0]], np.float32))}, {})
-    assert sorted(gate.ran()) == [4.0, HOLD]
+        idle = plane.admit("spin", None)
+        assert (await client.post("/v2/repository/models/spin/load")).status_code == 200
+        assert not idle.ready  # gone: it drained nothing and closed at once
+        outputs = await asyncio.wait_for(plane.start_call(idle, x(5.0), {}).answer(), 30)
+        assert outputs[0][2].ravel().tolist() == [5.0]
+        assert (await client.post("/v2/repository/models/spin/unload")).status_code == 200
+        with pytest.raises(Unavailable, match="not loaded"):  # unloaded, not replaced: nothing serves it
+            plane.start_call(idle, x(6.0), {})
+    assert sorted(gate.ran()) == [4.0, 5.0, HOLD]
 
 
 async def test_a_reload_counts_on_from_the_old_version_and_what_it_answered_as_it_drained(
