@@ -8,7 +8,8 @@ Every config is validated here, and a bad one is reported with its file, field a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from types import UnionType
+from typing import Annotated, Literal, Union, get_args, get_origin
 
 import numpy as np
 import yaml
@@ -39,14 +40,30 @@ class _Strict(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_truth_for_a_number(cls, value: object, info: ValidationInfo) -> object:
-        """`max_batch_size: true` (or YAML's `yes`) was read as 1; a number field takes numbers."""
-        if (isinstance(value, bool) and info.field_name is not None
-                and cls.model_fields[info.field_name].annotation in _NUMBERS):
+        """`max_batch_size: true` (or YAML's `yes`) was read as 1, and `dims: [true]` as [1]: a
+        number, or a list of numbers, takes numbers."""
+        if info.field_name is None:
+            return value
+        number, listed = _number_field(cls.model_fields[info.field_name].annotation)
+        if number and (isinstance(value, bool) if not listed
+                       else isinstance(value, list) and any(isinstance(v, bool) for v in value)):
             raise ValueError("expected a number, not true or false")
         return value
 
 
-_NUMBERS = (int, float, int | None, float | None)
+def _number_field(annotation: object) -> tuple[bool, bool]:
+    """Whether a field holds a number (None aside), and whether as a list of them."""
+    options = [annotation]
+    if get_origin(annotation) in (Union, UnionType):
+        options = [a for a in get_args(annotation) if a is not type(None)]
+    if len(options) != 1:
+        return False, False
+    (kind,) = options
+    if get_origin(kind) is list:
+        (item,) = get_args(kind) or (None,)
+        item = get_args(item)[0] if get_origin(item) is Annotated else item
+        return item in (int, float), True
+    return kind in (int, float), False
 
 
 def _in_version_folder(value: str) -> str:

@@ -7,8 +7,8 @@ import functools
 import os
 from dataclasses import dataclass
 
-from server.config import InstanceGroup
-from server.errors import EngineError
+from server.config import MAX_INSTANCES, InstanceGroup
+from server.errors import ConfigMismatch, EngineError
 from server.gpu import cuda_device_count, driver_versions, gpu_model, nvidia_driver_reachable, nvml_available
 from server.versions import installed_versions, tensorrt_version
 
@@ -43,6 +43,9 @@ def placements(groups: list[InstanceGroup], gpu_count: int | None = None) -> lis
         if missing:
             raise EngineError(f"instance_group names GPUs {missing}, but only {gpus_visible} are visible")
         devices.extend(Device("GPU", i) for i in indices for _ in range(group.count))
+    if len(devices) > MAX_INSTANCES:  # a GPU group without `gpus` takes every GPU: known only here
+        raise ConfigMismatch(f"instance_group places {len(devices)} instances on this machine's {gpus_visible} GPUs, "
+                             f"over {MAX_INSTANCES} in all: lower count, or name the GPUs with gpus")
     return devices
 
 

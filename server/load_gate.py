@@ -80,7 +80,9 @@ _LOAD_THREADS = concurrent.futures.ThreadPoolExecutor(  # as many as the default
     max_workers=min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="batchline-load")
 
 
-_NOW_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="batchline-close")
+# Made as needed: a replacement's warm-up on a wedged device may hold one for good, so there are
+# enough that closes still find one.
+_NOW_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="batchline-close")
 
 
 async def run_load(call: Callable[P, T], *args: P.args) -> T:

@@ -23,6 +23,7 @@ import asyncio
 
 import numpy as np
 
+from server.config import Tokenize
 from server.dataplane import DataPlane, Output
 from server.model import ModelVersion
 from server.scheduler.request import RequestRecord
@@ -43,10 +44,13 @@ def in_flight(model: ModelVersion) -> int:
     return 2 * max(1, len(model.instances))
 
 
-def tokens_at_most(text: bytes, max_length: int) -> int:
-    """What a text tokenizes to at most: a token a byte, with the two special tokens a sentence
-    takes (BERT's, and most others'), truncated to `max_length`."""
-    return min(len(text) + 2, max_length)
+def tokens_at_most(text: bytes, tokenize: Tokenize) -> int:
+    """What a text counts at most toward a batch's token budget: a token a byte, with the two
+    special tokens a sentence takes (BERT's, and most others'), truncated to `max_length`, and
+    padded to its sequence bucket, as the batcher counts it. Ordinary text takes a token per
+    four or five bytes, so its chunks hold fewer texts than the budget would; two such chunks in
+    the queue share a batch up to it."""
+    return tokenize.bucket(min(len(text) + 2, tokenize.max_length))
 
 
 def chunks(sizes: list[int], size: int, max_tokens: int | None = None) -> list[list[int]]:
@@ -77,9 +81,8 @@ async def embed(
     config = model.config
     output = config.embedding_output()
     assert config.tokenize is not None and output is not None
-    max_length = config.tokenize.max_length
     batching = config.dynamic_batching
-    plan = chunks([tokens_at_most(t, max_length) for t in texts], chunk_size(model),
+    plan = chunks([tokens_at_most(t, config.tokenize) for t in texts], chunk_size(model),
                   batching.max_batch_tokens if batching is not None else None)
     records = [RequestRecord() for _ in plan]
     window = asyncio.Semaphore(in_flight(model))

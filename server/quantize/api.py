@@ -24,8 +24,7 @@ from typing import Any
 from server.config import BuildGate, BuildSpec, ModelConfig, load_model_config
 from server.engines.digests import file_digest, record_digests, verify_artifact
 from server.engines.registry import ENGINES, artifact_file
-from server.layout import config_path, version_number, version_numbers
-from server.layout import version_dir as version_dir_of
+from server.layout import config_path, found_version_dir, version_number, version_numbers
 from server.quantize import variant as variants
 from server.quantize.bench import Timing
 from server.quantize.builders import BuildContext, resolve_options
@@ -282,7 +281,7 @@ def _source(repository: Path, model: str) -> tuple[ModelConfig, int, Path, Path]
     selected = config.version_policy.select(version_numbers(model_dir))
     if not selected:
         raise BuildError(f"model '{model}' has no version folder to build from (was it built?)")
-    version_dir = version_dir_of(model_dir, selected[-1])
+    version_dir = found_version_dir(model_dir, selected[-1])
     artifact = artifact_file(config, version_dir)
     if not artifact.is_file():
         raise BuildError(f"the source artifact {artifact} is missing (was the model built?)")

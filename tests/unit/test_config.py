@@ -448,3 +448,8 @@ def test_a_number_field_refuses_true_and_false(tmp_path: Path) -> None:
                                  "delay"), "not true or false")
     assert load_model_config(write_config(tmp_path, config_with(dynamic_batching={"preserve_ordering": True}),
                                           "flag")).dynamic_batching.preserve_ordering
+    listed = write_config(tmp_path, config_with(inputs=[{"name": "x", "datatype": "FP32", "dims": [True]}]), "listed")
+    assert_rejected(listed, "inputs.0.dims", "not true or false")
+    buckets = write_config(tmp_path, config_with(batch_buckets=[True, 8]), "buckets")
+    assert_rejected(buckets, "batch_buckets", "not true or false")
+    assert load_model_config(write_config(tmp_path, config_with(batch_buckets=[1, 8]), "fine_buckets")).batch_buckets == [1, 8]

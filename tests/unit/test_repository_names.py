@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from server.errors import ModelNotFound
 from server.layout import version_number
+from server.quantize.api import _source
 from server.repository import ModelRepository
 from tests.unit.hypothesis_profile import bounded
 from tests.unit.onnx_models import DOUBLING_CONFIG, doubling, write_model
@@ -68,6 +69,8 @@ async def test_a_version_folder_with_leading_zeros_serves_as_its_number(tmp_path
     try:
         served = repository.get("padded", "2")
         assert served.version == 2 and served.path.name == "02"
+        _, version, folder, _ = _source(tmp_path, "padded")  # a build reads the same folder
+        assert (version, folder.name) == (2, "02")
         assert (await served.start_request({"x": ("FP32", np.array([[1.0, 2.0]], np.float32))}))["y"].tolist() == [[2.0, 4.0]]
     finally:
         await repository.unload_all()

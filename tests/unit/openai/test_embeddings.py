@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from server.config import DynamicBatching, ModelConfig, load_model_config
+from server.config import DynamicBatching, ModelConfig, Tokenize, load_model_config
 from server.dataplane import Call
 from server.errors import QueueFull
 from server.openai.embeddings import chunk_size, chunks, embed, tokens_at_most
@@ -103,7 +103,10 @@ def test_with_a_token_budget_a_chunk_of_long_texts_holds_fewer_of_them() -> None
     assert chunks(sizes, 64, max_tokens=80) == [[1, 3, 5], [0, 4], [2]]  # 4 x 10 fits, 3 x 40 would not
     assert chunks(sizes, 2, max_tokens=80) == [[1, 3], [5, 0], [4], [2]]  # and never more than the size
     assert chunks([500], 64, max_tokens=80) == [[0]]  # alone, whatever its tokens
-    assert tokens_at_most(b"x" * 10, 512) == 12 and tokens_at_most(b"x" * 10_000, 256) == 256
+    plain, bucketed = Tokenize(input="text", max_length=256), Tokenize(input="text", max_length=256,
+                                                                        sequence_buckets=[16, 64, 256])
+    assert tokens_at_most(b"x" * 10, plain) == 12 and tokens_at_most(b"x" * 10_000, plain) == 256
+    assert tokens_at_most(b"x" * 10, bucketed) == 16 and tokens_at_most(b"x" * 39, bucketed) == 64  # as batched
 
 
 async def test_a_model_with_a_token_budget_gets_its_long_texts_in_smaller_chunks() -> None:

@@ -297,6 +297,14 @@ def test_gpu_count_per_visible_gpu() -> None:
     assert [str(d) for d in devices] == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
 
 
+def test_gpu_groups_that_take_every_gpu_count_toward_the_bound_on_instances() -> None:
+    """The config's own check cannot know how many GPUs a group without `gpus` takes: two groups
+    of 64 on eight GPUs are 1,024 instances."""
+    with pytest.raises(errors.ConfigMismatch, match="places 1024 instances on this machine's 8 GPUs, over 128"):
+        placements(groups({"kind": "GPU", "count": 64}, {"kind": "GPU", "count": 64}), gpu_count=8)
+    assert len(placements(groups({"kind": "GPU", "count": 16}), gpu_count=8)) == 128
+
+
 def test_gpu_list() -> None:
     assert placements(groups({"kind": "GPU", "gpus": [1]}), gpu_count=2) == [Device("GPU", 1)]
     assert placements(groups({"kind": "GPU", "count": 3, "gpus": [1, 0]}), gpu_count=2) == (
