@@ -29,6 +29,7 @@ CONFIG = ModelConfig.model_validate(
 class StubModel:
     config = CONFIG
     version = 1
+    ready = True
 
     def __init__(self) -> None:
         self.calls = 0

@@ -134,6 +134,7 @@ class Stats:
 class Model:
     config = TEXT_MODEL
     version = 1
+    ready = True
     queue_depth = 0
 
     def __init__(self) -> None:

@@ -301,6 +301,7 @@ class ResultAsClientLeaves:
         "outputs": [{"name": "y", "datatype": "FP32", "dims": [1]}],
     })
     version = 1
+    ready = True
 
     def __init__(self, exchange: Exchange) -> None:
         self.exchange = exchange
@@ -340,6 +341,7 @@ class NeverAnswers:
 
     config = ResultAsClientLeaves.config
     version = 1
+    ready = True
 
     def __init__(self) -> None:
         self.entered = asyncio.Event()
