@@ -27,6 +27,7 @@ from server.triton_config import triton_model_config
 
 Output = tuple[str, str, np.ndarray]  # name, datatype, array
 
+STOPPING = "the server is shutting down; send the request to another replica"
 MAX_CONFIG_OVERRIDE_CHARS = 64 << 10  # a model's config is a few hundred bytes; HTTP's control bodies stop here too
 
 EXTENSIONS = [
@@ -153,7 +154,7 @@ class DataPlane:
         runs them before it decodes anything: stopping (503), the model (404, 503) and its queue
         (429)."""
         if self.stopping:
-            raise Unavailable("the server is shutting down; send the request to another replica")
+            raise Unavailable(STOPPING)
         model = self.repository.get(name, version)
         refuse_when_full(model)
         return model
@@ -172,7 +173,7 @@ class DataPlane:
         """The version serving under `model`'s name and number now (Unavailable when none is:
         unloaded, or dropped by a reload's version policy)."""
         if self.stopping:
-            raise Unavailable("the server is shutting down; send the request to another replica")
+            raise Unavailable(STOPPING)
         return self.repository.get(model.config.name, str(model.version))
 
     @staticmethod

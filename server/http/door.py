@@ -96,6 +96,8 @@ class Door:
         reserved = endpoint.reservation(headers)
         plane = endpoint.plane
         if not endpoint.flight.has_room(reserved):
+            if plane is not None and plane.stopping:
+                return Admitted(match["model"], match["version"], headers, reserved)  # its 503, not a 429
             body, retry_after = BUSY_BODY, "1"
         else:
             admitted = Admitted(match["model"], match["version"], headers, reserved)

@@ -26,8 +26,8 @@ from server.asgi.lengths import TOO_LONG, declared_length
 from server.asgi.body import read_body
 from server.asgi.respond import JSON, body_headers, send_messages, send_response
 from server.asgi.types import ASGIApp, Message, Receive, Scope, Send
-from server.dataplane import DataPlane
-from server.errors import Cancelled, InvalidInput, PayloadTooLarge, RequestTimeout
+from server.dataplane import STOPPING, DataPlane
+from server.errors import Cancelled, InvalidInput, PayloadTooLarge, RequestTimeout, Unavailable
 from server.http import v2_infer
 from server.http.errors import error_parts
 from server.inflight import BUSY_MESSAGE, Hold, InFlight, body_reservation
@@ -130,9 +130,17 @@ class InferEndpoint:
     async def _refuse_busy(
         self, scope: Scope, send: Send, headers: dict[bytes, bytes], model: str, started: int
     ) -> None:
-        """429 + Retry-After without reading the body. A client waiting for 100 Continue may
-        never send its body, so its connection is closed rather than left out of step."""
+        """429 + Retry-After without reading the body; 503 once the server is stopping (another
+        replica serves it, where a retry here in a second finds no server). A client waiting for
+        100 Continue may never send its body, so its connection is closed rather than left out
+        of step."""
         expects = headers.get(_EXPECT, b"").lower() == b"100-continue"
+        if self.plane is not None and self.plane.stopping:
+            status, content, extra = error_parts(Unavailable(STOPPING))
+            head = body_headers(content, extra, JSON)
+            await send_messages(send, status, [*head, (b"connection", b"close")] if expects else head, content)
+            self.log_refusal(scope, model, status, started)
+            return
         await send(_BUSY_CLOSE_START if expects else _BUSY_START)
         await send(_BUSY_END)
         self.log_refusal(scope, model, BUSY, started)

@@ -110,6 +110,18 @@ async def test_a_refused_request_keeps_its_connection_and_what_follows_is_answer
     assert through_the_app == [], "the protocol answered the 429, not the app (does uvicorn still call the door?)"
 
 
+async def test_through_the_protocol_a_stopping_server_at_its_bound_says_503_not_429(
+    one_slot: tuple[int, asyncio.Task[tuple[int, bytes]]], plane: DataPlane, gate: Gate
+) -> None:
+    """The door's own 429 told a client to retry here in a second, with the server going away."""
+    port, held = one_slot
+    plane.begin_stop()
+    status, body = await exchange(port, post(infer_body(1.0)))
+    assert status == 503 and "shutting down" in orjson.loads(body)["error"]
+    gate.released.set()
+    assert (await held)[0] == 200
+
+
 @pytest.mark.parametrize(("path", "sent"), [("/v2/models/spin/infer", ""), ("/v2/models/spin/infer", '{"inputs": ['),
                                            ("/v1/embeddings", '{"model": ')])
 async def test_a_body_that_stops_part_way_is_refused_and_frees_its_place(

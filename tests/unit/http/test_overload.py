@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from server.dataplane import DataPlane
-from server.errors import DeadlineExceeded, InvalidInput, ServerBusy
+from server.errors import DeadlineExceeded, InvalidInput, ServerBusy, Unavailable
 from server.grpc.protos import grpc_service_pb2 as pb
 from server.grpc.servicer import InferenceServicer
 from server.http import v2_infer
@@ -198,6 +198,26 @@ async def test_every_front_end_takes_from_the_one_in_flight_bound(plane: DataPla
     with pytest.raises(InvalidInput):  # let in now: refused for what it is (no inputs), not for room
         await servicer._infer(request, None, None, time.perf_counter_ns())
     assert flight.requests == 0 and flight.bytes == 0
+
+
+async def test_a_stopping_server_at_its_bound_says_503_not_429(plane: DataPlane, gate: Gate) -> None:
+    """A 429 tells the client to retry here in a second, where no server will be: once a stop
+    is asked for, every front end says 503 (UNAVAILABLE), as it does with room to spare."""
+    flight = InFlight(1)
+    app = create_app(plane, flight=flight)
+    task, _ = await held(app, gate)  # type: ignore[arg-type]
+    plane.begin_stop()
+    refused = await call(app, Exchange.of(infer_body(1.0)))
+    assert refused.status == 503 and "shutting down" in refused.json()["error"], refused.sent
+    waiting = await call(app, Exchange.of(infer_body(1.0), {"expect": "100-continue"}))
+    assert waiting.status == 503 and waiting.headers["connection"] == "close"
+    embeddings = await call(app, Exchange.of(b'{"model": "spin", "input": "x"}', path="/v1/embeddings"))
+    assert embeddings.status == 503, embeddings.sent
+    with pytest.raises(Unavailable, match="shutting down"):
+        await InferenceServicer(plane, flight=flight)._infer(pb.ModelInferRequest(model_name="spin"), None, None,
+                                                             time.perf_counter_ns())
+    gate.released.set()
+    await task
 
 
 async def test_a_client_waiting_for_100_continue_is_refused_with_connection_close(
