@@ -149,12 +149,18 @@ class DataPlane:
         finally:
             self._settle()
 
+    def refuse_when_stopping(self) -> None:
+        """503 (UNAVAILABLE) once a stop is asked for: another replica should take the call. A
+        front end asks first, before its bound on requests in flight would answer 429 (retry
+        here, where no server will be)."""
+        if self.stopping:
+            raise Unavailable(STOPPING)
+
     def admit(self, name: str, version: str | None) -> ModelVersion:
         """The model that will serve a call, after the refusals that cost nothing, so a front end
         runs them before it decodes anything: stopping (503), the model (404, 503) and its queue
         (429)."""
-        if self.stopping:
-            raise Unavailable(STOPPING)
+        self.refuse_when_stopping()
         model = self.repository.get(name, version)
         refuse_when_full(model)
         return model
@@ -172,8 +178,7 @@ class DataPlane:
     def _serving_now(self, model: ModelVersion) -> ModelVersion:
         """The version serving under `model`'s name and number now (Unavailable when none is:
         unloaded, or dropped by a reload's version policy)."""
-        if self.stopping:
-            raise Unavailable(STOPPING)
+        self.refuse_when_stopping()
         return self.repository.get(model.config.name, str(model.version))
 
     @staticmethod

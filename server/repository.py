@@ -150,8 +150,7 @@ class ModelRepository:
         refusal = InvalidInput if failed and all(m.config_mismatch for m in failed) else Unavailable
         if failed and serving:  # swap only a wholly ready set; the old one serves on
             await asyncio.gather(*(m.unload() for m in fresh.values() if m.ready))
-            reasons = "; ".join(f"version {m.version}: {m.reason}" for m in failed)
-            raise self._failed(name, reasons, serving, refusal)
+            raise self._failed(name, _reasons(failed), serving, refusal)
         self._failures.pop(name, None)
         self._unloaded.discard(name)
         replaced = {v: (m, old[v], old[v].stats.totals()) for v, m in fresh.items() if v in old}
@@ -164,10 +163,8 @@ class ModelRepository:
         if failed and len(failed) == len(fresh):
             raise refusal(f"failed to load '{name}': {failed[0].reason}")
         if failed:  # nothing served before: what loaded serves, and the caller is told what did not
-            reasons = "; ".join(f"version {m.version}: {m.reason}" for m in failed)
-            served = [str(v) for v, m in sorted(fresh.items()) if m.ready]
-            kept = f"version {served[0]} serves" if len(served) == 1 else f"versions {', '.join(served)} serve"
-            raise refusal(f"failed to load '{name}': {reasons} ({kept})")
+            served = [v for v, m in sorted(fresh.items()) if m.ready]
+            raise refusal(f"failed to load '{name}': {_reasons(failed)} ({_serve(served)})")
 
     def _failed(self, name: str, reason: str, serving: list[int], error: type[BatchlineError]) -> BatchlineError:
         """The error a failed (re)load answers; with nothing serving, the model shows it too."""
@@ -175,7 +172,7 @@ class ModelRepository:
             self._failures[name] = reason
             logger.error("model %s: %s", name, reason)
             return error(f"failed to load '{name}': {reason}")
-        kept = f"version {serving[0]} serves" if len(serving) == 1 else f"versions {', '.join(map(str, serving))} serve"
+        kept = _serve(serving)
         logger.error("model %s was not reloaded, %s on: %s", name, kept, reason)
         return error(f"failed to load '{name}': {reason} ({kept} on)")
 
@@ -310,6 +307,17 @@ def unknown_model(name: str, version: str | None = None) -> str:
 
 # A model name is one folder name: at most NAME_MAX (255) bytes on the file systems we serve from.
 _MAX_NAME_BYTES = 255
+
+
+def _reasons(failed: list[ModelVersion]) -> str:
+    return "; ".join(f"version {m.version}: {m.reason}" for m in failed)
+
+
+def _serve(versions: list[int]) -> str:
+    """"version 1 serves", or "versions 1, 3 serve"."""
+    if len(versions) == 1:
+        return f"version {versions[0]} serves"
+    return f"versions {', '.join(map(str, versions))} serve"
 
 
 def _is_folder_name(name: str) -> bool:

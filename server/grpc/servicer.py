@@ -24,8 +24,8 @@ import grpc
 from google.protobuf import json_format
 
 from server.access_log import AccessLog
-from server.dataplane import STOPPING, DataPlane
-from server.errors import DeadlineExceeded, ModelNotFound, Unavailable
+from server.dataplane import DataPlane
+from server.errors import DeadlineExceeded, ModelNotFound
 from server.grpc import codec
 from server.grpc.access import CallGate, Policy
 from server.grpc.errors import retry_after, status_of
@@ -283,8 +283,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse:
         """One infer request through the data plane, cheapest refusals first; its deadline
         counts from `received_ns`, when the call arrived."""
-        if self._plane.stopping:  # UNAVAILABLE (another replica), before RESOURCE_EXHAUSTED (retry here)
-            raise Unavailable(STOPPING)
+        self._plane.refuse_when_stopping()  # before RESOURCE_EXHAUSTED
         hold = self._flight.hold(codec.held_bytes(request))  # read and parsed by grpc: held until the answer
         self.in_flight += 1
         try:

@@ -24,7 +24,7 @@ from server.access_log import AccessLog
 from server.asgi.body import read_body
 from server.asgi.disconnect import unless_client_leaves
 from server.asgi.lengths import declared_length
-from server.dataplane import STOPPING, DataPlane
+from server.dataplane import DataPlane
 from server.errors import Cancelled, InvalidInput, ModelNotFound, ServerBusy, Unavailable
 from server.inflight import Hold, InFlight, body_reservation
 from server.model import ModelVersion
@@ -68,8 +68,7 @@ def openai_router(
         model = "-"  # for the access log line: the model the body names, once it is read
         declared = declared_length(request.headers.get("content-length", "").encode("latin-1"))
         try:
-            if plane.stopping:  # 503 (another replica), before a 429 (retry here)
-                raise Unavailable(STOPPING)
+            plane.refuse_when_stopping()  # before a 429
             hold = bound.hold(body_reservation(declared, max_body_bytes))
         except (ServerBusy, Unavailable) as exc:
             response = error_response(exc)

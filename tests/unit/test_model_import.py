@@ -14,13 +14,14 @@ import torch
 import yaml
 from onnx import TensorProto, helper
 
-from server.config import load_model_config
 from server import model_import
-from server.errors import ConfigError, InvalidInput
+from server.config import load_model_config
 from server.engines.digests import RECORD, file_digest
+from server.errors import ConfigError, InvalidInput
 from server.model_import import ImportRefused, import_model, parse_dims
 from server.repository import ModelRepository
 from tests.unit.onnx_models import doubling, parse_and_double, save, unstated_rank
+from tests.unit.torch_models import Linear
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -194,15 +195,6 @@ async def test_a_programs_batch_range_bounds_its_max_batch_size(tmp_path: Path) 
     with pytest.raises(InvalidInput, match="max_batch_size 32 is over the 16 the program was exported for"):
         await served.load("upto16")
     await served.unload_all()
-
-
-class Linear(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(3, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x)
 
 
 async def test_a_programs_precision_is_what_its_weights_are(tmp_path: Path) -> None:

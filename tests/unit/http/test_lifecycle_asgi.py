@@ -19,7 +19,7 @@ from server.dataplane import DataPlane
 from server.errors import Unavailable
 from server.http.app import create_app
 from server.http.auth import AccessPolicy
-from server.model import ModelState
+from server.model import ModelState, ModelVersion
 from server.repository import ModelRepository
 from tests.unit.http.conftest import HOLD, Gate, infer_body
 from tests.unit.http.tiny_models import write_spin_model
@@ -69,14 +69,23 @@ async def hold_the_instance(client: httpx.AsyncClient, gate: Gate, answered: Ord
 # --- reload and unload with requests in flight ------------------------------------------------
 
 
+async def reload_behind_a_running_and_a_queued_request(
+    client: httpx.AsyncClient, gate: Gate, old: ModelVersion
+) -> tuple[asyncio.Task[httpx.Response], asyncio.Task[httpx.Response], asyncio.Task[httpx.Response]]:
+    """A request held in `old`'s engine, another (5.0) queued behind it, and a reload that has
+    swapped versions and drains `old`: the tasks of the three."""
+    running = await hold_the_instance(client, gate)
+    queued = asyncio.create_task(infer(client, 5.0))
+    await eventually(lambda: old.queue_depth == 1, "a second request is queued behind it")
+    reload = asyncio.create_task(client.post("/v2/repository/models/spin/load"))
+    await eventually(lambda: old.state is ModelState.UNLOADING, "the reload swapped versions and drains the old one")
+    return running, queued, reload
+
+
 async def test_a_reload_lets_queued_requests_finish_and_serves_new_ones(root: Path, gate: Gate) -> None:
     async with serving(root, gate) as (client, repository):
         old = repository.get("spin")
-        running = await hold_the_instance(client, gate)
-        queued = asyncio.create_task(infer(client, 5.0))
-        await eventually(lambda: old.queue_depth == 1, "a second request is queued behind it")
-        reload = asyncio.create_task(client.post("/v2/repository/models/spin/load"))
-        await eventually(lambda: old.state is ModelState.UNLOADING, "the reload swapped versions and drains the old one")
+        running, queued, reload = await reload_behind_a_running_and_a_queued_request(client, gate, old)
         assert echoed(await infer(client, 6.0)) == 6.0  # the new version serves at once
         assert repository.get("spin") is not old
         gate.released.set()
@@ -126,12 +135,7 @@ async def test_a_reload_counts_on_from_the_old_version_and_what_it_answered_as_i
     async with serving(root, gate) as (client, repository):
         for value in (1.0, 2.0):
             echoed(await infer(client, value))
-        old = repository.get("spin")
-        running = await hold_the_instance(client, gate)
-        queued = asyncio.create_task(infer(client, 5.0))
-        await eventually(lambda: old.queue_depth == 1, "a second request is queued behind it")
-        reload = asyncio.create_task(client.post("/v2/repository/models/spin/load"))
-        await eventually(lambda: old.state is ModelState.UNLOADING, "the reload swapped versions and drains the old one")
+        running, queued, reload = await reload_behind_a_running_and_a_queued_request(client, gate, repository.get("spin"))
         echoed(await infer(client, 6.0))
         gate.released.set()
         done = await asyncio.wait_for(asyncio.gather(running, queued, reload), 30)

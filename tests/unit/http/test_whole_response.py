@@ -8,7 +8,6 @@ on a client that reads slowly."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,6 +23,7 @@ from server.dataplane import DataPlane
 from server.http.app import create_app
 from server.http.auth import AccessPolicy
 from server.http.door import WHOLE_BYTES
+from tests.unit.cycles import left_in_cycles
 from tests.unit.http.conftest import HOLD, Gate, infer_body
 from tests.unit.http.test_door import ANSWER_WITHIN_S, post, read_response, started
 from tests.unit.waiting import eventually
@@ -159,14 +159,7 @@ async def test_a_request_leaves_no_garbage_in_reference_cycles(served: tuple[int
             writer.write(post(infer_body(1.0)))
             assert (await read_response(reader))[0] == 200
 
-    await requests(20)  # what a first request builds once (caches, pools) is built now
-    gc.disable()
-    try:
-        gc.collect()
-        await requests(200)
-        found = gc.collect()
-    finally:
-        gc.enable()
+    found = await left_in_cycles(requests, 20, 200)
     writer.close()
     assert found < 50, f"{found} objects in reference cycles after 200 requests"
 

@@ -4,7 +4,6 @@ once, answers put back in the order of the texts, usage summed, the first failur
 from __future__ import annotations
 
 import asyncio
-import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from server.preprocess import TextTokenizer
 from server.scheduler.admission import Admission
 from server.scheduler.request import RequestRecord
 from server.stats import ModelStatistics
+from tests.unit.cycles import left_in_cycles
 
 ROOT = Path(__file__).resolve().parents[3]
 MINILM = ROOT / "models" / "minilm"
@@ -191,12 +191,5 @@ async def test_a_failed_call_leaves_nothing_in_reference_cycles() -> None:
                 pass
             await asyncio.sleep(0)
 
-    await failing_calls(5)
-    gc.disable()
-    try:
-        gc.collect()
-        await failing_calls(50)
-        found = gc.collect()
-    finally:
-        gc.enable()
+    found = await left_in_cycles(failing_calls, 5, 50)
     assert found < 50, f"{found} objects in reference cycles after 50 failed calls"

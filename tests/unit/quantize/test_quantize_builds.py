@@ -267,24 +267,13 @@ async def test_int8_builds_of_a_model_that_does_not_batch_and_of_one_with_a_sequ
     from server.model_import import import_model
     from server.repository import ModelRepository
     from tests.unit.onnx_models import save
-
-    class Lin(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 3)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.layer(x)
-
-    class SequenceMean(Lin):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.layer(x).mean(1)
+    from tests.unit.torch_models import Linear, SequenceMean
 
     torch.manual_seed(0)
     models, rng = tmp_path / "models", np.random.default_rng(0)
-    torch.export.save(torch.export.export(Lin(), (torch.randn(2, 4),)), tmp_path / "fixed.pt2")
+    torch.export.save(torch.export.export(Linear(4, 3), (torch.randn(2, 4),)), tmp_path / "fixed.pt2")
     dims = {0: torch.export.Dim("b", max=1024), 1: torch.export.Dim("length", max=512)}
-    torch.export.save(torch.export.export(SequenceMean(), (torch.randn(2, 6, 4),), dynamic_shapes=(dims,)),
+    torch.export.save(torch.export.export(SequenceMean(4, 3), (torch.randn(2, 6, 4),), dynamic_shapes=(dims,)),
                       tmp_path / "sequence.pt2")
     weights = helper.make_tensor("w", TensorProto.FLOAT, [4, 3], rng.standard_normal(12).astype(np.float32).tolist())
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
