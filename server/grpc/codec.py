@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from server.errors import InvalidInput, Unsupported
 from server.grpc.protos import grpc_service_pb2 as pb
 from server.protocol.binary import reshaped, tensor_from_bytes, tensor_to_bytes
 from server.protocol.datatypes import BYTES, MAX_DIMS, numpy_dtype
-from server.protocol.shared_memory import BYTE_SIZE, REGION, NOT_TAKEN, RegionRef, Windows, region_ref
+from server.protocol.shared_memory import BYTE_SIZE, NOT_TAKEN, REGION, RegionRef, Windows, region_ref
 
 Output = tuple[str, str, np.ndarray]  # name, datatype, array
 
@@ -55,22 +56,13 @@ class DeclaredRequest:
     to_shared_memory: dict[str, RegionRef] = field(default_factory=dict)  # outputs written there
 
 
-def held_bytes(request: pb.ModelInferRequest) -> int:
-    """About what a request holds in memory, without serializing all of it: its raw contents'
-    bytes, the encoded size of its strings (protobuf sizes them in one pass in C, encoding them
-    to a temporary copy, not a Python loop over millions of them), 8 per element of other typed
-    contents (counted as sent, whatever the shapes declare)."""
-    held = sum(len(raw) for raw in request.raw_input_contents)
-    for tensor in request.inputs:
-        if not tensor.HasField("contents"):
-            continue
-        if tensor.datatype == BYTES:
-            held += tensor.contents.ByteSize()
-        else:
-            contents = CONTENTS_FIELD.get(tensor.datatype)
-            if contents:  # a datatype with no typed field carries nothing there (declare refuses it)
-                held += 8 * len(getattr(tensor.contents, contents))
-    return held
+def parse_request(message: bytes) -> pb.ModelInferRequest:
+    """An infer call's message as the client sent it, parsed; InvalidInput (INVALID_ARGUMENT)
+    when it is not a ModelInferRequest, where grpc's own parsing answers INTERNAL."""
+    try:
+        return pb.ModelInferRequest.FromString(message)
+    except DecodeError as exc:
+        raise InvalidInput(f"the message is not a ModelInferRequest: {exc}") from exc
 
 
 def declare(request: pb.ModelInferRequest) -> DeclaredRequest:

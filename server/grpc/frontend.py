@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -18,7 +19,7 @@ from server.access_log import AccessLog
 from server.dataplane import DataPlane
 from server.grpc.access import Policy
 from server.grpc.protos import grpc_service_pb2_grpc as pb_grpc
-from server.grpc.servicer import InferenceServicer
+from server.grpc.servicer import SERVICE_NAME, InferenceServicer
 from server.inflight import InFlight
 from server.server import StartFailed
 from server.settings import ServerSettings
@@ -61,7 +62,7 @@ class GrpcFrontEnd:
 
     async def start(self) -> None:
         server = grpc.aio.server(options=self._options)
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
+        _serve_infer_unparsed(self.servicer, server)
         try:
             port = server.add_insecure_port(self._address)
         except RuntimeError as exc:  # grpc's words for a port in use or an address it cannot bind
@@ -91,6 +92,39 @@ class GrpcFrontEnd:
         self._forced = True
         if self._server is not None:  # kept: a task nobody holds may be collected before it runs
             self._forced_stop = asyncio.get_running_loop().create_task(self._server.stop(None))
+
+
+UNPARSED_RPCS = ("ModelInfer", "ModelStreamInfer")
+
+
+class _Handlers:
+    """Takes the method handlers the generated code registers, to change them before a server
+    gets them."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, Any] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # the same methods come again through add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.handlers = handlers
+
+
+def _serve_infer_unparsed(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    """The service as generated, but the infer RPCs get their messages as received, and the
+    servicer parses them after the refusals that need only their size (a stopping server, the
+    in-flight bounds): grpc would parse every message first, and a message of millions of
+    strings holds the event loop (and the GIL: a thread would not help) for tens of
+    milliseconds a megabyte. A message that is not a ModelInferRequest is INVALID_ARGUMENT."""
+    generated = _Handlers()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, generated)
+    handlers = {
+        name: handler._replace(request_deserializer=None) if name in UNPARSED_RPCS else handler
+        for name, handler in generated.handlers.items()
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 def grpc_frontends(

@@ -2,9 +2,11 @@
 
 Every call passes the access gate first; every failure becomes its status in `errors.py`. An
 infer call runs the cheap refusals before any tensor is decoded, as over HTTP: the server's
-bounds on requests in flight and the bytes they hold (shared with HTTP), the model and its queue, then names, datatypes, shapes and the batch
-size. The call's deadline becomes the request's, so the batcher drops it unrun (and says so)
-rather than computing an answer nobody waits for; a cancelled call is dropped before compute.
+bounds on requests in flight and the bytes they hold (shared with HTTP), before its message is
+parsed (it arrives as bytes: server/grpc/frontend.py); then the model and its queue, then
+names, datatypes, shapes and the batch size. The call's deadline becomes the request's, so the
+batcher drops it unrun (and says so) rather than computing an answer nobody waits for; a
+cancelled call is dropped before compute.
 
 ModelStreamInfer reads requests as they come and answers each when it is done, in the order
 they finish (each answer carries its request's id), with at most the in-flight bound of one
@@ -38,7 +40,8 @@ from server.shared_memory import Target, write_outputs
 
 T = TypeVar("T")
 
-SERVICE = "/inference.GRPCInferenceService/"
+SERVICE_NAME = "inference.GRPCInferenceService"
+SERVICE = f"/{SERVICE_NAME}/"
 # Typed contents are lists: past this many elements (or bytes of raw BYTES) decoding takes
 # about a millisecond, so it runs on a worker thread. Raw numbers are zero-copy at any size.
 INLINE_DECODE_COST = 16 << 10
@@ -178,27 +181,30 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # -- inference -------------------------------------------------------------------------------
 
-    async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext) -> Any:
+    async def ModelInfer(self, message: bytes, context: grpc.aio.ServicerContext) -> Any:
+        """`message`: the ModelInferRequest as received (server/grpc/frontend.py)."""
         started = time.perf_counter_ns()
         record = RequestRecord() if self._access_log.enabled else None
+        call = InferCall(message)
         try:
             refusal = self._gate.refusal("ModelInfer", context.invocation_metadata())
             if refusal is not None:
                 raise refusal
-            response = await self._infer(request, context.time_remaining(), record, started)
+            response = await self._infer(call, context.time_remaining(), record, started)
         except asyncio.CancelledError:  # the client went away (or its deadline passed): dropped
-            self._log(context, "ModelInfer", request.model_name, grpc.StatusCode.CANCELLED, started, record)
+            self._log(context, "ModelInfer", call.request.model_name, grpc.StatusCode.CANCELLED, started, record)
             raise
         except Exception as exc:  # noqa: BLE001 (every failure is answered with its status)
-            code, message = status_of(exc)
-            self._log(context, "ModelInfer", request.model_name, code, started, record)
-            await context.abort(code, message, trailing_metadata=retry_after(exc))
-        self._log(context, "ModelInfer", request.model_name, grpc.StatusCode.OK, started, record)
+            code, text = status_of(exc)
+            self._log(context, "ModelInfer", call.request.model_name, code, started, record)
+            await context.abort(code, text, trailing_metadata=retry_after(exc))
+        self._log(context, "ModelInfer", call.request.model_name, grpc.StatusCode.OK, started, record)
         return response
 
     async def ModelStreamInfer(
-        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """`request_iterator`: the ModelInferRequests as received (server/grpc/frontend.py)."""
         refusal = self._gate.refusal("ModelStreamInfer", context.invocation_metadata())
         if refusal is not None:
             code, message = status_of(refusal)
@@ -231,7 +237,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 stream.reader.cancel()
 
     async def _read_stream(
-        self, requests: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext, stream: _Stream
+        self, messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext, stream: _Stream
     ) -> None:
         room = asyncio.Semaphore(self._flight.max_requests)
 
@@ -240,9 +246,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             room.release()
 
         try:
-            async for request in requests:
+            async for message in messages:
                 await room.acquire()
-                task = asyncio.create_task(self._stream_one(request, context, stream.answers))
+                task = asyncio.create_task(self._stream_one(message, context, stream.answers))
                 stream.running.add(task)
                 task.add_done_callback(finished)
         except asyncio.CancelledError:
@@ -255,38 +261,43 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             stream.answers.put_nowait(_STREAM_END)
 
     async def _stream_one(
-        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext, answers: asyncio.Queue[Any]
+        self, message: bytes, context: grpc.aio.ServicerContext, answers: asyncio.Queue[Any]
     ) -> None:
         started = time.perf_counter_ns()
         record = RequestRecord() if self._access_log.enabled else None
+        call = InferCall(message)
         try:
-            response = await self._infer(request, context.time_remaining(), record, started)
+            response = await self._infer(call, context.time_remaining(), record, started)
         except asyncio.CancelledError:
-            self._log(context, "ModelStreamInfer", request.model_name, grpc.StatusCode.CANCELLED, started, record)
+            self._log(context, "ModelStreamInfer", call.request.model_name, grpc.StatusCode.CANCELLED, started,
+                      record)
             raise
         except Exception as exc:  # noqa: BLE001 (the stream answers it with its message)
-            code, message = status_of(exc)
+            code, text = status_of(exc)
+            request = call.request
             self._log(context, "ModelStreamInfer", request.model_name, code, started, record)
             failed = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version,
                                            id=request.id)
-            answers.put_nowait(pb.ModelStreamInferResponse(error_message=message, infer_response=failed))
+            answers.put_nowait(pb.ModelStreamInferResponse(error_message=text, infer_response=failed))
             return
-        self._log(context, "ModelStreamInfer", request.model_name, grpc.StatusCode.OK, started, record)
+        self._log(context, "ModelStreamInfer", call.request.model_name, grpc.StatusCode.OK, started, record)
         answers.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
 
     async def _infer(
         self,
-        request: pb.ModelInferRequest,
+        call: InferCall,
         time_remaining: float | None,
         record: RequestRecord | None,
         received_ns: int,
     ) -> pb.ModelInferResponse:
-        """One infer request through the data plane, cheapest refusals first; its deadline
-        counts from `received_ns`, when the call arrived."""
+        """One infer request through the data plane, cheapest refusals first, before its
+        message is parsed; its deadline counts from `received_ns`, when the call arrived."""
         self._plane.refuse_when_stopping()  # before RESOURCE_EXHAUSTED
-        hold = self._flight.hold(codec.held_bytes(request))  # read and parsed by grpc: held until the answer
+        message = call.message
+        hold = self._flight.hold(len(message))  # the message as received, held until the answer
         self.in_flight += 1
         try:
+            request = call.request = codec.parse_request(message)
             if record is not None:
                 record.request_id = request.id or None
             model = self._plane.admit(request.model_name, request.model_version or None)
@@ -338,6 +349,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if record is not None:
             self._access_log.write(context.peer() or "-", SERVICE + rpc, model, code.value[0], started, record,
                                    method="GRPC")
+
+
+_UNREAD = pb.ModelInferRequest()  # what a call names before its message is parsed: no model, no id
+
+
+class InferCall:
+    """One infer call's message as received, and the request parsed from it once it is let in."""
+
+    __slots__ = ("message", "request")
+
+    def __init__(self, message: bytes) -> None:
+        self.message = message
+        self.request = _UNREAD
 
 
 class _Stream:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as tg
@@ -30,7 +31,7 @@ import tritonclient.grpc.aio as tg_aio
 import tritonclient.http as th
 import yaml
 from google.protobuf import json_format
-from tritonclient.grpc import model_config_pb2
+from tritonclient.grpc import model_config_pb2, service_pb2
 from tritonclient.utils import InferenceServerException
 
 from loadtest.localserver import ROOT, bound_port, stop
@@ -250,6 +251,29 @@ def test_bad_input_is_invalid_argument_and_the_server_serves_on(client: tg.Infer
     error = _refused(lambda: client.infer("digits", [ok], outputs=[tg.InferRequestedOutput("logits")]))
     assert _status(error) == "StatusCode.INVALID_ARGUMENT" and "no output 'logits'" in error.message()
     assert client.is_server_live() and client.infer("digits", [ok]).as_numpy("probabilities").shape == (1, 10)
+
+
+def test_a_message_that_is_not_an_infer_request_is_invalid_argument(served: Served) -> None:
+    """The server parses infer messages itself, after the refusals that need only their size:
+    bytes that are not a ModelInferRequest get INVALID_ARGUMENT (unary) or an error answer in
+    the stream, which goes on."""
+    garbage = b"\xff" * 16
+    with grpc.insecure_channel(served.target) as channel:
+        unary = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as refused:
+            unary(garbage, timeout=WAIT_S)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a ModelInferRequest" in refused.value.details()
+        streamed = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                         response_deserializer=service_pb2.ModelStreamInferResponse.FromString)
+        good = service_pb2.ModelInferRequest(model_name="digits", id="good")
+        good.inputs.add(name="image", datatype="FP32", shape=[1, 1, 8, 8])
+        good.raw_input_contents.append(IMAGES[:1].tobytes())
+        answers = list(streamed(iter([garbage, good.SerializeToString()]), timeout=WAIT_S))
+    by_id = {answer.infer_response.id: answer for answer in answers}
+    assert "not a ModelInferRequest" in by_id[""].error_message
+    assert by_id["good"].error_message == ""
+    assert len(by_id["good"].infer_response.raw_output_contents[0]) == 10 * 4
 
 
 def test_an_unknown_model_or_version_is_not_found(client: tg.InferenceServerClient) -> None:

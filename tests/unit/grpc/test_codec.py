@@ -211,25 +211,15 @@ def test_the_response_is_what_tritonclient_reads() -> None:
         assert result.as_numpy(name).shape == array.shape
 
 
-def test_held_bytes_counts_what_a_request_carries_not_what_it_declares() -> None:
-    """The in-flight byte bound reads this: a long string in a tensor declared [1] holds its
-    encoded length (5,000,000 bytes, a field tag and a 4-byte length), typed contents 8 bytes an
-    element, raw contents their bytes."""
-    request = pb.ModelInferRequest(model_name="m")
-    text = request.inputs.add(name="text", datatype="BYTES", shape=[1])
-    text.contents.bytes_contents.append(b"x" * 5_000_000)
-    numbers = request.inputs.add(name="n", datatype="FP32", shape=[2, 3])
-    numbers.contents.fp32_contents.extend([1.0] * 6)
-    assert codec.held_bytes(request) == 5_000_005 + 6 * 8
-    only_raw = pb.ModelInferRequest(model_name="m")
-    only_raw.inputs.add(name="r", datatype="FP16", shape=[4])
-    only_raw.raw_input_contents.append(b"\0" * 8)
-    assert codec.held_bytes(only_raw) == 8
-    # a datatype with no typed field carries nothing in contents, whatever its shape declares (a
-    # product of 80,000 dims of 2**62 took the event loop for 18 s); declare refuses it after
-    nothing = pb.ModelInferRequest(model_name="m")
-    nothing.inputs.add(name="h", datatype="FP16", shape=[2**62] * 1000).contents.SetInParent()
-    assert codec.held_bytes(nothing) == 0
+def test_a_message_is_parsed_or_refused_as_invalid_input() -> None:
+    """The servicer parses infer messages itself: one that is not a ModelInferRequest is a
+    clear INVALID_ARGUMENT, not grpc's INTERNAL for a deserializer that failed."""
+    request = pb.ModelInferRequest(model_name="m", id="r1")
+    request.inputs.add(name="text", datatype="BYTES", shape=[1]).contents.bytes_contents.append(b"hi")
+    parsed = codec.parse_request(request.SerializeToString())
+    assert (parsed.model_name, parsed.id, parsed.inputs[0].contents.bytes_contents[0]) == ("m", "r1", b"hi")
+    with pytest.raises(InvalidInput, match="not a ModelInferRequest"):
+        codec.parse_request(b"\xff\xff\xff")
 
 
 def test_an_output_asked_for_twice_is_refused() -> None:

@@ -17,7 +17,7 @@ import pytest
 from server.dataplane import DataPlane
 from server.errors import DeadlineExceeded, InvalidInput, ServerBusy, Unavailable
 from server.grpc.protos import grpc_service_pb2 as pb
-from server.grpc.servicer import InferenceServicer
+from server.grpc.servicer import InferCall, InferenceServicer
 from server.http import v2_infer
 from server.http.app import create_app
 from server.http.infer import CONTROL_BODY_BYTES, FastInferApp, InferEndpoint
@@ -189,7 +189,7 @@ async def test_every_front_end_takes_from_the_one_in_flight_bound(plane: DataPla
     assert embeddings.json()["error"]["code"] == "rate_limit_exceeded"
     assert embeddings.receive_calls == 0, "the body of a refused request was read"
     servicer = InferenceServicer(plane, flight=flight)
-    request = pb.ModelInferRequest(model_name="spin")
+    request = InferCall(pb.ModelInferRequest(model_name="spin").SerializeToString())
     with pytest.raises(ServerBusy):
         await servicer._infer(request, None, None, time.perf_counter_ns())
     gate.released.set()
@@ -214,8 +214,8 @@ async def test_a_stopping_server_at_its_bound_says_503_not_429(plane: DataPlane,
     embeddings = await call(app, Exchange.of(b'{"model": "spin", "input": "x"}', path="/v1/embeddings"))
     assert embeddings.status == 503, embeddings.sent
     with pytest.raises(Unavailable, match="shutting down"):
-        await InferenceServicer(plane, flight=flight)._infer(pb.ModelInferRequest(model_name="spin"), None, None,
-                                                             time.perf_counter_ns())
+        await InferenceServicer(plane, flight=flight)._infer(
+            InferCall(pb.ModelInferRequest(model_name="spin").SerializeToString()), None, None, time.perf_counter_ns())
     gate.released.set()
     await task
 
@@ -346,6 +346,22 @@ async def test_a_big_body_under_1_mib_does_not_stall_the_event_loop(plane: DataP
     assert longest < work_s / 2, f"the loop stalled {longest * 1e3:.1f} ms for {work_s * 1e3:.1f} ms of decoding"
 
 
+async def test_a_full_server_refuses_a_grpc_message_before_parsing_it(plane: DataPlane, gate: Gate) -> None:
+    """A message of millions of strings holds the event loop (and the GIL) while protobuf parses
+    it: the refusals that need only its size come first, so a busy server spends nothing on it."""
+    flight = InFlight(1)
+    task, _ = await held(create_app(plane, flight=flight), gate)  # type: ignore[arg-type]
+    servicer = InferenceServicer(plane, flight=flight)
+    not_a_message = InferCall(b"\xff" * 100)
+    with pytest.raises(ServerBusy):
+        await servicer._infer(not_a_message, None, None, time.perf_counter_ns())
+    gate.released.set()
+    await task
+    with pytest.raises(InvalidInput, match="not a ModelInferRequest"):
+        await servicer._infer(not_a_message, None, None, time.perf_counter_ns())
+    assert flight.requests == 0 and flight.bytes == 0
+
+
 def _timed(work: Callable[[], Any]) -> float:
     start = time.perf_counter()
     work()
@@ -359,5 +375,5 @@ async def test_a_grpc_call_whose_deadline_passed_on_arrival_is_counted_as_a_dead
     tensor = request.inputs.add(name="x", datatype="FP32", shape=[1, 1])
     tensor.contents.fp32_contents.append(1.0)
     with pytest.raises(DeadlineExceeded):
-        await servicer._infer(request, 0.0001, None, time.perf_counter_ns())
+        await servicer._infer(InferCall(request.SerializeToString()), 0.0001, None, time.perf_counter_ns())
     assert plane.statistics("spin", None)["model_stats"][0]["failures"] == {"deadline": 1}
