@@ -22,6 +22,9 @@ T = TypeVar("T")
 
 WATCH_AFTER_S = 0.002
 DISCONNECT_EXTENSION = "batchline.disconnect"  # scope["extensions"][it]: called when the client leaves
+# What a client still waiting is told when the server's graceful stop runs out of time for it.
+CUT_OFF = ("the server stopped before this request was answered (its grace period for requests in flight ran out); "
+           "retry on another replica")
 
 
 def disconnect_callbacks(scope: Scope | None) -> list[Callable[[], None]] | None:
@@ -70,8 +73,7 @@ async def unless_client_leaves(
             # Not the client leaving: uvicorn ran out of its grace period while stopping and
             # cancels what is still running. The client is still there: tell it, in the
             # protocol's shape (uvicorn would answer 500 and log a traceback).
-            return Unavailable("the server stopped before this request was answered (its grace period "
-                               "for requests in flight ran out); retry on another replica")
+            return Unavailable(CUT_OFF)
         return None
     except Exception as exc:  # noqa: BLE001 (returned: the route answers it in its protocol's shape)
         return exc

@@ -10,6 +10,11 @@ never send its body, and for one that asked to close). An infer call it lets in 
 to the infer endpoint with what the door read (the model, the headers, the body bytes it will
 hold): the access gate and the router in front of the endpoint would only ask again. Everything
 else, and every request the access gate would refuse (401 comes before 429), goes the usual way.
+An admitted call of at most 16 KiB, sent as is, whose body comes whole in the same read as its
+head (what clients of small models send) is answered inline: started on the data plane from
+the parser's callback and answered from its future's, with no ASGI task
+(InferEndpoint.answered_inline). A body that comes in later reads takes the endpoint's task,
+whose body timeout refuses a client that stops part-way.
 
 The same protocol offers the app a way to write a whole response in one piece
 (server/asgi/respond.py), which the infer route takes for its answers and errors (and the
@@ -19,8 +24,11 @@ goes as two ASGI messages.
 This subclasses uvicorn's httptools protocol and relies on its request cycle: its state
 (`response_started`, `response_complete`, `keep_alive`, `disconnected`,
 `waiting_for_100_continue`), its `flow`, `transport`, `default_headers`, `message_event` and
-`on_response`, and `send` being the cycle's own method. uvicorn is pinned in pyproject, and the
-tests drive keep-alive, pipelining, 100-continue, HTTP/1.0 and shutdown through a real uvicorn.
+`on_response`, its `body` and `more_body`, and `send` being the cycle's own method; and the
+protocol's `tasks`, where an inline call stands for its task (uvicorn waits for them on a
+graceful stop and cancels what is left when it times out). uvicorn is pinned in pyproject, and
+the tests drive keep-alive, pipelining, 100-continue, HTTP/1.0 and shutdown through a real
+uvicorn.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from server.asgi.respond import RESPOND_EXTENSION, Headers, body_headers, send_m
 from server.asgi.types import ASGIApp, Scope, Send
 from server.errors import BatchlineError, QueueFull
 from server.http.auth import AccessGate
-from server.http.infer import BUSY, BUSY_BODY, INFER_PATH, FastInferApp, InferEndpoint
+from server.http.infer import BUSY, BUSY_BODY, INFER_PATH, FastInferApp, InferEndpoint, WriteWhole, inline
 from server.protocol.v2 import encode_error
 
 WHOLE_BYTES = 64 << 10  # a body up to this is joined to its head (one write); a larger one is written apart
@@ -65,6 +73,7 @@ class Admitted(NamedTuple):
     version: str | None
     headers: dict[bytes, bytes]
     reserved: int  # the body bytes it holds while in flight (InferEndpoint.reservation)
+    inline: bool  # answered without a task once its body is in (InferEndpoint.answered_inline)
 
 
 class Door:
@@ -97,10 +106,11 @@ class Door:
         plane = endpoint.plane
         if not endpoint.flight.has_room(reserved):
             if plane is not None and plane.stopping:
-                return Admitted(match["model"], match["version"], headers, reserved)  # its 503, not a 429
+                return Admitted(match["model"], match["version"], headers, reserved, False)  # its 503, not a 429
             body, retry_after = BUSY_BODY, "1"
         else:
-            admitted = Admitted(match["model"], match["version"], headers, reserved)
+            admitted = Admitted(match["model"], match["version"], headers, reserved,
+                                plane is not None and inline(headers))
             if plane is None:
                 return admitted  # the queues are in the server process: it refuses there
             try:
@@ -118,6 +128,14 @@ class Door:
         """The ASGI app that answers an admitted call: the endpoint, given what the door read."""
         return functools.partial(self._endpoint.admitted, call.model, call.version, call.headers, call.reserved)
 
+    def answered_inline(
+        self, call: Admitted, scope: Scope, body: bytes, write: WriteWhole, running: set[Any],
+    ) -> bool:
+        """Answer an admitted `inline` call, its whole body in, without a task; False when it
+        must take `app_for`'s way after all (InferEndpoint.answered_inline)."""
+        return self._endpoint.answered_inline(call.model, call.version, call.headers, call.reserved, scope, body,
+                                              write, running)
+
     def _queue_full_body(self, error: QueueFull) -> bytes:
         body = self._bodies.get(error.message)
         if body is None:
@@ -132,6 +150,7 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
 
     class DoorProtocol(HttpToolsProtocol):
         _last_started: RequestResponseCycle | None = None  # the latest request started, either way
+        _inline: tuple[RequestResponseCycle, Admitted] | None = None  # an inline call waiting for its body
         _in_message = False  # from a request's first byte to its end
         _begun = 0  # requests begun on this connection
         _bodies = 0  # pieces of body read on this connection
@@ -146,6 +165,10 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             idle = not self._in_message
             begun, bodies = self._begun, self._bodies
             super().data_received(data)
+            if self._inline is not None:  # its body did not come whole with its head: the task's way,
+                cycle, call = self._inline  # which times out a body that stops part-way
+                self._inline = None
+                self._start_task(cycle, call)
             if not self._in_message or self.transport.is_closing():
                 return
             began = self._begun - begun
@@ -182,6 +205,11 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             # A client that does not read its answers gets no more written for it here: the app's
             # path waits for the socket to drain, and pauses reading meanwhile.
             decision = None if self.flow.write_paused else door.decide(cycle.scope)
+            if isinstance(decision, Admitted) and decision.inline and app is self.app:
+                self._inline = (cycle, decision)  # answered when its body is whole, in this read
+                if not cycle.more_body:  # a pipelined request, read whole while the one before ran
+                    self._answer_inline()
+                return
             if not isinstance(decision, Refused):
                 extensions = cycle.scope.setdefault("extensions", {})
                 extensions[DISCONNECT_EXTENSION] = []  # see connection_lost
@@ -209,11 +237,32 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             high-water mark, paused reading, and only the app's next `receive` resumes it: an
             endpoint with the whole body asks no more, so a client that left went unnoticed and
             its queued call ran. A pipelined request waiting its turn keeps reading paused, as
-            uvicorn has it."""
+            uvicorn has it. An inline call waiting for its body is answered now."""
             self._in_message = False
             super().on_message_complete()
             if not self.pipeline:
                 self.flow.resume_reading()
+            if self._inline is not None and self._inline[0] is self.cycle:
+                self._answer_inline()
+
+        def _answer_inline(self) -> None:
+            """Start the inline call whose body is whole (Door.answered_inline); the client
+            leaving is told through the same callbacks as a task's (see connection_lost). One
+            whose tensors turn out too big for the loop takes the task after all, its body
+            already read."""
+            cycle, call = self._inline  # type: ignore[misc]
+            self._inline = None
+            cycle.scope.setdefault("extensions", {})[DISCONNECT_EXTENSION] = []
+            if not door.answered_inline(call, cycle.scope, cycle.body, functools.partial(_write_whole, cycle),
+                                        self.tasks):
+                self._start_task(cycle, call)
+
+        def _start_task(self, cycle: RequestResponseCycle, call: Admitted) -> None:
+            """The endpoint's task for an admitted call (Door.app_for), as for one not inline."""
+            extensions = cycle.scope.setdefault("extensions", {})
+            extensions[DISCONNECT_EXTENSION] = []
+            extensions[RESPOND_EXTENSION] = _respond_whole
+            super()._start_asgi_task(cycle, door.app_for(call))
 
         def connection_lost(self, exc: Exception | None) -> None:
             """Tell the requests of this connection that wait on their work that the client left
@@ -249,10 +298,18 @@ async def _respond_whole(send: Send, status: int, headers: Headers, body: bytes)
         return
     if cycle.flow.write_paused and not cycle.disconnected:
         await cycle.flow.drain()
+    if cycle.response_started and not cycle.disconnected:
+        raise RuntimeError("a response was already started for this request")
+    _write_whole(cycle, status, headers, body)
+
+
+def _write_whole(cycle: RequestResponseCycle, status: int, headers: Headers, body: bytes) -> None:
+    """Write a whole response for `cycle` now, and complete it as uvicorn's sends would
+    (keep-alive, the next pipelined request); nothing for a client that left. An inline answer
+    writes without waiting for the socket to drain: the connection has no other answer due
+    (reading stays paused while one is), so the kernel's buffer holds one answer at most."""
     if cycle.disconnected:
         return
-    if cycle.response_started:
-        raise RuntimeError("a response was already started for this request")
     keep_alive = cycle.keep_alive
     head = _head(status, cycle.default_headers, headers, keep_alive)
     cycle.response_started = cycle.response_complete = True

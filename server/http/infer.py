@@ -5,10 +5,17 @@ inference; here a request is a path match, a body read, one data-plane call and 
 (server/asgi/respond.py).
 A client that disconnects while its request waits has the request cancelled before compute.
 
+The server's own HTTP protocol (server/http/door.py) answers the commonest call, a small body
+that came whole with its head, without even the ASGI task: `answered_inline` starts it on the
+data plane from the parser's callback and answers from its future's (about a tenth less CPU a
+request, measured: docs/benchmarks.md). Every other call, and every call under another ASGI
+server, goes through `admitted`'s task, with its body timeouts and inflating.
+
 Overload is refused at the door: past the server's bounds on requests in flight, or on the
-bytes their bodies hold (`InFlight`, shared with the other front ends), a request is answered 429 with a constant body before its body is read (uvicorn then
-reads and discards the body, keeping the connection; a client that waits for 100 Continue is
-answered with `connection: close`, as it may never send the body).
+bytes their bodies hold (`InFlight`, shared with the other front ends), a request is answered
+429 with a constant body before its body is read (uvicorn then reads and discards the body,
+keeping the connection; a client that waits for 100 Continue is answered with
+`connection: close`, as it may never send the body).
 """
 
 from __future__ import annotations
@@ -19,12 +26,15 @@ import re
 import time
 import zlib
 from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
 
 from server.access_log import AccessLog
-from server.asgi.disconnect import unless_client_leaves
-from server.asgi.lengths import TOO_LONG, declared_length
 from server.asgi.body import read_body
-from server.asgi.respond import JSON, body_headers, send_messages, send_response
+from server.asgi.disconnect import CUT_OFF, disconnect_callbacks, unless_client_leaves
+from server.asgi.lengths import TOO_LONG, declared_length
+from server.asgi.respond import JSON, Headers, body_headers, send_messages, send_response
 from server.asgi.types import ASGIApp, Message, Receive, Scope, Send
 from server.dataplane import STOPPING, DataPlane
 from server.errors import Cancelled, InvalidInput, PayloadTooLarge, RequestTimeout, Unavailable
@@ -79,7 +89,7 @@ class InferEndpoint:
             answer = functools.partial(v2_infer.infer_v2, plane)
         self._answer = answer
         self._limit = max_body_bytes
-        self._access_log = access_log or AccessLog()
+        self.access_log = access_log or AccessLog()
         self.flight = flight or InFlight()  # shared with the server's other front ends
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, model: str, version: str | None) -> None:
@@ -105,15 +115,58 @@ class InferEndpoint:
             await self._refuse_busy(scope, send, headers, model, started)
             return
         try:
-            record = RequestRecord() if self._access_log.enabled else None
+            record = RequestRecord() if self.access_log.enabled else None
             status = await self._respond(scope, headers, hold, receive, send, model, version, record, started)
         finally:
             hold.release()
-        if record is not None:
-            client = scope.get("client")
-            self._access_log.write(
-                f"{client[0]}:{client[1]}" if client else "-", scope["path"], model, status, started, record
-            )
+        self._log(scope, model, status, started, record)
+
+    def answered_inline(
+        self,
+        model: str,
+        version: str | None,
+        headers: dict[bytes, bytes],
+        reserved: int,
+        scope: Scope,
+        body: bytes,
+        write: WriteWhole,
+        running: set[Any],
+    ) -> bool:
+        """Answer a call past the door whose whole body is in (at most INLINE_DECODE_BYTES, as
+        sent: `inline` says which calls), with no task and no coroutine: it starts on the data
+        plane here and is answered from its future's callback through `write`. The client
+        leaving is learnt from the scope's disconnect callbacks, as `admitted` learns it. While
+        it waits it is in `running` (uvicorn's tasks), whose `cancel()` cuts it off with a 503
+        when the server's graceful stop runs out of time, as a task is. False, with nothing
+        started, for a call whose tensors are too big to build on the event loop (BYTES in the
+        client's shared memory): `admitted` answers it."""
+        plane = self.plane
+        if plane is None:  # a front-end process: its calls go to the server process, from a task
+            return False
+        started_ns = time.perf_counter_ns()
+        hold = self.flight.try_hold(reserved)
+        if hold is None:
+            status, head, content = self._busy(headers)
+            write(status, head, content)
+            self.log_refusal(scope, model, status, started_ns)
+            return True
+        record = RequestRecord() if self.access_log.enabled else None
+        try:
+            started = v2_infer.start_inline(plane, model, version, body, _header_length(headers), record, started_ns)
+        except Exception as exc:  # noqa: BLE001 - answered in v2's shape, an unknown one as 500
+            hold.release()
+            status, content, extra = error_parts(exc)
+            write(status, body_headers(content, extra, JSON), content)
+            self._log(scope, model, status, started_ns, record)
+            return True
+        if started is None:
+            hold.release()
+            return False
+        client = scope.get("client")
+        answer = _InlineAnswer(self, model, started, hold, record, write, disconnect_callbacks(scope), running,
+                               f"{client[0]}:{client[1]}" if client else "-", scope["path"], started_ns)
+        started.call.future.add_done_callback(answer.finished)
+        return True
 
     def reservation(self, headers: dict[bytes, bytes]) -> int:
         """The body bytes a request holds from its head on (server/inflight.py)."""
@@ -121,11 +174,8 @@ class InferEndpoint:
 
     def log_refusal(self, scope: Scope, model: str, status: int, started: int) -> None:
         """The access log line of a request refused before its body was read."""
-        if self._access_log.enabled:
-            client = scope.get("client")
-            self._access_log.write(
-                f"{client[0]}:{client[1]}" if client else "-", scope["path"], model, status, started, RequestRecord()
-            )
+        if self.access_log.enabled:
+            self._log(scope, model, status, started, RequestRecord())
 
     async def _refuse_busy(
         self, scope: Scope, send: Send, headers: dict[bytes, bytes], model: str, started: int
@@ -136,14 +186,27 @@ class InferEndpoint:
         of step."""
         expects = headers.get(_EXPECT, b"").lower() == b"100-continue"
         if self.plane is not None and self.plane.stopping:
-            status, content, extra = error_parts(Unavailable(STOPPING))
-            head = body_headers(content, extra, JSON)
+            status, head, content = self._busy(headers)
             await send_messages(send, status, [*head, (b"connection", b"close")] if expects else head, content)
             self.log_refusal(scope, model, status, started)
             return
         await send(_BUSY_CLOSE_START if expects else _BUSY_START)
         await send(_BUSY_END)
         self.log_refusal(scope, model, BUSY, started)
+
+    def _busy(self, headers: dict[bytes, bytes]) -> tuple[int, Headers, bytes]:
+        """The refusal of a call with no room in flight: 429, or 503 once the server is stopping."""
+        if self.plane is not None and self.plane.stopping:
+            status, content, extra = error_parts(Unavailable(STOPPING))
+            return status, body_headers(content, extra, JSON), content
+        return BUSY, _BUSY_HEADERS, BUSY_BODY
+
+    def _log(self, scope: Scope, model: str, status: int, started: int, record: RequestRecord | None) -> None:
+        if record is not None:
+            client = scope.get("client")
+            self.access_log.write(
+                f"{client[0]}:{client[1]}" if client else "-", scope["path"], model, status, started, record
+            )
 
     async def _respond(
         self,
@@ -199,6 +262,148 @@ class InferEndpoint:
         hold.hold_to(len(inflated))
         return inflated
 
+
+# A whole response, written at once: status, headers (content-length among them), body.
+WriteWhole = Callable[[int, Headers, bytes], None]
+
+
+def inline(headers: dict[bytes, bytes]) -> bool:
+    """Whether a call past the door can be answered inline (`InferEndpoint.answered_inline`)
+    once its body is in: a declared length small enough to parse on the event loop, sent as
+    is, with no 100 Continue awaited. Every other call takes the task of `admitted`."""
+    length = declared_length(headers.get(_CONTENT_LENGTH))
+    return (length is not None and length <= v2_infer.INLINE_DECODE_BYTES and _CONTENT_ENCODING not in headers
+            and _EXPECT not in headers)
+
+
+class _InlineAnswer:
+    """The answer of a call `answered_inline` started: written when its future completes, or
+    dropped, its place in flight given back, when its client leaves first. It holds no reference
+    to the request's scope, and takes itself out of the scope's disconnect callbacks when done:
+    a request leaves no reference cycle for the garbage collector."""
+
+    __slots__ = (
+        "_callbacks",
+        "_client",
+        "_done",
+        "_endpoint",
+        "_hold",
+        "_model",
+        "_path",
+        "_record",
+        "_running",
+        "_started",
+        "_started_ns",
+        "_write",
+    )
+
+    def __init__(
+        self,
+        endpoint: InferEndpoint,
+        model: str,
+        started: v2_infer.Started,
+        hold: Hold,
+        record: RequestRecord | None,
+        write: WriteWhole,
+        callbacks: list[Callable[[], None]] | None,
+        running: set[Any],
+        client: str,
+        path: str,
+        started_ns: int,
+    ) -> None:
+        self._endpoint = endpoint
+        self._model = model
+        self._started = started
+        self._hold = hold
+        self._record = record
+        self._write = write
+        self._callbacks = callbacks
+        self._client = client
+        self._path = path
+        self._started_ns = started_ns
+        self._running = running
+        self._done = False
+        if callbacks is not None:
+            callbacks.append(self.client_left)
+        running.add(self)
+
+    def finished(self, future: asyncio.Future[dict[str, np.ndarray]]) -> None:
+        if self._done:
+            return
+        if future.cancelled():  # not by its client, who is still here: the server is stopping
+            self._answer_error(Unavailable(STOPPING))
+            return
+        error = future.exception()  # read, not raised: a raised error's traceback would hold this frame
+        if error is not None:
+            self._answer_error(error)
+            return
+        try:
+            answer = self._started.answer_inline(self._model, future.result())
+        except Exception as exc:  # noqa: BLE001 - answered in v2's shape, an unknown one as 500
+            self._answer_error(exc)
+            return
+        if answer is None:  # outputs too big to encode on the event loop
+            task = asyncio.get_running_loop().create_task(self._encode(future.result()))
+            _ENCODING.add(task)
+            task.add_done_callback(_ENCODING.discard)
+            return
+        self._answer(answer)
+
+    def client_left(self) -> None:
+        """Its client left first: dropped if still queued (one computing runs to its end)."""
+        if self._done:
+            return
+        self._started.call.withdraw()
+        self._end(CLIENT_CLOSED)
+
+    def cancel(self, msg: Any = None) -> None:
+        """The server's graceful stop ran out of time for it: the client, still waiting, is told
+        503 (as a task cut off is, server/asgi/disconnect.py), and the call dropped if queued;
+        at the loop's next turn, as a task's cancellation lands: uvicorn is iterating the set
+        this call is taken out of."""
+        asyncio.get_running_loop().call_soon(self._cut_off)
+
+    def _cut_off(self) -> None:
+        if self._done:
+            return
+        self._started.call.withdraw()
+        self._answer_error(Unavailable(CUT_OFF))
+
+    async def _encode(self, results: dict[str, np.ndarray]) -> None:
+        try:
+            answer = await self._started.encoded(self._model, results)
+        except Exception as exc:  # noqa: BLE001 - answered in v2's shape
+            self._answer_error(exc)
+            return
+        if not self._done:
+            self._answer(answer)
+
+    def _answer(self, answer: tuple[bytes, int | None]) -> None:
+        content, binary_header_length = answer
+        if binary_header_length is None:
+            self._write(200, body_headers(content, None, JSON), content)
+        else:
+            self._write(200, body_headers(content, {HEADER_LENGTH: str(binary_header_length)}, _BINARY), content)
+        self._end(200)
+
+    def _answer_error(self, error: BaseException) -> None:
+        status, content, extra = error_parts(error)
+        self._write(status, body_headers(content, extra, JSON), content)
+        self._end(status)
+
+    def _end(self, status: int) -> None:
+        self._done = True
+        self._running.discard(self)
+        self._hold.release()
+        if self._callbacks is not None:
+            self._callbacks.remove(self.client_left)
+            self._callbacks = None
+        record = self._record
+        if record is not None:
+            self._endpoint.access_log.write(self._client, self._path, self._model, status, self._started_ns, record)
+
+
+_ENCODING: set[asyncio.Task[None]] = set()  # inline answers encoding big outputs on a thread, kept till done
 
 _IDENTITY = ("identity", "")
 _MAX_DEFLATE_RATIO = 1032  # deflate's largest expansion: a 1 KiB body can inflate to ~1 MiB

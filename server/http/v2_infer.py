@@ -12,12 +12,14 @@ import asyncio
 import gc
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 
-from server.dataplane import DataPlane, Output
+from server.dataplane import Call, DataPlane, Output
 from server.errors import BatchlineError, QueueFull
 from server.link import LinkClient
+from server.model import ModelVersion
 from server.protocol.v2 import DecodedRequest, ParsedRequest, build_tensors, encode_response, parse_request
 from server.scheduler.request import RequestRecord
 from server.shared_memory import Target, write_outputs
@@ -48,25 +50,89 @@ async def infer_v2(
         if record is not None and not isinstance(exc, QueueFull):
             record.request_id = await asyncio.to_thread(_request_id, body, header_length)
         raise
+    parsed = await _parsed(body, header_length)
+    batch_size = _checked(plane, model, parsed, record)
+    if parsed.decode_bytes > INLINE_DECODE_BYTES:
+        decoded = await asyncio.to_thread(build_tensors, parsed, plane.shared_memory.input_window)
+    else:
+        decoded = build_tensors(parsed, plane.shared_memory.input_window)
+    del parsed  # the JSON's own lists and numbers, copied into arrays now: freed before the wait, not after
+    started = _start(plane, model, decoded, record, received_ns, batch_size)
+    outputs = await started.call.answer()
+    return await _encoded(name, model.version, decoded, outputs, started.targets)
+
+
+class Started(NamedTuple):
+    """A call started on the data plane, with what its answer is encoded from."""
+
+    call: Call
+    version: int
+    decoded: DecodedRequest
+    targets: dict[str, Target]  # outputs asked for in the client's shared memory
+
+    def answer_inline(self, name: str, results: dict[str, np.ndarray]) -> tuple[bytes, int | None] | None:
+        """The answer from the call's `results`, as `infer_v2` returns it; None when its outputs
+        are too big to encode on the event loop (`encoded` encodes them on a thread)."""
+        tensors = with_binary_flags(self.call.outputs(results), self.decoded)
+        if _encodes_inline(tensors, self.targets):
+            return _answer(name, self.version, self.decoded.id, tensors, self.targets)
+        return None
+
+    async def encoded(self, name: str, results: dict[str, np.ndarray]) -> tuple[bytes, int | None]:
+        return await _encoded(name, self.version, self.decoded, self.call.outputs(results), self.targets)
+
+
+def start_inline(
+    plane: DataPlane,
+    name: str,
+    version: str | None,
+    body: bytes,
+    header_length: int | None,
+    record: RequestRecord | None,
+    received_ns: int,
+) -> Started | None:
+    """`infer_v2` up to the call's start, on the event loop, for a body of at most
+    INLINE_DECODE_BYTES: the caller answers from the call's future, with no task of its own.
+    None when the tensors are too big to build here (BYTES in the client's shared memory):
+    `infer_v2` is the way for it. Refusals raise, as from `infer_v2`."""
+    try:
+        model = plane.admit(name, version)
+    except BatchlineError as exc:
+        if record is not None and not isinstance(exc, QueueFull):
+            record.request_id = _request_id(body, header_length)
+        raise
+    parsed = parse_request(body, header_length)
+    if parsed.decode_bytes > INLINE_DECODE_BYTES:
+        return None
+    batch_size = _checked(plane, model, parsed, record)
+    decoded = build_tensors(parsed, plane.shared_memory.input_window)
+    del parsed
+    return _start(plane, model, decoded, record, received_ns, batch_size)
+
+
+def _checked(plane: DataPlane, model: ModelVersion, parsed: ParsedRequest, record: RequestRecord | None) -> int:
+    """The batch size, once names, datatypes and shapes are checked (400 before any tensor)."""
     if record is not None:
         record.model_version = model.version
-    parsed = await _parsed(body, header_length)
-    if record is not None:
         record.request_id = parsed.id
-    batch_size = plane.check_inputs(model, {d.name: (d.datatype, d.shape) for d in parsed.inputs})
-    regions = plane.shared_memory
-    if parsed.decode_bytes > INLINE_DECODE_BYTES:
-        decoded = await asyncio.to_thread(build_tensors, parsed, regions.input_window)
-    else:
-        decoded = build_tensors(parsed, regions.input_window)
-    del parsed  # the JSON's own lists and numbers, copied into arrays now: freed before the wait, not after
+    return plane.check_inputs(model, {d.name: (d.datatype, d.shape) for d in parsed.inputs})
+
+
+def _start(
+    plane: DataPlane,
+    model: ModelVersion,
+    decoded: DecodedRequest,
+    record: RequestRecord | None,
+    received_ns: int | None,
+    batch_size: int,
+) -> Started:
     wanted = decoded.outputs
-    targets = regions.output_targets({o.name: o.region for o in wanted or () if o.region is not None})
-    outputs = await plane.start_call(
+    targets = plane.shared_memory.output_targets({o.name: o.region for o in wanted or () if o.region is not None})
+    call = plane.start_call(
         model, decoded.inputs, decoded.parameters, None if wanted is None else [o.name for o in wanted], record,
         received_ns, batch_size,
-    ).answer()
-    return await _encoded(name, model.version, decoded, outputs, targets)
+    )
+    return Started(call, model.version, decoded, targets)
 
 
 async def infer_v2_remote(
@@ -109,15 +175,20 @@ async def _encoded(
     name: str, version: int, decoded: DecodedRequest, outputs: list[Output], targets: dict[str, Target],
 ) -> tuple[bytes, int | None]:
     tensors = with_binary_flags(outputs, decoded)
+    if _encodes_inline(tensors, targets):
+        return _answer(name, version, decoded.id, tensors, targets)
+    return await asyncio.to_thread(_answer, name, version, decoded.id, tensors, targets)
+
+
+def _encodes_inline(tensors: list[tuple[str, str, np.ndarray, bool]], targets: dict[str, Target]) -> bool:
+    """Whether encoding (and writing outputs to shared memory) is short enough for the loop."""
     json_bytes = binary_bytes = 0
     for output, _, array, as_binary in tensors:
         if as_binary or output in targets:
             binary_bytes += array.nbytes
         else:
             json_bytes += array.nbytes
-    if json_bytes > INLINE_ENCODE_JSON_BYTES or binary_bytes > OFFLOAD_BYTES:
-        return await asyncio.to_thread(_answer, name, version, decoded.id, tensors, targets)
-    return _answer(name, version, decoded.id, tensors, targets)
+    return json_bytes <= INLINE_ENCODE_JSON_BYTES and binary_bytes <= OFFLOAD_BYTES
 
 
 def _answer(

@@ -96,7 +96,7 @@ class HttpWorkers:
             process.stdin.close()
             try:
                 line = await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 line = b""
         except BaseException:  # a stop during the start: the process goes with it
             if process.returncode is None:

@@ -1,0 +1,158 @@
+"""Infer calls answered inline by the server's HTTP protocol, through a real uvicorn on loopback:
+a small call whose body comes whole with its head starts on the data plane from the parser's
+callback and is answered from its future's, with no ASGI task; any other call (a body that
+comes later, compressed or waiting for 100 Continue, or large) takes the endpoint's task, as
+before. Both answer alike, a client that leaves drops its queued call and gives its place back,
+and a call whose outputs are too big to encode on the event loop is encoded on a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+import pytest_asyncio
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+from server.access_log import AccessLog
+from server.dataplane import DataPlane
+from server.http import v2_infer
+from server.http.app import create_app
+from server.inflight import InFlight
+from tests.unit.http.conftest import HOLD, Gate, infer_body
+from tests.unit.http.test_door import exchange, post, read_response, started
+from tests.unit.waiting import eventually
+
+
+@pytest_asyncio.fixture
+async def served(plane: DataPlane, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[int, list[str], InFlight]]:
+    """A real HTTP front end over `spin` with the access log on; the paths of the ASGI tasks it
+    started, and its in-flight bound."""
+    tasks: list[str] = []
+    real_run = RequestResponseCycle.run_asgi
+
+    async def counted(self: RequestResponseCycle, app: Any) -> None:
+        tasks.append(self.scope["path"])
+        await real_run(self, app)
+
+    monkeypatch.setattr(RequestResponseCycle, "run_asgi", counted)
+    plane.start([])
+    flight = InFlight(4)
+    frontend, port = await started(create_app(plane, flight=flight, access_log=AccessLog("json")))
+    yield port, tasks, flight
+    await frontend.drain()
+
+
+async def test_a_small_call_whose_body_came_with_its_head_runs_no_task(
+    served: tuple[int, list[str], InFlight],
+) -> None:
+    port, tasks, _ = served
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(post(infer_body(1.0)) + post(infer_body(2.0)))  # pipelined: answered in order
+        for value in (1.0, 2.0):
+            status, headers, body = await read_response(reader)
+            assert status == 200 and orjson.loads(body)["outputs"][0]["data"] == [value]
+            assert headers["content-type"] == "application/json"
+        writer.write(post(b'{"inputs": []}'))
+        status, _, body = await read_response(reader)
+        assert status == 400 and "non-empty list" in orjson.loads(body)["error"]
+        writer.write(post(infer_body(3.0), path="/v2/models/nowhere/infer"))
+        assert (await read_response(reader))[0] == 404
+        assert tasks == [], "answered inline, without an ASGI task"
+        request = post(infer_body(4.0))
+        writer.write(request[:-5])  # the body's end in a later read: the task's way, with its timeout
+        await writer.drain()
+        await eventually(lambda: len(tasks) == 1, "the call took the endpoint's task")
+        writer.write(request[-5:])
+        status, _, body = await read_response(reader)
+        assert status == 200 and orjson.loads(body)["outputs"][0]["data"] == [4.0]
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("header", ["Content-Encoding: gzip", "Expect: 100-continue"])
+async def test_a_compressed_call_or_one_awaiting_100_continue_takes_the_task(
+    served: tuple[int, list[str], InFlight], header: str,
+) -> None:
+    port, tasks, _ = served
+    body = gzip.compress(infer_body(5.0)) if "gzip" in header else infer_body(5.0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(post(body, header))
+        status, _, answer = await read_response(reader)
+        if status == 100:  # the interim answer to Expect
+            status, _, answer = await read_response(reader)
+    finally:
+        writer.close()
+    assert status == 200 and orjson.loads(answer)["outputs"][0]["data"] == [5.0]
+    assert tasks == ["/v2/models/spin/infer"]
+
+
+async def test_a_body_too_big_to_parse_on_the_loop_takes_the_task(served: tuple[int, list[str], InFlight]) -> None:
+    port, tasks, _ = served
+    body = infer_body(6.0, padding="x" * v2_infer.INLINE_DECODE_BYTES)
+    status, answer = await exchange(port, post(body))
+    assert status == 200 and orjson.loads(answer)["outputs"][0]["data"] == [6.0]
+    assert tasks == ["/v2/models/spin/infer"]
+
+
+async def test_a_client_that_leaves_drops_its_queued_inline_call_and_gives_its_place_back(
+    served: tuple[int, list[str], InFlight], gate: Gate, caplog: pytest.LogCaptureFixture,
+) -> None:
+    port, tasks, flight = served
+    held = asyncio.create_task(exchange(port, post(infer_body(HOLD))))
+    await eventually(gate.held.is_set, "a request holds the instance")
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(post(infer_body(7.0)))
+    await eventually(lambda: flight.requests == 2, "the second call is in flight, queued")
+    writer.close()
+    await eventually(lambda: flight.requests == 1, "the call that left gave its place back")
+    gate.released.set()
+    assert (await held)[0] == 200
+    assert 7.0 not in gate.ran(), "the call whose client left was computed"
+    assert tasks == []
+    access = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "batchline.access"]
+    assert sorted(line["status"] for line in access) == [200, 499]
+
+
+async def test_outputs_too_big_to_encode_on_the_loop_are_encoded_on_a_thread(
+    served: tuple[int, list[str], InFlight], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    port, tasks, _ = served
+    monkeypatch.setattr(v2_infer, "INLINE_ENCODE_JSON_BYTES", 0)  # every JSON output is "big"
+    threads: list[str] = []
+    real_answer = v2_infer._answer
+
+    def answered_where(*args: Any) -> tuple[bytes, int | None]:
+        threads.append(threading.current_thread().name)
+        return real_answer(*args)
+
+    monkeypatch.setattr(v2_infer, "_answer", answered_where)
+    status, answer = await exchange(port, post(infer_body(8.0)))
+    assert status == 200 and orjson.loads(answer)["outputs"][0]["data"] == [8.0]
+    assert tasks == [] and threads and threads[0] != "MainThread"
+
+
+async def test_an_inline_call_cut_off_by_the_end_of_the_grace_period_is_told_503(plane: DataPlane, gate: Gate) -> None:
+    """uvicorn cancels what still runs when its graceful stop times out: an inline call waiting
+    for its answer is told 503 in the error shape, as a task is, and its connection closed."""
+    plane.start([])
+    frontend, port = await started(create_app(plane), grace_s=1)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(post(infer_body(HOLD)))
+        await eventually(gate.held.is_set, "the request is held in the engine")
+        draining = asyncio.create_task(frontend.drain())
+        status, headers, body = await read_response(reader)
+        assert status == 503 and "stopped before this request was answered" in orjson.loads(body)["error"]
+        assert headers["connection"] == "close"
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        await asyncio.wait_for(draining, 10)
+    finally:
+        gate.released.set()
+        writer.close()
