@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
 from server.errors import InvalidInput, Unsupported
@@ -54,6 +55,46 @@ class DeclaredRequest:
     decode_cost: int  # elements of typed contents plus bytes of raw BYTES: what decoding walks
     in_shared_memory: dict[str, RegionRef] = field(default_factory=dict)  # inputs read from shared memory
     to_shared_memory: dict[str, RegionRef] = field(default_factory=dict)  # outputs written there
+
+
+def _call_names_type() -> Any:
+    """A message of ModelInferRequest's first three fields alone (model_name, model_version,
+    id): protobuf skips the others whole, so reading it costs next to nothing at any size."""
+    file = descriptor_pb2.FileDescriptorProto(name="batchline/call_names.proto", package="batchline",
+                                              syntax="proto3")
+    names = file.message_type.add(name="CallNames")
+    for number, name in ((1, "model_name"), (2, "model_version"), (3, "id")):
+        names.field.add(name=name, number=number, type=descriptor_pb2.FieldDescriptorProto.TYPE_STRING,
+                        label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("batchline.CallNames"))
+
+
+_CALL_NAMES = _call_names_type()
+
+
+def call_names(message: bytes) -> Any:
+    """An infer message's model_name, model_version and id, read without parsing its tensors:
+    what the answer and the access log of a call refused before parsing still name (a stream's
+    client matches answers to requests by id). Empty for bytes that are not such a message."""
+    try:
+        return _CALL_NAMES.FromString(message)
+    except DecodeError:
+        return _CALL_NAMES()
+
+
+def held_when_parsed(request: pb.ModelInferRequest, message_bytes: int) -> int:
+    """About what a call holds once its message is parsed: the message as received (grpc keeps
+    it for the call), the parsed copy of about its size, and 8 bytes an element of typed numbers,
+    which protobuf widens from the wire's varints (1 byte for a small integer). Counted from the
+    fields' lengths, never from the shapes they declare."""
+    widened = 0
+    for tensor in request.inputs:
+        contents = CONTENTS_FIELD.get(tensor.datatype)
+        if contents and tensor.datatype != BYTES and tensor.HasField("contents"):
+            widened += 8 * len(getattr(tensor.contents, contents))
+    return 2 * message_bytes + widened
 
 
 def parse_request(message: bytes) -> pb.ModelInferRequest:

@@ -186,19 +186,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         started = time.perf_counter_ns()
         record = RequestRecord() if self._access_log.enabled else None
         call = InferCall(message)
+        del message  # the call holds it until it is parsed
         try:
             refusal = self._gate.refusal("ModelInfer", context.invocation_metadata())
             if refusal is not None:
                 raise refusal
             response = await self._infer(call, context.time_remaining(), record, started)
         except asyncio.CancelledError:  # the client went away (or its deadline passed): dropped
-            self._log(context, "ModelInfer", call.request.model_name, grpc.StatusCode.CANCELLED, started, record)
+            self._log(context, "ModelInfer", call, grpc.StatusCode.CANCELLED, started, record)
             raise
         except Exception as exc:  # noqa: BLE001 (every failure is answered with its status)
             code, text = status_of(exc)
-            self._log(context, "ModelInfer", call.request.model_name, code, started, record)
+            self._log(context, "ModelInfer", call, code, started, record)
             await context.abort(code, text, trailing_metadata=retry_after(exc))
-        self._log(context, "ModelInfer", call.request.model_name, grpc.StatusCode.OK, started, record)
+        self._log(context, "ModelInfer", call, grpc.StatusCode.OK, started, record)
         return response
 
     async def ModelStreamInfer(
@@ -266,21 +267,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         started = time.perf_counter_ns()
         record = RequestRecord() if self._access_log.enabled else None
         call = InferCall(message)
+        del message  # the call holds it until it is parsed
         try:
             response = await self._infer(call, context.time_remaining(), record, started)
         except asyncio.CancelledError:
-            self._log(context, "ModelStreamInfer", call.request.model_name, grpc.StatusCode.CANCELLED, started,
-                      record)
+            self._log(context, "ModelStreamInfer", call, grpc.StatusCode.CANCELLED, started, record)
             raise
         except Exception as exc:  # noqa: BLE001 (the stream answers it with its message)
             code, text = status_of(exc)
-            request = call.request
-            self._log(context, "ModelStreamInfer", request.model_name, code, started, record)
+            self._log(context, "ModelStreamInfer", call, code, started, record)
+            request = call.names()
             failed = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version,
                                            id=request.id)
             answers.put_nowait(pb.ModelStreamInferResponse(error_message=text, infer_response=failed))
             return
-        self._log(context, "ModelStreamInfer", call.request.model_name, grpc.StatusCode.OK, started, record)
+        self._log(context, "ModelStreamInfer", call, grpc.StatusCode.OK, started, record)
         answers.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
 
     async def _infer(
@@ -293,11 +294,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """One infer request through the data plane, cheapest refusals first, before its
         message is parsed; its deadline counts from `received_ns`, when the call arrived."""
         self._plane.refuse_when_stopping()  # before RESOURCE_EXHAUSTED
-        message = call.message
-        hold = self._flight.hold(len(message))  # the message as received, held until the answer
+        size = len(call.message)
+        hold = self._flight.hold(size)  # the message as received, held until the answer
         self.in_flight += 1
         try:
-            request = call.request = codec.parse_request(message)
+            request = call.request = codec.parse_request(call.message)
+            call.message = b""
+            hold.hold_to(codec.held_when_parsed(request, size))
             if record is not None:
                 record.request_id = request.id or None
             model = self._plane.admit(request.model_name, request.model_version or None)
@@ -344,11 +347,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(code, message)
             raise  # abort raised already; this line is for the type checker
 
-    def _log(self, context: grpc.aio.ServicerContext, rpc: str, model: str, code: grpc.StatusCode, started: int,
+    def _log(self, context: grpc.aio.ServicerContext, rpc: str, call: InferCall, code: grpc.StatusCode, started: int,
              record: RequestRecord | None) -> None:
         if record is not None:
-            self._access_log.write(context.peer() or "-", SERVICE + rpc, model, code.value[0], started, record,
-                                   method="GRPC")
+            self._access_log.write(context.peer() or "-", SERVICE + rpc, call.names().model_name, code.value[0],
+                                   started, record, method="GRPC")
 
 
 _UNREAD = pb.ModelInferRequest()  # what a call names before its message is parsed: no model, no id
@@ -362,6 +365,13 @@ class InferCall:
     def __init__(self, message: bytes) -> None:
         self.message = message
         self.request = _UNREAD
+
+    def names(self) -> Any:
+        """The call's model_name, model_version and id: the parsed request's, or, for a call
+        refused before it was parsed, read from its message alone."""
+        if self.request is _UNREAD:
+            return codec.call_names(self.message)
+        return self.request
 
 
 class _Stream:

@@ -151,6 +151,7 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
     class DoorProtocol(HttpToolsProtocol):
         _last_started: RequestResponseCycle | None = None  # the latest request started, either way
         _inline: tuple[RequestResponseCycle, Admitted] | None = None  # an inline call waiting for its body
+        _answering = False  # within an inline call's start, where an answer given at once completes later
         _in_message = False  # from a request's first byte to its end
         _begun = 0  # requests begun on this connection
         _bodies = 0  # pieces of body read on this connection
@@ -228,9 +229,7 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             self.transport.write(b"".join([*_head(BUSY, self.server_state.default_headers, headers, not close), body]))
             if close:
                 self.transport.close()
-            # As if the response completed later, as it does through the app: by then the parser
-            # has seen the rest of this chunk, and a request that followed owns the connection.
-            self.loop.call_soon(self._refused, cycle)
+            self.loop.call_soon(self._complete_later, cycle)
 
         def on_message_complete(self) -> None:
             """Read on once a body is whole, as after a small one. Its last part, past uvicorn's
@@ -253,9 +252,26 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             cycle, call = self._inline  # type: ignore[misc]
             self._inline = None
             cycle.scope.setdefault("extensions", {})[DISCONNECT_EXTENSION] = []
-            if not door.answered_inline(call, cycle.scope, cycle.body, functools.partial(_write_whole, cycle),
-                                        self.tasks):
+            self._answering = True
+            try:
+                taken = door.answered_inline(call, cycle.scope, cycle.body,
+                                             functools.partial(self._write_inline, cycle), self.tasks)
+            finally:
+                self._answering = False
+            if not taken:
                 self._start_task(cycle, call)
+
+        def _write_inline(self, cycle: RequestResponseCycle, status: int, headers: Headers, body: bytes) -> None:
+            """An inline call's answer. One given at once (a 400, a 404, a 429) is written from
+            within the parser's callbacks, or from uvicorn's completion of the request before:
+            it completes at the next turn, as a refusal at the door does. Completing it there
+            would start the next pipelined request from within this one, request after request
+            (hundreds pipelined overflowed the stack), and arm the keep-alive timer under a
+            request that follows in the same read."""
+            if not self._answering:
+                _write_whole(cycle, status, headers, body)
+            elif _write_whole(cycle, status, headers, body, complete=False):
+                self.loop.call_soon(self._complete_later, cycle)
 
         def _start_task(self, cycle: RequestResponseCycle, call: Admitted) -> None:
             """The endpoint's task for an admitted call (Door.app_for), as for one not inline."""
@@ -275,7 +291,10 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
                     for client_left in list(disconnect_callbacks(cycle.scope) or ()):
                         client_left()
 
-        def _refused(self, cycle: RequestResponseCycle) -> None:
+        def _complete_later(self, cycle: RequestResponseCycle) -> None:
+            """Complete a response written while the parser ran, as if it completed later, as
+            it does through the app: by then the parser has seen the rest of its read, and a
+            request that followed owns the connection."""
             if self._last_started is cycle:
                 self.on_response_complete()  # the next pipelined request, or the keep-alive timer
             else:  # a later request runs already: it starts what is pipelined when it is answered
@@ -303,13 +322,15 @@ async def _respond_whole(send: Send, status: int, headers: Headers, body: bytes)
     _write_whole(cycle, status, headers, body)
 
 
-def _write_whole(cycle: RequestResponseCycle, status: int, headers: Headers, body: bytes) -> None:
-    """Write a whole response for `cycle` now, and complete it as uvicorn's sends would
-    (keep-alive, the next pipelined request); nothing for a client that left. An inline answer
-    writes without waiting for the socket to drain: the connection has no other answer due
-    (reading stays paused while one is), so the kernel's buffer holds one answer at most."""
+def _write_whole(
+    cycle: RequestResponseCycle, status: int, headers: Headers, body: bytes, complete: bool = True,
+) -> bool:
+    """Write a whole response for `cycle` now and, unless told not to, complete it as uvicorn's
+    sends would (keep-alive, the next pipelined request); nothing for a client that left (False).
+    An inline answer writes without waiting for the socket to drain: the connection has no other
+    answer due (reading stays paused while one is), so the kernel's buffer holds one at most."""
     if cycle.disconnected:
-        return
+        return False
     keep_alive = cycle.keep_alive
     head = _head(status, cycle.default_headers, headers, keep_alive)
     cycle.response_started = cycle.response_complete = True
@@ -322,7 +343,9 @@ def _write_whole(cycle: RequestResponseCycle, status: int, headers: Headers, bod
     cycle.message_event.set()
     if not keep_alive:
         cycle.transport.close()
-    cycle.on_response()
+    if complete:
+        cycle.on_response()
+    return True
 
 
 def _head(status: int, default_headers: list[tuple[bytes, bytes]], headers: Headers, keep_alive: bool) -> list[bytes]:

@@ -328,7 +328,9 @@ class _InlineAnswer:
         running.add(self)
 
     def finished(self, future: asyncio.Future[dict[str, np.ndarray]]) -> None:
-        if self._done:
+        if self._done:  # its client left, or the stop cut it off: nobody to tell of an error
+            if not future.cancelled():
+                future.exception()  # read, or asyncio logs it as never retrieved
             return
         if future.cancelled():  # not by its client, who is still here: the server is stopping
             self._answer_error(Unavailable(STOPPING))
@@ -375,21 +377,27 @@ class _InlineAnswer:
         except Exception as exc:  # noqa: BLE001 - answered in v2's shape
             self._answer_error(exc)
             return
-        if not self._done:
-            self._answer(answer)
+        self._answer(answer)
 
     def _answer(self, answer: tuple[bytes, int | None]) -> None:
         content, binary_header_length = answer
         if binary_header_length is None:
-            self._write(200, body_headers(content, None, JSON), content)
+            self._respond(200, body_headers(content, None, JSON), content)
         else:
-            self._write(200, body_headers(content, {HEADER_LENGTH: str(binary_header_length)}, _BINARY), content)
-        self._end(200)
+            self._respond(200, body_headers(content, {HEADER_LENGTH: str(binary_header_length)}, _BINARY), content)
 
     def _answer_error(self, error: BaseException) -> None:
         status, content, extra = error_parts(error)
-        self._write(status, body_headers(content, extra, JSON), content)
+        self._respond(status, body_headers(content, extra, JSON), content)
+
+    def _respond(self, status: int, headers: Headers, body: bytes) -> None:
+        """Write the answer, once, unless the client left or the stop cut the call off first.
+        Its place in flight is given back first: writing it starts a request pipelined behind
+        it, which the bound must have room for."""
+        if self._done:
+            return
         self._end(status)
+        self._write(status, headers, body)
 
     def _end(self, status: int) -> None:
         self._done = True

@@ -222,6 +222,27 @@ def test_a_message_is_parsed_or_refused_as_invalid_input() -> None:
         codec.parse_request(b"\xff\xff\xff")
 
 
+def test_a_messages_names_are_read_without_its_tensors() -> None:
+    """What a call refused before parsing still names (its answer, its access log line)."""
+    request = pb.ModelInferRequest(model_name="m", model_version="2", id="r1")
+    request.inputs.add(name="text", datatype="BYTES", shape=[100_000, 1]).contents.bytes_contents.extend(
+        [b"ab"] * 100_000)
+    names = codec.call_names(request.SerializeToString())
+    assert (names.model_name, names.model_version, names.id) == ("m", "2", "r1")
+    assert codec.call_names(b"\xff\xff\xff").model_name == ""
+
+
+def test_a_parsed_message_holds_its_size_twice_and_typed_numbers_widened() -> None:
+    """grpc keeps the message as received, the parse copies it, and small integers of one wire
+    byte become 8; a datatype with no typed field carries nothing there, whatever its shape
+    declares (a product of 80,000 dims of 2**62 took the event loop for 18 s)."""
+    request = pb.ModelInferRequest(model_name="m")
+    request.inputs.add(name="n", datatype="INT64", shape=[1000]).contents.int64_contents.extend([1] * 1000)
+    request.inputs.add(name="t", datatype="BYTES", shape=[1]).contents.bytes_contents.append(b"x" * 5000)
+    request.inputs.add(name="h", datatype="FP16", shape=[2**62] * 1000).contents.SetInParent()
+    assert codec.held_when_parsed(request, 7000) == 2 * 7000 + 8 * 1000
+
+
 def test_an_output_asked_for_twice_is_refused() -> None:
     request = _request(_raw("x", ARRAYS["FP32"], "FP32"), raw=True)
     request.outputs.add(name="y")

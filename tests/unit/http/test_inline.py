@@ -16,12 +16,14 @@ from typing import Any
 import orjson
 import pytest
 import pytest_asyncio
-from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from server.access_log import AccessLog
 from server.dataplane import DataPlane
+from server.errors import InvalidInput
 from server.http import v2_infer
 from server.http.app import create_app
+from server.http.infer import _InlineAnswer
 from server.inflight import InFlight
 from tests.unit.http.conftest import HOLD, Gate, infer_body
 from tests.unit.http.test_door import exchange, post, read_response, started
@@ -156,3 +158,93 @@ async def test_an_inline_call_cut_off_by_the_end_of_the_grace_period_is_told_503
     finally:
         gate.released.set()
         writer.close()
+
+
+@pytest.fixture
+def short_keep_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvicorn closes a connection idle for half a second, not five."""
+    real = HttpToolsProtocol.__init__
+
+    def init(self: HttpToolsProtocol, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        self.timeout_keep_alive = 0.5
+
+    monkeypatch.setattr(HttpToolsProtocol, "__init__", init)
+
+
+@pytest.mark.parametrize("first", [post(infer_body(1.0), path="/v2/models/nowhere/infer"), post(b'{"inputs": []}')])
+async def test_a_call_pipelined_behind_one_answered_at_once_is_not_cut_off_by_the_keep_alive_timer(
+    plane: DataPlane, gate: Gate, short_keep_alive: None, first: bytes,
+) -> None:
+    """An answer given at once (404, 400) completes at the next turn: completed within the read,
+    it armed the idle timer under the call that followed it, which the timer then closed."""
+    plane.start([])
+    frontend, port = await started(create_app(plane))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(first + post(infer_body(HOLD)))
+        await eventually(gate.held.is_set, "the second call is held in the engine")
+        await asyncio.sleep(1.0)  # past the keep-alive timeout, while the second call computes
+        gate.released.set()
+        assert (await read_response(reader))[0] in (400, 404)
+        assert (await read_response(reader))[0] == 200
+    finally:
+        writer.close()
+        await frontend.drain()
+
+
+async def test_hundreds_of_pipelined_calls_answered_at_once_are_all_answered(plane: DataPlane, gate: Gate) -> None:
+    """Each completes at the next turn, so none starts the next from within its own answer (a
+    chain of 400 overflowed the stack, lost answers and kept a place in flight)."""
+    plane.start([])
+    flight = InFlight(8)
+    frontend, port = await started(create_app(plane, flight=flight))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(post(infer_body(HOLD)))
+        await eventually(gate.held.is_set, "a call holds the engine")
+        writer.write(b"".join(post(infer_body(1.0), path="/v2/models/nowhere/infer") for _ in range(400)))
+        await writer.drain()
+        gate.released.set()
+        assert (await read_response(reader))[0] == 200
+        assert [(await read_response(reader))[0] for _ in range(400)] == [404] * 400
+        assert flight.requests == 0 and flight.bytes == 0
+    finally:
+        writer.close()
+        await frontend.drain()
+
+
+async def test_the_error_of_a_call_nobody_waits_for_any_more_is_read() -> None:
+    """Its client left, or the stop cut it off: nobody is left to tell, but the error is read,
+    or asyncio logs it as never retrieved when the future is collected."""
+    future = asyncio.get_running_loop().create_future()
+    future.set_exception(RuntimeError("the engine failed"))
+    answer = object.__new__(_InlineAnswer)
+    answer._done = True
+    answer.finished(future)
+    assert not future._log_traceback  # type: ignore[attr-defined]
+
+
+async def test_an_encoding_that_fails_after_the_client_left_gives_its_place_back_once(
+    served: tuple[int, list[str], InFlight], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    port, _, flight = served
+    monkeypatch.setattr(v2_infer, "INLINE_ENCODE_JSON_BYTES", 0)  # encoded on a thread
+    encoding, go_on = threading.Event(), threading.Event()
+
+    def failing(*args: Any) -> tuple[bytes, int | None]:
+        encoding.set()
+        go_on.wait(5)
+        raise InvalidInput("cannot encode")
+
+    monkeypatch.setattr(v2_infer, "_answer", failing)
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(post(infer_body(1.0)))
+    await eventually(encoding.is_set, "the answer is being encoded")
+    writer.close()
+    await eventually(lambda: flight.requests == 0, "the call that left gave its place back")
+    go_on.set()
+    await asyncio.sleep(0.2)
+    assert (flight.requests, flight.bytes) == (0, 0)
+    access = [orjson.loads(r.getMessage())["status"] for r in caplog.records if r.name == "batchline.access"]
+    assert access == [499]

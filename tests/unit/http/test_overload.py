@@ -21,7 +21,7 @@ from server.grpc.servicer import InferCall, InferenceServicer
 from server.http import v2_infer
 from server.http.app import create_app
 from server.http.infer import CONTROL_BODY_BYTES, FastInferApp, InferEndpoint
-from server.inflight import InFlight
+from server.inflight import BUSY_MESSAGE, InFlight
 from server.protocol.v2 import decode_request
 from server.repository import ModelRepository
 from tests.unit.http.conftest import HOLD, Exchange, Gate, infer_body
@@ -360,6 +360,28 @@ async def test_a_full_server_refuses_a_grpc_message_before_parsing_it(plane: Dat
     with pytest.raises(InvalidInput, match="not a ModelInferRequest"):
         await servicer._infer(not_a_message, None, None, time.perf_counter_ns())
     assert flight.requests == 0 and flight.bytes == 0
+
+
+async def test_a_streamed_call_refused_before_parsing_is_answered_with_its_id(
+    plane: DataPlane, gate: Gate,
+) -> None:
+    """A stream's client matches answers to requests by id: a call refused for room still names
+    its id and model, read from the message without its tensors."""
+    flight = InFlight(1)
+    task, _ = await held(create_app(plane, flight=flight), gate)  # type: ignore[arg-type]
+    answers: asyncio.Queue[Any] = asyncio.Queue()
+
+    class Context:
+        def time_remaining(self) -> None:
+            return None
+
+    message = pb.ModelInferRequest(model_name="spin", id="first").SerializeToString()
+    await InferenceServicer(plane, flight=flight)._stream_one(message, Context(), answers)  # type: ignore[arg-type]
+    answer = answers.get_nowait()
+    assert answer.error_message == BUSY_MESSAGE
+    assert (answer.infer_response.id, answer.infer_response.model_name) == ("first", "spin")
+    gate.released.set()
+    await task
 
 
 def _timed(work: Callable[[], Any]) -> float:
