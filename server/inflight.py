@@ -60,7 +60,7 @@ class Hold:
     __slots__ = ("_flight", "nbytes")
 
     def __init__(self, flight: InFlight, nbytes: int) -> None:
-        self._flight = flight
+        self._flight: InFlight | None = flight
         self.nbytes = nbytes
 
     def hold_to(self, nbytes: int) -> None:
@@ -68,6 +68,8 @@ class Hold:
         (ServerBusy) when the rest of the bound is held by others and has no room for it. A
         request holding every byte held alone always grows, as it was let in alone."""
         flight = self._flight
+        if flight is None:
+            raise RuntimeError("a released hold cannot grow")
         more = nbytes - self.nbytes
         if more > 0 and flight.bytes != self.nbytes and flight.bytes + more > flight.max_bytes:
             raise ServerBusy(BUSY_MESSAGE)
@@ -75,8 +77,13 @@ class Hold:
         self.nbytes = nbytes
 
     def release(self) -> None:
-        """Count the request out: it was answered, or its client left. Once only."""
+        """Count the request out: it was answered, or its client left. A second call does
+        nothing (an answer gives its place back before it is written, its handler again at the
+        end)."""
         flight = self._flight
+        if flight is None:
+            return
+        self._flight = None
         flight.requests -= 1
         flight.bytes -= self.nbytes
         self.nbytes = 0

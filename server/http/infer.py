@@ -88,6 +88,7 @@ class InferEndpoint:
                 raise ValueError("an infer endpoint needs a data plane or an answer")
             answer = functools.partial(v2_infer.infer_v2, plane)
         self._answer = answer
+        self._start_inline = v2_infer.start_inline  # as `answer`, taken when the endpoint is made
         self._limit = max_body_bytes
         self.access_log = access_log or AccessLog()
         self.flight = flight or InFlight()  # shared with the server's other front ends
@@ -152,7 +153,7 @@ class InferEndpoint:
             return True
         record = RequestRecord() if self.access_log.enabled else None
         try:
-            started = v2_infer.start_inline(plane, model, version, body, _header_length(headers), record, started_ns)
+            started = self._start_inline(plane, model, version, body, _header_length(headers), record, started_ns)
         except Exception as exc:  # noqa: BLE001 - answered in v2's shape, an unknown one as 500
             hold.release()
             status, content, extra = error_parts(exc)
@@ -239,6 +240,9 @@ class InferEndpoint:
         )
         if outcome is None:
             return CLIENT_CLOSED  # the client left; its request was dropped, nobody to answer
+        # Its place is given back before the answer is written: writing it starts a request
+        # pipelined behind it, which the bound must have room for.
+        hold.release()
         if isinstance(outcome, BaseException):
             return await _send(scope, send, *error_parts(outcome))
         content, binary_header_length = outcome

@@ -248,3 +248,27 @@ async def test_an_encoding_that_fails_after_the_client_left_gives_its_place_back
     assert (flight.requests, flight.bytes) == (0, 0)
     access = [orjson.loads(r.getMessage())["status"] for r in caplog.records if r.name == "batchline.access"]
     assert access == [499]
+
+
+@pytest.mark.parametrize("ways", [("task", "task"), ("task", "inline"), ("inline", "task"), ("inline", "inline")])
+async def test_a_call_pipelined_behind_another_at_the_in_flight_bound_is_served(
+    plane: DataPlane, gate: Gate, ways: tuple[str, str],
+) -> None:
+    """A call gives its place back before its answer is written: writing it starts the call
+    pipelined behind it, which was refused 429 while the first still held the only place."""
+    plane.start([])
+    flight = InFlight(1)
+    frontend, port = await started(create_app(plane, flight=flight))
+
+    def call(way: str, value: float) -> bytes:
+        body = infer_body(value)
+        return post(gzip.compress(body), "Content-Encoding: gzip") if way == "task" else post(body)
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(call(ways[0], 1.0) + call(ways[1], 2.0))
+        assert [(await read_response(reader))[0] for _ in range(2)] == [200, 200]
+        assert (flight.requests, flight.bytes) == (0, 0)
+    finally:
+        writer.close()
+        await frontend.drain()
