@@ -163,9 +163,9 @@ class InferEndpoint:
         if started is None:
             hold.release()
             return False
-        client = scope.get("client")
-        answer = _InlineAnswer(self, model, started, hold, record, write, disconnect_callbacks(scope), running,
-                               f"{client[0]}:{client[1]}" if client else "-", scope["path"], started_ns)
+        where = (_peer(scope), scope["path"]) if record is not None else _NOWHERE  # for its access log line
+        answer = _InlineAnswer(self.access_log, model, started, hold, record, write, disconnect_callbacks(scope),
+                               running, where, started_ns)
         started.call.future.add_done_callback(answer.finished)
         return True
 
@@ -204,10 +204,7 @@ class InferEndpoint:
 
     def _log(self, scope: Scope, model: str, status: int, started: int, record: RequestRecord | None) -> None:
         if record is not None:
-            client = scope.get("client")
-            self.access_log.write(
-                f"{client[0]}:{client[1]}" if client else "-", scope["path"], model, status, started, record
-            )
+            self.access_log.write(_peer(scope), scope["path"], model, status, started, record)
 
     async def _respond(
         self,
@@ -287,23 +284,22 @@ class _InlineAnswer:
     a request leaves no reference cycle for the garbage collector."""
 
     __slots__ = (
+        "_access_log",
         "_callbacks",
-        "_client",
         "_done",
-        "_endpoint",
         "_hold",
         "_model",
-        "_path",
         "_record",
         "_running",
         "_started",
         "_started_ns",
+        "_where",
         "_write",
     )
 
     def __init__(
         self,
-        endpoint: InferEndpoint,
+        access_log: AccessLog,
         model: str,
         started: v2_infer.Started,
         hold: Hold,
@@ -311,21 +307,19 @@ class _InlineAnswer:
         write: WriteWhole,
         callbacks: list[Callable[[], None]] | None,
         running: set[Any],
-        client: str,
-        path: str,
+        where: tuple[str, str],
         started_ns: int,
     ) -> None:
-        self._endpoint = endpoint
+        self._access_log = access_log
         self._model = model
         self._started = started
         self._hold = hold
         self._record = record
         self._write = write
         self._callbacks = callbacks
-        self._client = client
-        self._path = path
-        self._started_ns = started_ns
         self._running = running
+        self._where = where  # the client and the path, for the access log line (with a record)
+        self._started_ns = started_ns
         self._done = False
         if callbacks is not None:
             callbacks.append(self.client_left)
@@ -412,9 +406,17 @@ class _InlineAnswer:
             self._callbacks = None
         record = self._record
         if record is not None:
-            self._endpoint.access_log.write(self._client, self._path, self._model, status, self._started_ns, record)
+            client, path = self._where
+            self._access_log.write(client, path, self._model, status, self._started_ns, record)
 
 
+def _peer(scope: Scope) -> str:
+    """The client's address as the access log writes it."""
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "-"
+
+
+_NOWHERE = ("", "")  # no access log line is written
 _ENCODING: set[asyncio.Task[None]] = set()  # inline answers encoding big outputs on a thread, kept till done
 
 _IDENTITY = ("identity", "")
