@@ -15,6 +15,9 @@ machine drowns it in noise.
   --through plane      the same decoded tensors started on the data plane directly, as the
                        server process's end of the link starts them: the link's own cost is
                        what --through link costs more than this
+  --through frontend   the HTTP protocol of a front-end process (--http-workers) fed as through
+                       the protocol, its link to this process's data plane over a Unix socket:
+                       a front end's and the server process's work for a request together
   --answer engine      the model's engine, as served
   --answer zeros       the engine answers zeros of its outputs' shapes at once: the data plane
                        (admission, batching, the instance thread and back) without compute
@@ -48,7 +51,7 @@ import numpy as np
 from loadtest import payloads
 from server.asgi.disconnect import DISCONNECT_EXTENSION
 
-THROUGH = ("app", "protocol", "link", "plane")
+THROUGH = ("app", "protocol", "link", "plane", "frontend")
 ANSWER_WITHIN_S = 10.0  # once the run stops, each client's call in flight is answered within this
 ANSWERS = ("engine", "zeros", "parsed")
 
@@ -113,6 +116,8 @@ def _refusal(through: str, answer: str) -> str | None:
         return f"through one of {THROUGH}, answer one of {ANSWERS}"
     if through in ("link", "plane") and answer == "parsed":
         return f"--through {through} has no HTTP to parse: answer engine or zeros"
+    if through == "frontend" and answer == "parsed":
+        return "--through frontend parses in the front end and answers from the data plane: answer engine or zeros"
     return None
 
 
@@ -136,6 +141,11 @@ async def _run(plane: Any, app: Any, door: Any, model: str, clients: int, second
             calls = [_decoded(body) for body in bodies]
             link = await stack.enter_async_context(_linked(plane))
             tasks = [asyncio.create_task(_link_client(link, model, calls, i, load)) for i in range(clients)]
+        elif through == "frontend":
+            tasks = []
+            link = await stack.enter_async_context(_linked(plane))
+            front_end, front_door = await stack.enter_async_context(_front_end(link))
+            connections = _connect(front_end, front_door, model, bodies, clients, load)
         elif through == "plane":
             calls = [_decoded(body) for body in bodies]
             tasks = [asyncio.create_task(_plane_client(plane, model, calls, i, load)) for i in range(clients)]
@@ -243,6 +253,23 @@ async def _linked(plane: Any) -> AsyncIterator[Any]:
                 link.close()
             server.close()
             await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def _front_end(link: Any) -> AsyncIterator[tuple[Any, Any]]:
+    """The app of one front-end process over `link`, with its door: as `batchline serve
+    --http-workers 1` starts it, but for the other routes, which nobody calls here."""
+    from server.http.door import Door
+    from server.http.forward import ForwardApp
+    from server.http.worker_process import front_end_app
+    from server.settings import ServerSettings
+
+    forward = ForwardApp("/nonexistent/batchline-inprocess.sock")
+    try:
+        app = front_end_app(ServerSettings(), link, forward, 1)
+        yield app, Door.of(app)
+    finally:
+        await forward.close()
 
 
 def _decoded(body: bytes) -> list[tuple[str, str, np.ndarray]]:

@@ -122,11 +122,10 @@ class PlaneLink(_Stream):
                 running[1]()  # answered by its done callback: at once if dropped, else when it ends
         elif kind == "hello":
             self._hello(header)
-        elif kind == "mapped":
-            if self._arena is not None:
-                self._arena.forget_file()  # mapped there, or never to be: either way no file is left
-                if not header.get("outputs_mapped"):
-                    self._arena = None
+        elif kind == "mapped" and self._arena is not None:
+            self._arena.forget_file()  # mapped there, or never to be: either way no file is left
+            if not header.get("outputs_mapped"):
+                self._arena = None
 
     def _hello(self, header: dict[str, Any]) -> None:
         if header.get("arena"):
@@ -155,7 +154,7 @@ class PlaneLink(_Stream):
             batch_size = plane.check_inputs(model, {n: (d, list(a.shape)) for n, d, a in inputs})
             started = plane.start_call(
                 model, {n: (d, a) for n, d, a in inputs}, header["p"], header["o"], record, header["t"], batch_size)
-        except Exception as exc:  # every call is answered, so its input slots are freed
+        except Exception as exc:  # noqa: BLE001 - every call is answered, so its input slots are freed
             self._answer_failure(call, exc)
             return
         self._calls[call] = (started.future, started.withdraw)
@@ -224,14 +223,46 @@ class PlaneLink(_Stream):
         self.transport = None
 
 
+class LinkCall:
+    """A call sent over the link: its future gives the decoded answer (or the call's typed
+    error), and `withdraw` stops it in the server process for a caller that gave up."""
+
+    __slots__ = ("_link", "future", "id")
+
+    def __init__(self, link: LinkClient, call: int, future: asyncio.Future[Any]) -> None:
+        self._link = link
+        self.id = call
+        self.future = future
+
+    def withdraw(self) -> None:
+        """Its caller gave up: cancelled there if still running (an answer that comes anyway
+        has its outputs released unread)."""
+        self.future.cancel()
+        self._link.cancel(self.id)
+
+    async def answer(self) -> Any:
+        """The decoded answer, once it comes; a caller cancelled meanwhile withdraws the call."""
+        try:
+            return await self.future
+        except asyncio.CancelledError:
+            self._link.cancel(self.id)
+            raise
+
+
+# What an answer's frame is decoded into, on arrival: the outputs of an infer call, the body of a raw one.
+_Decode = Callable[[Frame], Any]
+
+
 class LinkClient(_Stream):
-    """A front end's end of its link: calls out, answers back to whoever awaits them."""
+    """A front end's end of its link: calls out, each answer decoded on arrival and handed to
+    its call's future."""
 
     def __init__(self, on_lost: Callable[[], None]) -> None:
         super().__init__()
         self._on_lost = on_lost
         self._next = 0
-        self._pending: dict[int, tuple[asyncio.Future[Frame], list[int]]] = {}
+        # calls not yet answered, by id: the future, the input slots to free, how to decode the answer
+        self._pending: dict[int, tuple[asyncio.Future[Any], list[int], _Decode]] = {}
         self._arena: Arena | None = None  # this side's: inputs
         self._peer_arena: Arena | None = None  # the server process's: outputs
         self._released: list[int] = []  # output slots read, to tell the server process on the next frame
@@ -270,6 +301,8 @@ class LinkClient(_Stream):
         self.send({"k": "mapped", "outputs_mapped": self._peer_arena is not None})
 
     def frame_received(self, frame: Frame) -> None:
+        """An answer: decoded now, its outputs copied out of the server process's arena and
+        their slots released, then handed to its call's future (unread if nobody waits)."""
         header = frame.header
         if header.get("k") == "hello":
             if self._hello is not None and not self._hello.done():
@@ -278,17 +311,27 @@ class LinkClient(_Stream):
         waiting = self._pending.pop(header["i"], None)
         if waiting is None:
             return
-        future, slots = waiting
+        future, slots, decode = waiting
         free_slots(self._arena, slots)  # the server process is done with this call's inputs
-        if not future.done():
-            future.set_result(frame)
-        else:
-            self._release(header)  # nobody waits: its outputs are read by nobody
+        try:
+            if future.done():  # nobody waits: its outputs are read by nobody
+                return
+            if "e" in header:
+                future.set_exception(error_from(header["e"]))
+                return
+            try:
+                answer = decode(frame)
+            except Exception as exc:  # noqa: BLE001 - the caller meets it, as any error of its call
+                future.set_exception(exc)
+            else:
+                future.set_result(answer)
+        finally:
+            self._release(header)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self.lost = True
-        for future, slots in self._pending.values():
+        for future, slots, _ in self._pending.values():
             free_slots(self._arena, slots)
             if not future.done():
                 future.set_exception(Unavailable(GONE))
@@ -297,27 +340,30 @@ class LinkClient(_Stream):
             self._hello.set_exception(Unavailable(GONE))
         self._on_lost()
 
-    async def infer(
+    def start(
         self, model: str, version: str | None, inputs: list[Tensor], parameters: dict[str, Any],
         outputs: list[str] | None, record: RequestRecord | None, received_ns: int,
-    ) -> tuple[int, list[Tensor]]:
-        """One decoded call, run in the server process: the model version that served it and
-        its outputs, or its typed error. Of the request's parameters only those admission reads
-        cross."""
+    ) -> LinkCall:
+        """One decoded call, sent now to run in the server process; its future gives the model
+        version that served it and its outputs, or its typed error. Of the request's parameters
+        only those admission reads cross. A front end's small calls are answered from this
+        future's callback, with no task (server/http/infer.py)."""
         if self.lost:
             raise Unavailable(GONE)
         options = {name: parameters[name] for name in REQUEST_OPTIONS if name in parameters}
         metas, payload, slots = pack_tensors(inputs, self._arena)
         header = {"k": "infer", "m": model, "v": version, "in": metas, "p": options, "o": outputs,
                   "r": record is not None, "t": received_ns}
-        frame = await self._call(header, payload, slots)
-        try:
-            answer = unpack_tensors(frame.header["out"], frame.payload, self._peer_arena, copy=True)
-        finally:
-            self._release(frame.header)
-        if record is not None and "rec" in frame.header:
-            fill_record(record, frame.header["rec"])
-        return frame.header["ver"], answer
+        return self._send_call(header, payload, slots, functools.partial(self._outputs, record))
+
+    async def infer(
+        self, model: str, version: str | None, inputs: list[Tensor], parameters: dict[str, Any],
+        outputs: list[str] | None, record: RequestRecord | None, received_ns: int,
+    ) -> tuple[int, list[Tensor]]:
+        """`start`, awaited."""
+        answer: tuple[int, list[Tensor]] = await self.start(
+            model, version, inputs, parameters, outputs, record, received_ns).answer()
+        return answer
 
     async def infer_raw(
         self, model: str, version: str | None, body: bytes, header_length: int | None,
@@ -327,37 +373,41 @@ class LinkClient(_Stream):
         if self.lost:
             raise Unavailable(GONE)
         header = {"k": "raw", "m": model, "v": version, "h": header_length, "r": record is not None, "t": received_ns}
-        frame = await self._call(header, [body], [])
-        if record is not None and "rec" in frame.header:
-            fill_record(record, frame.header["rec"])
-        return bytes(frame.payload), frame.header["raw"]
+        answer: tuple[bytes, int | None] = await self._send_call(
+            header, [body], [], functools.partial(_raw_answer, record)).answer()
+        return answer
 
-    async def _call(self, header: dict[str, Any], payload: list[bytes], slots: list[int]) -> Frame:
+    def _outputs(self, record: RequestRecord | None, frame: Frame) -> tuple[int, list[Tensor]]:
+        """An infer call's answer: the version that served it and its outputs, copied out of
+        the server process's arena (their slots are released as the frame is done with)."""
+        header = frame.header
+        answer = unpack_tensors(header["out"], frame.payload, self._peer_arena, copy=True)
+        if record is not None and "rec" in header:
+            fill_record(record, header["rec"])
+        return header["ver"], answer
+
+    def _send_call(self, header: dict[str, Any], payload: list[bytes], slots: list[int], decode: _Decode) -> LinkCall:
         call = self._next
         self._next += 1
         header["i"] = call
         if self._released:
             header["f"] = self._released
             self._released = []
-        future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         try:
             self.send(header, payload)
         except BaseException:  # a header that cannot cross: this call is refused
             free_slots(self._arena, slots)
             self._still_to_release(header.pop("f", []))
             raise
-        self._pending[call] = (future, slots)
-        try:
-            frame = await future
-        except asyncio.CancelledError:
-            if call in self._pending:  # the server process still runs it: stop it there too
-                self.send({"k": "cancel", "i": call})
-            elif future.done() and not future.cancelled() and future.exception() is None:
-                self._release(future.result().header)  # answered in the same turn: its outputs go unread
-            raise
-        if "e" in frame.header:
-            raise error_from(frame.header["e"])
-        return frame
+        self._pending[call] = (future, slots, decode)
+        return LinkCall(self, call, future)
+
+    def cancel(self, call: int) -> None:
+        """Stop a call in the server process, if it still runs there; its answer comes all the
+        same (every call is answered), and frees its inputs' slots here."""
+        if call in self._pending and not self.lost:
+            self.send({"k": "cancel", "i": call})
 
     def _release(self, header: dict[str, Any]) -> None:
         """The output slots of this answer are read."""
@@ -382,3 +432,10 @@ class LinkClient(_Stream):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+def _raw_answer(record: RequestRecord | None, frame: Frame) -> tuple[bytes, int | None]:
+    """A raw call's answer: the response body the server process encoded, and its binary header length."""
+    if record is not None and "rec" in frame.header:
+        fill_record(record, frame.header["rec"])
+    return bytes(frame.payload), frame.header["raw"]

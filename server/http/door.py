@@ -11,9 +11,9 @@ to the infer endpoint with what the door read (the model, the headers, the body 
 hold): the access gate and the router in front of the endpoint would only ask again. Everything
 else, and every request the access gate would refuse (401 comes before 429), goes the usual way.
 An admitted call of at most 16 KiB, sent as is, whose body comes whole in the same read as its
-head (what clients of small models send) is answered inline: started on the data plane from
-the parser's callback and answered from its future's, with no ASGI task
-(InferEndpoint.answered_inline). A body that comes in later reads takes the endpoint's task,
+head (what clients of small models send) is answered inline: started on the data plane (in a
+front-end process, sent to the server process's) from the parser's callback and answered from
+its future's, with no ASGI task (InferEndpoint.answered_inline). A body that comes in later reads takes the endpoint's task,
 whose body timeout refuses a client that stops part-way.
 
 The same protocol offers the app a way to write a whole response in one piece
@@ -110,7 +110,7 @@ class Door:
             body, retry_after = BUSY_BODY, "1"
         else:
             admitted = Admitted(match["model"], match["version"], headers, reserved,
-                                plane is not None and inline(headers))
+                                endpoint.answers_inline and inline(headers))
             if plane is None:
                 return admitted  # the queues are in the server process: it refuses there
             try:

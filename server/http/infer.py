@@ -28,8 +28,6 @@ import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import numpy as np
-
 from server.access_log import AccessLog
 from server.asgi.body import read_body
 from server.asgi.disconnect import CUT_OFF, disconnect_callbacks, unless_client_leaves
@@ -68,11 +66,14 @@ CONTROL_BODY_BYTES = 64 << 10
 # One infer call's answer from its body: (model, version, body, Inference-Header-Content-Length,
 # access log record, when its head arrived) -> (response body, its binary header length or None).
 Answer = Callable[[str, str | None, bytes, int | None, RequestRecord | None, int], Awaitable[tuple[bytes, int | None]]]
+# The same call started on the event loop, answered from its future (None: `Answer`'s way for it).
+StartInline = Callable[[str, str | None, bytes, int | None, RequestRecord | None, int], "v2_infer.InlineStarted | None"]
 
 
 class InferEndpoint:
     """The infer route over `plane`; or, in a front-end process (`--http-workers`), with no
-    plane of its own, over `answer`, which sends each call to the server process."""
+    plane of its own, over `answer` and `start_inline`, which send each call to the server
+    process."""
 
     def __init__(
         self,
@@ -81,14 +82,16 @@ class InferEndpoint:
         access_log: AccessLog | None = None,
         flight: InFlight | None = None,
         answer: Answer | None = None,
+        start_inline: StartInline | None = None,
     ) -> None:
         self.plane = plane  # None: no queues here to refuse at the door from
         if answer is None:
             if plane is None:
                 raise ValueError("an infer endpoint needs a data plane or an answer")
             answer = functools.partial(v2_infer.infer_v2, plane)
+            start_inline = functools.partial(v2_infer.start_inline, plane)
         self._answer = answer
-        self._start_inline = v2_infer.start_inline  # as `answer`, taken when the endpoint is made
+        self._start_inline = start_inline  # None: every call takes `admitted`'s task
         self._limit = max_body_bytes
         self.access_log = access_log or AccessLog()
         self.flight = flight or InFlight()  # shared with the server's other front ends
@@ -135,14 +138,16 @@ class InferEndpoint:
     ) -> bool:
         """Answer a call past the door whose whole body is in (at most INLINE_DECODE_BYTES, as
         sent: `inline` says which calls), with no task and no coroutine: it starts on the data
-        plane here and is answered from its future's callback through `write`. The client
+        plane here (in a front-end process, it is sent to the server process's) and is answered
+        from its future's callback through `write`. The client
         leaving is learnt from the scope's disconnect callbacks, as `admitted` learns it. While
         it waits it is in `running` (uvicorn's tasks), whose `cancel()` cuts it off with a 503
         when the server's graceful stop runs out of time, as a task is. False, with nothing
         started, for a call whose tensors are too big to build on the event loop (BYTES in the
-        client's shared memory): `admitted` answers it."""
-        plane = self.plane
-        if plane is None:  # a front-end process: its calls go to the server process, from a task
+        client's shared memory), for one a front end sends whole to the server process (it
+        names the client's shared memory), and for every call of an endpoint made with an
+        `answer` but no `start_inline`: `admitted` answers it."""
+        if self._start_inline is None:
             return False
         started_ns = time.perf_counter_ns()
         hold = self.flight.try_hold(reserved)
@@ -153,7 +158,7 @@ class InferEndpoint:
             return True
         record = RequestRecord() if self.access_log.enabled else None
         try:
-            started = self._start_inline(plane, model, version, body, _header_length(headers), record, started_ns)
+            started = self._start_inline(model, version, body, _header_length(headers), record, started_ns)
         except Exception as exc:  # noqa: BLE001 - answered in v2's shape, an unknown one as 500
             hold.release()
             status, content, extra = error_parts(exc)
@@ -168,6 +173,11 @@ class InferEndpoint:
                                running, where, started_ns)
         started.call.future.add_done_callback(answer.finished)
         return True
+
+    @property
+    def answers_inline(self) -> bool:
+        """Whether small calls can be answered inline (`answered_inline`)."""
+        return self._start_inline is not None
 
     def reservation(self, headers: dict[bytes, bytes]) -> int:
         """The body bytes a request holds from its head on (server/inflight.py)."""
@@ -301,7 +311,7 @@ class _InlineAnswer:
         self,
         access_log: AccessLog,
         model: str,
-        started: v2_infer.Started,
+        started: v2_infer.InlineStarted,
         hold: Hold,
         record: RequestRecord | None,
         write: WriteWhole,
@@ -325,7 +335,9 @@ class _InlineAnswer:
             callbacks.append(self.client_left)
         running.add(self)
 
-    def finished(self, future: asyncio.Future[dict[str, np.ndarray]]) -> None:
+    def finished(self, future: asyncio.Future[Any]) -> None:
+        """Its call's future is done: its result is what the started call answers from (the
+        model's outputs here, or the server process's answer in a front end)."""
         if self._done:  # its client left, or the stop cut it off: nobody to tell of an error
             if not future.cancelled():
                 future.exception()  # read, or asyncio logs it as never retrieved
@@ -369,7 +381,7 @@ class _InlineAnswer:
         self._started.call.withdraw()
         self._answer_error(Unavailable(CUT_OFF))
 
-    async def _encode(self, results: dict[str, np.ndarray]) -> None:
+    async def _encode(self, results: Any) -> None:
         try:
             answer = await self._started.encoded(self._model, results)
         except Exception as exc:  # noqa: BLE001 - answered in v2's shape

@@ -18,7 +18,7 @@ import numpy as np
 
 from server.dataplane import Call, DataPlane, Output
 from server.errors import BatchlineError, QueueFull
-from server.link import LinkClient
+from server.link import LinkCall, LinkClient
 from server.model import ModelVersion
 from server.protocol.v2 import DecodedRequest, ParsedRequest, build_tensors, encode_response, parse_request
 from server.scheduler.request import RequestRecord
@@ -149,7 +149,7 @@ async def infer_v2_remote(
     memory goes there whole: the regions are registered there."""
     received = time.perf_counter_ns() if received_ns is None else received_ns
     parsed = await _parsed(body, header_length)
-    if any(d.region is not None for d in parsed.inputs) or any(o.region is not None for o in parsed.outputs or ()):
+    if _names_shared_memory(parsed):
         return await link.infer_raw(name, version, body, header_length, record, received)
     if record is not None:
         record.request_id = parsed.id
@@ -158,11 +158,72 @@ async def infer_v2_remote(
     else:
         decoded = build_tensors(parsed)
     del parsed  # as in infer_v2: freed before the wait
-    wanted = decoded.outputs
-    served, outputs = await link.infer(
-        name, version, [(n, datatype, array) for n, (datatype, array) in decoded.inputs.items()], decoded.parameters,
-        None if wanted is None else [o.name for o in wanted], record, received)
+    started = _sent(link, name, version, decoded, record, received)
+    served, outputs = await started.call.answer()
     return await _encoded(name, served, decoded, outputs, {})
+
+
+class Sent(NamedTuple):
+    """A call sent to the server process (`--http-workers`), with what its answer is encoded
+    from: its call's future gives the version that served it and its outputs."""
+
+    call: LinkCall
+    decoded: DecodedRequest
+
+    def answer_inline(self, name: str, answer: tuple[int, list[Output]]) -> tuple[bytes, int | None] | None:
+        """As `Started.answer_inline`, from the server process's answer."""
+        version, outputs = answer
+        tensors = with_binary_flags(outputs, self.decoded)
+        if _encodes_inline(tensors, {}):
+            return _answer(name, version, self.decoded.id, tensors, {})
+        return None
+
+    async def encoded(self, name: str, answer: tuple[int, list[Output]]) -> tuple[bytes, int | None]:
+        version, outputs = answer
+        return await _encoded(name, version, self.decoded, outputs, {})
+
+
+def start_inline_remote(
+    link: LinkClient,
+    name: str,
+    version: str | None,
+    body: bytes,
+    header_length: int | None,
+    record: RequestRecord | None,
+    received_ns: int,
+) -> Sent | None:
+    """`infer_v2_remote` up to the call's sending, on the event loop, for a body of at most
+    INLINE_DECODE_BYTES, as `start_inline` is for `infer_v2`. None for a call that names the
+    client's shared memory, or whose tensors are too big to build here: `infer_v2_remote` is
+    the way for it."""
+    parsed = parse_request(body, header_length)
+    if parsed.decode_bytes > INLINE_DECODE_BYTES or _names_shared_memory(parsed):
+        return None
+    if record is not None:
+        record.request_id = parsed.id
+    decoded = build_tensors(parsed)
+    del parsed
+    return _sent(link, name, version, decoded, record, received_ns)
+
+
+# An infer call started inline, either way: on this process's data plane, or sent to the server process's.
+InlineStarted = Started | Sent
+
+
+def _sent(
+    link: LinkClient, name: str, version: str | None, decoded: DecodedRequest, record: RequestRecord | None,
+    received_ns: int,
+) -> Sent:
+    wanted = decoded.outputs
+    call = link.start(name, version, [(n, datatype, array) for n, (datatype, array) in decoded.inputs.items()],
+                      decoded.parameters, None if wanted is None else [o.name for o in wanted], record, received_ns)
+    return Sent(call, decoded)
+
+
+def _names_shared_memory(parsed: ParsedRequest) -> bool:
+    """Whether a call reads or writes the client's shared memory (whose regions are registered
+    in the server process alone)."""
+    return any(d.region is not None for d in parsed.inputs) or any(o.region is not None for o in parsed.outputs or ())
 
 
 async def _parsed(body: bytes, header_length: int | None) -> ParsedRequest:

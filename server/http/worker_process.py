@@ -32,7 +32,7 @@ from server.http.forward import ForwardApp
 from server.http.frontend import HttpFrontEnd
 from server.http.infer import FastInferApp, InferEndpoint
 from server.http.shared_port import reuse_port_socket
-from server.http.v2_infer import infer_v2_remote
+from server.http.v2_infer import infer_v2_remote, start_inline_remote
 from server.http.workers import HEARTBEAT_S, READY_LINE
 from server.inflight import InFlight
 from server.link import LinkClient
@@ -44,7 +44,8 @@ def front_end_app(settings: ServerSettings, link: LinkClient, forward: ForwardAp
     end takes its share of the server's bounds on requests in flight."""
     flight = InFlight(math.ceil(settings.max_in_flight / workers), math.ceil(settings.max_in_flight_bytes / workers))
     endpoint = InferEndpoint(None, settings.max_body_bytes, AccessLog(settings.access_log), flight,
-                             answer=functools.partial(infer_v2_remote, link))
+                             answer=functools.partial(infer_v2_remote, link),
+                             start_inline=functools.partial(start_inline_remote, link))
     routes = FastInferApp(forward, endpoint, own_bodies=tuple(f"{extension.prefix}/" for extension in EXTENSIONS))
     return AccessGate(routes, AccessPolicy.from_settings(settings), EXTENSIONS)
 

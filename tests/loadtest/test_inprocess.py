@@ -1,6 +1,7 @@
 """`python -m loadtest.inprocess`: the app driven in-process, directly, through the server's HTTP
-protocol or through the front ends' link, answers every request and reports its cost, and the
-process's collector is left as it was. It checks the tool, not the server's speed."""
+protocol, through the front ends' link, or through a front end's HTTP protocol and its link,
+answers every request and reports its cost, and the process's collector is left as it was. It
+checks the tool, not the server's speed."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ import gc
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
-
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,7 +29,7 @@ def _collector() -> tuple[tuple[int, int, int], int, int]:
 
 @pytest.mark.parametrize(("through", "answer"), [("app", "engine"), ("protocol", "zeros"), ("app", "parsed"),
                                                  ("protocol", "parsed"), ("link", "engine"), ("link", "zeros"),
-                                                 ("plane", "zeros")])
+                                                 ("plane", "zeros"), ("frontend", "zeros"), ("frontend", "engine")])
 def test_a_short_run_serves_and_reports_its_cost(tmp_path: Path, through: str, answer: str) -> None:
     mlp.write_mlp_model(tmp_path)
     before, infer = _collector(), v2_infer.infer_v2
@@ -39,7 +39,7 @@ def test_a_short_run_serves_and_reports_its_cost(tmp_path: Path, through: str, a
     assert _collector() == before and v2_infer.infer_v2 is infer, "the process is left as it was"
 
 
-@pytest.mark.parametrize("through", ["app", "protocol"])
+@pytest.mark.parametrize("through", ["app", "protocol", "frontend"])
 def test_a_run_whose_requests_fail_says_so_and_leaves_the_process_as_it_was(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, through: str
 ) -> None:
@@ -69,13 +69,16 @@ def test_a_plane_run_whose_calls_are_refused_says_so(tmp_path: Path, monkeypatch
         asyncio.run(inprocess.measure(tmp_path, "mlp", clients=4, seconds=0.3, through="plane"))
 
 
-@pytest.mark.parametrize("through", ["link", "plane"])
-def test_a_run_without_http_has_none_to_parse(tmp_path: Path, capsys: pytest.CaptureFixture[str], through: str) -> None:
-    with pytest.raises(ValueError, match="no HTTP to parse"):
+@pytest.mark.parametrize(("through", "why"), [("link", "no HTTP to parse"), ("plane", "no HTTP to parse"),
+                                              ("frontend", "parses in the front end")])
+def test_a_run_that_cannot_answer_once_parsed_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], through: str, why: str,
+) -> None:
+    with pytest.raises(ValueError, match=why):
         asyncio.run(inprocess.measure(tmp_path, "mlp", clients=1, seconds=0.1, through=through, answer="parsed"))
     with pytest.raises(SystemExit):
         inprocess.main(["--model-repository", str(tmp_path), "--through", through, "--answer", "parsed"])
-    assert "no HTTP to parse" in capsys.readouterr().err
+    assert why in capsys.readouterr().err
 
 
 def test_a_link_run_leaves_no_socket_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,7 +1,8 @@
 """The link between a front-end process and the server process, over a real Unix socket: frames
 cut anywhere reassemble, tensors cross inline or in shared memory and come back equal, typed
 errors cross as themselves, a cancelled call is cancelled on the far side and its slots freed,
-and a lost server process fails the calls waiting on it."""
+a lost server process fails the calls waiting on it, and a call started with no coroutine is
+answered through its future (a withdrawn one stopped there)."""
 
 from __future__ import annotations
 
@@ -439,3 +440,45 @@ def test_whole_frames_are_views_and_a_split_one_is_copied_once(monkeypatch: pyte
     assert [f.header for f in frames] == [{"i": 1}, {"i": 2}] and bytes(frames[0].payload) == big
     # once for the first frame, when its last piece comes; once for the second, which that piece cut
     assert joined == 2, f"the pending bytes were joined {joined} times for {len(pieces)} pieces"
+
+
+async def test_a_started_call_is_answered_through_its_future_its_outputs_copied_out(linked: Any) -> None:
+    """What a front end's inline answer reads: no coroutine, the answer decoded as it lands."""
+    client, _, ends = linked
+    large = np.ones((1, MIN_SLOT // 4), np.float32)
+    call = client.start("m", None, [("x", "FP32", large)], {}, None, None, 0)
+    version, outputs = await asyncio.wait_for(call.future, 5)
+    assert version == 3 and outputs[0][:2] == ("x_doubled", "FP32")
+    np.testing.assert_array_equal(outputs[0][2], large * 2)
+    assert not client._pending and client._arena is not None and client._arena.allocate(1) == 0, "inputs freed"
+    await asyncio.sleep(0.05)
+    assert ends[0]._arena is not None and ends[0]._arena.allocate(large.nbytes) == 0, "its output slot given back"
+    np.testing.assert_array_equal(outputs[0][2], large * 2)  # a copy: the slot's reuse does not touch it
+
+
+async def test_a_withdrawn_call_is_stopped_there_and_its_late_answer_released_unread(linked: Any) -> None:
+    client, plane, ends = linked
+    plane.computing = True  # it runs to its end there, and is answered then
+    plane.hold.clear()
+    large = np.ones((1, MIN_SLOT // 4), np.float32)
+    call = client.start("m", None, [("x", "FP32", large)], {}, None, None, 0)
+    await asyncio.wait_for(plane.started.wait(), 5)
+    call.withdraw()
+    assert call.future.cancelled()
+    await eventually(lambda: plane.withdrawn == 1, "the server process is told")
+    plane.hold.set()
+    await eventually(lambda: not client._pending and not ends[0]._calls, "the call is answered")
+    assert client._arena is not None and client._arena.allocate(1) == 0, "its input slot freed once answered"
+    await asyncio.sleep(0.05)
+    assert ends[0]._arena is not None and ends[0]._arena.allocate(large.nbytes) == 0, "its output given back unread"
+
+
+async def test_a_started_calls_error_is_its_futures(linked: Any) -> None:
+    client, plane, _ = linked
+    plane.raise_next = InvalidInput("bad")
+    call = client.start("m", None, [("x", "FP32", np.zeros((1, 2), np.float32))], {}, None, None, 0)
+    with pytest.raises(InvalidInput, match="bad"):
+        await asyncio.wait_for(call.future, 5)
+    call.withdraw()  # after its answer: nothing to stop
+    await asyncio.sleep(0.05)
+    assert not client._pending
