@@ -13,8 +13,8 @@ else, and every request the access gate would refuse (401 comes before 429), goe
 An admitted call of at most 16 KiB, sent as is, whose body comes whole in the same read as its
 head (what clients of small models send) is answered inline: started on the data plane (in a
 front-end process, sent to the server process's) from the parser's callback and answered from
-its future's, with no ASGI task (InferEndpoint.answered_inline). A body that comes in later reads takes the endpoint's task,
-whose body timeout refuses a client that stops part-way.
+its future's, with no ASGI task (InferEndpoint.answered_inline). A body that comes in later
+reads takes the endpoint's task, whose body timeout refuses a client that stops part-way.
 
 The same protocol offers the app a way to write a whole response in one piece
 (server/asgi/respond.py), which the infer route takes for its answers and errors (and the

@@ -139,10 +139,10 @@ class InferEndpoint:
         """Answer a call past the door whose whole body is in (at most INLINE_DECODE_BYTES, as
         sent: `inline` says which calls), with no task and no coroutine: it starts on the data
         plane here (in a front-end process, it is sent to the server process's) and is answered
-        from its future's callback through `write`. The client
-        leaving is learnt from the scope's disconnect callbacks, as `admitted` learns it. While
-        it waits it is in `running` (uvicorn's tasks), whose `cancel()` cuts it off with a 503
-        when the server's graceful stop runs out of time, as a task is. False, with nothing
+        from its future's callback through `write`. The client leaving is learnt from the
+        scope's disconnect callbacks, as `admitted` learns it. While it waits it is in `running`
+        (uvicorn's tasks), whose `cancel()` cuts it off with a 503 when the server's graceful
+        stop runs out of time, as a task is. False, with nothing
         started, for a call whose tensors are too big to build on the event loop (BYTES in the
         client's shared memory), for one a front end sends whole to the server process (it
         names the client's shared memory), and for every call of an endpoint made with an
