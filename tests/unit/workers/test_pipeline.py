@@ -10,7 +10,7 @@ from server.engines.base import Engine, EngineDescription
 from server.engines.signature import EngineSignature, TensorSignature
 from server.errors import EngineError
 from server.preprocess import TextTokenizer
-from server.workers.pipeline import ModelPipeline, paddable_inputs
+from server.workers.pipeline import ModelPipeline, paddable_inputs, split
 from tests.integration.conftest import MODELS, require_built_models
 
 
@@ -79,6 +79,21 @@ def test_a_single_request_pads_to_its_bucket_too() -> None:
     result = ModelPipeline(cfg, engine, {}).run_batch([{"x": np.ones((3, 1), np.float32)}])
     assert engine.seen == [{"x": (4, 1)}]
     assert result.outputs[0]["sum"].shape == (3, 1)
+
+
+@pytest.mark.parametrize("sizes", [[1, 1, 1], [2, 1, 3], [1, 2]])
+def test_outputs_cut_back_per_request_are_views_of_their_own_rows_bucket_rows_dropped(sizes: list[int]) -> None:
+    outputs = {"a": np.arange(16, dtype=np.float32).reshape(8, 2), "b": np.arange(8, dtype=np.int64)}
+    pieces = split(outputs, sizes)
+    start = 0
+    assert len(pieces) == len(sizes)
+    for piece, size in zip(pieces, sizes, strict=True):
+        assert list(piece) == ["a", "b"]
+        np.testing.assert_array_equal(piece["a"], outputs["a"][start:start + size])
+        np.testing.assert_array_equal(piece["b"], outputs["b"][start:start + size])
+        assert piece["a"].shape == (size, 2) and piece["b"].shape == (size,)
+        assert np.shares_memory(piece["a"], outputs["a"]), "a view, not a copy"
+        start += size
 
 
 def test_unbatched_models_run_the_request_as_given() -> None:
