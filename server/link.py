@@ -175,6 +175,10 @@ class PlaneLink(_Stream):
     ) -> None:
         if not self._still_owed(call, future):
             return
+        failed = _failure(future)
+        if failed is not None:
+            self._answer_failure(call, failed)
+            return
         slots: list[int] = []
         try:
             metas, data, slots = pack_tensors(started.outputs(future.result()), self._arena)  # freed once read there
@@ -188,6 +192,10 @@ class PlaneLink(_Stream):
 
     def _answer_raw(self, call: int, record: RequestRecord | None, task: asyncio.Task[tuple[bytes, int | None]]) -> None:
         if not self._still_owed(call, task):
+            return
+        failed = _failure(task)
+        if failed is not None:
+            self._answer_failure(call, failed)
             return
         try:
             content, binary_header_length = task.result()
@@ -241,11 +249,19 @@ class LinkCall:
         self._link.cancel(self.id)
 
     async def answer(self) -> Any:
-        """The decoded answer, once it comes; a caller cancelled meanwhile withdraws the call."""
+        """The decoded answer, once it comes; a caller cancelled meanwhile withdraws the call.
+        Raised from here, the error's traceback holds this frame, and the frame would hold the
+        error back through the future: a cycle keeping the caller's frames (the request's body
+        and tensors) until a rare full collection, were they not let go first (as Call.answer)."""
+        future = self.future
         try:
-            return await self.future
+            return await future
         except asyncio.CancelledError:
             self._link.cancel(self.id)
+            del self, future
+            raise
+        except BaseException:
+            del self, future
             raise
 
 
@@ -323,6 +339,7 @@ class LinkClient(_Stream):
                 answer = decode(frame)
             except Exception as exc:  # noqa: BLE001 - the caller meets it, as any error of its call
                 future.set_exception(exc)
+                del future, waiting  # the error's traceback holds this frame: no cycle through them
             else:
                 future.set_result(answer)
         finally:
@@ -432,6 +449,14 @@ class LinkClient(_Stream):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+def _failure(done: asyncio.Future[Any]) -> BaseException | None:
+    """A finished call's error (a CancelledError if it was cancelled), read without raising it:
+    raised here, its traceback would hold the frame that holds the future, which holds it."""
+    if done.cancelled():
+        return asyncio.CancelledError()
+    return done.exception()
 
 
 def _raw_answer(record: RequestRecord | None, frame: Frame) -> tuple[bytes, int | None]:

@@ -158,8 +158,9 @@ async def infer_v2_remote(
     else:
         decoded = build_tensors(parsed)
     del parsed  # as in infer_v2: freed before the wait
-    started = _sent(link, name, version, decoded, record, received)
-    served, outputs = await started.call.answer()
+    # the call is not kept in a local: the error it raises holds this frame, which would hold the call
+    # and, through its future, the error: a cycle keeping the body and tensors till a full collection
+    served, outputs = await _sent(link, name, version, decoded, record, received).call.answer()
     return await _encoded(name, served, decoded, outputs, {})
 
 

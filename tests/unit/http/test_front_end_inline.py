@@ -3,12 +3,14 @@ on loopback and a real link to a data plane over a Unix socket: a small call who
 whole with its head is parsed, sent over the link from the parser's callback and answered from
 its link call's future, with no ASGI task; a call naming the client's shared memory goes to the
 server process whole, from the task, as before. A client that leaves, the graceful stop running
-out and a lost server process are met as on the task's way."""
+out and a lost server process are met as on the task's way, and no call or connection is left
+in a reference cycle."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,7 +19,7 @@ from typing import Any, NamedTuple
 import orjson
 import pytest
 import pytest_asyncio
-from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from server.dataplane import DataPlane
 from server.http import v2_infer
@@ -30,6 +32,7 @@ from server.link import LinkClient, PlaneLink
 from server.settings import ServerSettings
 from tests.unit.http.conftest import HOLD, Gate, infer_body
 from tests.unit.http.test_door import exchange, post, read_response, started
+from tests.unit.cycles import left_in_cycles
 from tests.unit.waiting import eventually
 
 
@@ -173,3 +176,70 @@ async def test_a_lost_server_process_is_a_503_for_the_calls_waiting_on_it(front:
     status, body = await exchange(front.port, post(infer_body(1.0)))
     assert status == 503 and "server process is gone" in orjson.loads(body)["error"]
     assert front.tasks == [] and (front.flight.requests, front.flight.bytes) == (0, 0)
+
+
+def _big_body() -> bytes:
+    """Over INLINE_DECODE_BYTES: the task's way."""
+    return infer_body(1.0, padding="x" * v2_infer.INLINE_DECODE_BYTES)
+
+
+def _shared_memory_body() -> bytes:
+    return orjson.dumps({"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32",
+                                     "parameters": {"shared_memory_region": "nowhere",
+                                                    "shared_memory_byte_size": 4}}]})
+
+
+@pytest.mark.parametrize(("body", "path", "status"), [
+    (_big_body(), "/v2/models/nowhere/infer", 404),  # the task's way, refused by the server process
+    (_big_body(), "/v2/models/spin/infer", 200),
+    (_shared_memory_body(), "/v2/models/spin/infer", 400),  # sent whole, refused there
+    (infer_body(1.0), "/v2/models/nowhere/infer", 404),  # inline, refused there
+    (infer_body(1.0), "/v2/models/spin/infer", 200),
+], ids=["task-404", "task", "shared-memory-400", "inline-404", "inline"])
+async def test_calls_leave_nothing_in_reference_cycles(front: FrontEnd, body: bytes, path: str, status: int) -> None:
+    """An error raised from a link call holds the frames it passed through: were they to hold
+    the call, its body and tensors would wait for a rare full collection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+
+    async def requests(count: int) -> None:
+        for _ in range(count):
+            writer.write(post(body, path=path))
+            assert (await read_response(reader))[0] == status
+
+    found = await left_in_cycles(requests, 20, 100)
+    writer.close()
+    assert found < 50, f"{found} objects in reference cycles after 100 requests"
+
+
+async def test_a_connection_closed_after_an_inline_call_is_freed_by_its_count(front: FrontEnd) -> None:
+    """uvicorn lets a request's cycle go of the protocol as its task ends; an inline call has no
+    task, and the connection would wait in a reference cycle for a rare collection."""
+    assert await protocols_left_in_cycles(front.port) == 0
+
+
+async def protocols_left_in_cycles(port: int) -> int:
+    """The server's connection protocols that a collection finds in cycles after 20 connections
+    that each carry one small call, answered, then close (the client's own streams are left in
+    cycles by asyncio, so they are not what is counted)."""
+
+    async def connections(count: int) -> None:
+        for _ in range(count):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(post(infer_body(1.0)))
+            assert (await read_response(reader))[0] == 200
+            writer.close()
+            await writer.wait_closed()
+            await asyncio.sleep(0.01)  # the server's side sees it closed
+
+    await connections(5)
+    gc.disable()
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        await connections(20)
+        gc.collect()
+        return sum(isinstance(o, HttpToolsProtocol) for o in gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()

@@ -27,6 +27,7 @@ from server.http.infer import _InlineAnswer
 from server.inflight import InFlight
 from tests.unit.http.conftest import HOLD, Gate, infer_body
 from tests.unit.http.test_door import exchange, post, read_response, started
+from tests.unit.http.test_front_end_inline import protocols_left_in_cycles
 from tests.unit.waiting import eventually
 
 
@@ -272,3 +273,11 @@ async def test_a_call_pipelined_behind_another_at_the_in_flight_bound_is_served(
     finally:
         writer.close()
         await frontend.drain()
+
+
+async def test_a_connection_closed_after_an_inline_call_is_freed_by_its_count(
+    served: tuple[int, list[str], InFlight],
+) -> None:
+    port, tasks, _ = served
+    assert await protocols_left_in_cycles(port) == 0
+    assert tasks == []
