@@ -17,6 +17,7 @@ from typing import Any, Self
 import numpy as np
 import orjson
 import pytest
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 import server.model
 from server.dataplane import DataPlane
@@ -86,6 +87,21 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     monkeypatch.setattr(server.model, "create_engine", gated)
     yield shared
     shared.released.set()
+
+
+@pytest.fixture
+def asgi_tasks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths of the ASGI tasks uvicorn starts during the test (a call answered inline
+    starts none)."""
+    tasks: list[str] = []
+    real_run = RequestResponseCycle.run_asgi
+
+    async def counted(self: RequestResponseCycle, app: Any) -> None:
+        tasks.append(self.scope["path"])
+        await real_run(self, app)
+
+    monkeypatch.setattr(RequestResponseCycle, "run_asgi", counted)
+    return tasks
 
 
 @pytest.fixture

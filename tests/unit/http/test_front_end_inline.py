@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import orjson
 import pytest
 import pytest_asyncio
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from server.dataplane import DataPlane
 from server.http import v2_infer
@@ -30,9 +30,9 @@ from server.http.worker_process import front_end_app
 from server.inflight import InFlight
 from server.link import LinkClient, PlaneLink
 from server.settings import ServerSettings
+from tests.unit.cycles import left_in_cycles
 from tests.unit.http.conftest import HOLD, Gate, infer_body
 from tests.unit.http.test_door import exchange, post, read_response, started
-from tests.unit.cycles import left_in_cycles
 from tests.unit.waiting import eventually
 
 
@@ -46,16 +46,8 @@ class FrontEnd(NamedTuple):
 
 
 @pytest_asyncio.fixture
-async def front(plane: DataPlane, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> AsyncIterator[FrontEnd]:
+async def front(plane: DataPlane, asgi_tasks: list[str], tmp_path: Path) -> AsyncIterator[FrontEnd]:
     """One front end, the access log on, linked to `plane` (over `spin`) as to a server process."""
-    tasks: list[str] = []
-    real_run = RequestResponseCycle.run_asgi
-
-    async def counted(self: RequestResponseCycle, app: Any) -> None:
-        tasks.append(self.scope["path"])
-        await real_run(self, app)
-
-    monkeypatch.setattr(RequestResponseCycle, "run_asgi", counted)
     plane.start([])
     ends: list[PlaneLink] = []
 
@@ -70,7 +62,7 @@ async def front(plane: DataPlane, monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     app = front_end_app(ServerSettings(access_log="json", max_in_flight=4), link, forward, 1)
     frontend, port = await started(app, grace_s=1)
     try:
-        yield FrontEnd(port, tasks, frontend, link, ends, app.app.endpoint.flight)  # type: ignore[attr-defined]
+        yield FrontEnd(port, asgi_tasks, frontend, link, ends, app.app.endpoint.flight)  # type: ignore[attr-defined]
     finally:
         await frontend.drain()
         link.close()

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 import pytest
 import pytest_asyncio
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from server.access_log import AccessLog
 from server.dataplane import DataPlane
@@ -32,21 +32,13 @@ from tests.unit.waiting import eventually
 
 
 @pytest_asyncio.fixture
-async def served(plane: DataPlane, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[int, list[str], InFlight]]:
+async def served(plane: DataPlane, asgi_tasks: list[str]) -> AsyncIterator[tuple[int, list[str], InFlight]]:
     """A real HTTP front end over `spin` with the access log on; the paths of the ASGI tasks it
     started, and its in-flight bound."""
-    tasks: list[str] = []
-    real_run = RequestResponseCycle.run_asgi
-
-    async def counted(self: RequestResponseCycle, app: Any) -> None:
-        tasks.append(self.scope["path"])
-        await real_run(self, app)
-
-    monkeypatch.setattr(RequestResponseCycle, "run_asgi", counted)
     plane.start([])
     flight = InFlight(4)
     frontend, port = await started(create_app(plane, flight=flight, access_log=AccessLog("json")))
-    yield port, tasks, flight
+    yield port, asgi_tasks, flight
     await frontend.drain()
 
 
