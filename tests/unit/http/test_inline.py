@@ -27,7 +27,7 @@ from server.http.infer import _InlineAnswer
 from server.inflight import InFlight
 from tests.unit.http.conftest import HOLD, Gate, infer_body
 from tests.unit.http.test_door import exchange, post, read_response, started
-from tests.unit.http.test_front_end_inline import protocols_left_in_cycles
+from tests.unit.http.test_front_end_inline import server_objects_left_by_connections
 from tests.unit.waiting import eventually
 
 
@@ -271,5 +271,5 @@ async def test_a_connection_closed_after_an_inline_call_is_freed_by_its_count(
     served: tuple[int, list[str], InFlight],
 ) -> None:
     port, tasks, _ = served
-    assert await protocols_left_in_cycles(port) == 0
+    assert not await server_objects_left_by_connections(port)
     assert tasks == []
