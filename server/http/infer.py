@@ -93,7 +93,7 @@ class InferEndpoint:
         self._answer = answer
         self._start_inline = start_inline  # None: every call takes `admitted`'s task
         self._limit = max_body_bytes
-        self.access_log = access_log or AccessLog()
+        self._access_log = access_log or AccessLog()
         self.flight = flight or InFlight()  # shared with the server's other front ends
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, model: str, version: str | None) -> None:
@@ -119,7 +119,7 @@ class InferEndpoint:
             await self._refuse_busy(scope, send, headers, model, started)
             return
         try:
-            record = RequestRecord() if self.access_log.enabled else None
+            record = RequestRecord() if self._access_log.enabled else None
             status = await self._respond(scope, headers, hold, receive, send, model, version, record, started)
         finally:
             hold.release()
@@ -142,11 +142,11 @@ class InferEndpoint:
         from its future's callback through `write`. The client leaving is learnt from the
         scope's disconnect callbacks, as `admitted` learns it. While it waits it is in `running`
         (uvicorn's tasks), whose `cancel()` cuts it off with a 503 when the server's graceful
-        stop runs out of time, as a task is. False, with nothing
-        started, for a call whose tensors are too big to build on the event loop (BYTES in the
-        client's shared memory), for one a front end sends whole to the server process (it
-        names the client's shared memory), and for every call of an endpoint made with an
-        `answer` but no `start_inline`: `admitted` answers it."""
+        stop runs out of time, as a task is. False, with nothing started, for a call whose
+        tensors are too big to build on the event loop (BYTES in the client's shared memory),
+        for one a front end sends whole to the server process (it names the client's shared
+        memory), and for every call of an endpoint made with an `answer` but no `start_inline`:
+        `admitted` answers it."""
         if self._start_inline is None:
             return False
         started_ns = time.perf_counter_ns()
@@ -156,7 +156,7 @@ class InferEndpoint:
             write(status, head, content)
             self.log_refusal(scope, model, status, started_ns)
             return True
-        record = RequestRecord() if self.access_log.enabled else None
+        record = RequestRecord() if self._access_log.enabled else None
         try:
             started = self._start_inline(model, version, body, _header_length(headers), record, started_ns)
         except Exception as exc:  # noqa: BLE001 - answered in v2's shape, an unknown one as 500
@@ -169,7 +169,7 @@ class InferEndpoint:
             hold.release()
             return False
         where = (_peer(scope), scope["path"]) if record is not None else _NOWHERE  # for its access log line
-        answer = _InlineAnswer(self.access_log, model, started, hold, record, write, disconnect_callbacks(scope),
+        answer = _InlineAnswer(self._access_log, model, started, hold, record, write, disconnect_callbacks(scope),
                                running, where, started_ns)
         started.call.future.add_done_callback(answer.finished)
         return True
@@ -185,7 +185,7 @@ class InferEndpoint:
 
     def log_refusal(self, scope: Scope, model: str, status: int, started: int) -> None:
         """The access log line of a request refused before its body was read."""
-        if self.access_log.enabled:
+        if self._access_log.enabled:
             self._log(scope, model, status, started, RequestRecord())
 
     async def _refuse_busy(
@@ -214,7 +214,7 @@ class InferEndpoint:
 
     def _log(self, scope: Scope, model: str, status: int, started: int, record: RequestRecord | None) -> None:
         if record is not None:
-            self.access_log.write(_peer(scope), scope["path"], model, status, started, record)
+            self._access_log.write(_peer(scope), scope["path"], model, status, started, record)
 
     async def _respond(
         self,
@@ -253,9 +253,8 @@ class InferEndpoint:
         if isinstance(outcome, BaseException):
             return await _send(scope, send, *error_parts(outcome))
         content, binary_header_length = outcome
-        if binary_header_length is None:
-            return await _send(scope, send, 200, content, None)
-        return await _send(scope, send, 200, content, {HEADER_LENGTH: str(binary_header_length)}, _BINARY)
+        await send_response(scope, send, 200, _answer_headers(content, binary_header_length), content)
+        return 200
 
     async def _body(self, headers: dict[bytes, bytes], hold: Hold, receive: Receive) -> bytes:
         """The body, inflated when it has a Content-Encoding: while it inflates, the request holds
@@ -391,10 +390,7 @@ class _InlineAnswer:
 
     def _answer(self, answer: tuple[bytes, int | None]) -> None:
         content, binary_header_length = answer
-        if binary_header_length is None:
-            self._respond(200, body_headers(content, None, JSON), content)
-        else:
-            self._respond(200, body_headers(content, {HEADER_LENGTH: str(binary_header_length)}, _BINARY), content)
+        self._respond(200, _answer_headers(content, binary_header_length), content)
 
     def _answer_error(self, error: BaseException) -> None:
         status, content, extra = error_parts(error)
@@ -420,6 +416,13 @@ class _InlineAnswer:
         if record is not None:
             client, path = self._where
             self._access_log.write(client, path, self._model, status, self._started_ns, record)
+
+
+def _answer_headers(content: bytes, binary_header_length: int | None) -> Headers:
+    """The headers of an infer answer: JSON, or binary data after a JSON header of the given length."""
+    if binary_header_length is None:
+        return body_headers(content, None, JSON)
+    return body_headers(content, {HEADER_LENGTH: str(binary_header_length)}, _BINARY)
 
 
 def _peer(scope: Scope) -> str:

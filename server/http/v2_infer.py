@@ -73,10 +73,7 @@ class Started(NamedTuple):
     def answer_inline(self, name: str, results: dict[str, np.ndarray]) -> tuple[bytes, int | None] | None:
         """The answer from the call's `results`, as `infer_v2` returns it; None when its outputs
         are too big to encode on the event loop (`encoded` encodes them on a thread)."""
-        tensors = with_binary_flags(self.call.outputs(results), self.decoded)
-        if _encodes_inline(tensors, self.targets):
-            return _answer(name, self.version, self.decoded.id, tensors, self.targets)
-        return None
+        return _encoded_now(name, self.version, self.decoded, self.call.outputs(results), self.targets)
 
     async def encoded(self, name: str, results: dict[str, np.ndarray]) -> tuple[bytes, int | None]:
         return await _encoded(name, self.version, self.decoded, self.call.outputs(results), self.targets)
@@ -174,10 +171,7 @@ class Sent(NamedTuple):
     def answer_inline(self, name: str, answer: tuple[int, list[Output]]) -> tuple[bytes, int | None] | None:
         """As `Started.answer_inline`, from the server process's answer."""
         version, outputs = answer
-        tensors = with_binary_flags(outputs, self.decoded)
-        if _encodes_inline(tensors, {}):
-            return _answer(name, version, self.decoded.id, tensors, {})
-        return None
+        return _encoded_now(name, version, self.decoded, outputs, {})
 
     async def encoded(self, name: str, answer: tuple[int, list[Output]]) -> tuple[bytes, int | None]:
         version, outputs = answer
@@ -236,10 +230,20 @@ async def _parsed(body: bytes, header_length: int | None) -> ParsedRequest:
 async def _encoded(
     name: str, version: int, decoded: DecodedRequest, outputs: list[Output], targets: dict[str, Target],
 ) -> tuple[bytes, int | None]:
+    answer = _encoded_now(name, version, decoded, outputs, targets)
+    if answer is not None:
+        return answer
+    return await asyncio.to_thread(_answer, name, version, decoded.id, with_binary_flags(outputs, decoded), targets)
+
+
+def _encoded_now(
+    name: str, version: int, decoded: DecodedRequest, outputs: list[Output], targets: dict[str, Target],
+) -> tuple[bytes, int | None] | None:
+    """The answer, encoded on the event loop; None when its outputs are too big to encode there."""
     tensors = with_binary_flags(outputs, decoded)
     if _encodes_inline(tensors, targets):
         return _answer(name, version, decoded.id, tensors, targets)
-    return await asyncio.to_thread(_answer, name, version, decoded.id, tensors, targets)
+    return None
 
 
 def _encodes_inline(tensors: list[tuple[str, str, np.ndarray, bool]], targets: dict[str, Target]) -> bool:

@@ -22,6 +22,7 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 import server.model
 from server.dataplane import DataPlane
 from server.engines.base import Engine
+from server.http import v2_infer
 from server.repository import ModelRepository
 from tests.unit.http.tiny_models import write_spin_model
 
@@ -102,6 +103,22 @@ def asgi_tasks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(RequestResponseCycle, "run_asgi", counted)
     return tasks
+
+
+@pytest.fixture
+def encoding_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every JSON output counts as too big to encode on the event loop; the names of the threads
+    that encode answers during the test, in order."""
+    monkeypatch.setattr(v2_infer, "INLINE_ENCODE_JSON_BYTES", 0)
+    threads: list[str] = []
+    real_answer = v2_infer._answer
+
+    def answered_where(*args: Any) -> tuple[bytes, int | None]:
+        threads.append(threading.current_thread().name)
+        return real_answer(*args)
+
+    monkeypatch.setattr(v2_infer, "_answer", answered_where)
+    return threads
 
 
 @pytest.fixture

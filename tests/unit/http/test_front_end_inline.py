@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import threading
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import orjson
 import pytest
@@ -119,20 +118,11 @@ async def test_a_client_that_leaves_drops_its_call_there_and_gives_its_place_bac
 
 
 async def test_outputs_too_big_to_encode_on_the_loop_are_encoded_on_a_thread(
-    front: FrontEnd, monkeypatch: pytest.MonkeyPatch,
+    front: FrontEnd, encoding_threads: list[str],
 ) -> None:
-    monkeypatch.setattr(v2_infer, "INLINE_ENCODE_JSON_BYTES", 0)  # every JSON output is "big"
-    threads: list[str] = []
-    real_answer = v2_infer._answer
-
-    def answered_where(*args: Any) -> tuple[bytes, int | None]:
-        threads.append(threading.current_thread().name)
-        return real_answer(*args)
-
-    monkeypatch.setattr(v2_infer, "_answer", answered_where)
     status, answer = await exchange(front.port, post(infer_body(8.0)))
     assert status == 200 and orjson.loads(answer)["outputs"][0]["data"] == [8.0]
-    assert front.tasks == [] and threads and threads[0] != "MainThread"
+    assert front.tasks == [] and encoding_threads and encoding_threads[0] != "MainThread"
 
 
 async def test_a_call_cut_off_by_the_end_of_the_grace_period_is_told_503_and_dropped_there(

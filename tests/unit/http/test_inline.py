@@ -116,21 +116,12 @@ async def test_a_client_that_leaves_drops_its_queued_inline_call_and_gives_its_p
 
 
 async def test_outputs_too_big_to_encode_on_the_loop_are_encoded_on_a_thread(
-    served: tuple[int, list[str], InFlight], monkeypatch: pytest.MonkeyPatch,
+    served: tuple[int, list[str], InFlight], encoding_threads: list[str],
 ) -> None:
     port, tasks, _ = served
-    monkeypatch.setattr(v2_infer, "INLINE_ENCODE_JSON_BYTES", 0)  # every JSON output is "big"
-    threads: list[str] = []
-    real_answer = v2_infer._answer
-
-    def answered_where(*args: Any) -> tuple[bytes, int | None]:
-        threads.append(threading.current_thread().name)
-        return real_answer(*args)
-
-    monkeypatch.setattr(v2_infer, "_answer", answered_where)
     status, answer = await exchange(port, post(infer_body(8.0)))
     assert status == 200 and orjson.loads(answer)["outputs"][0]["data"] == [8.0]
-    assert tasks == [] and threads and threads[0] != "MainThread"
+    assert tasks == [] and encoding_threads and encoding_threads[0] != "MainThread"
 
 
 async def test_an_inline_call_cut_off_by_the_end_of_the_grace_period_is_told_503(plane: DataPlane, gate: Gate) -> None:
