@@ -17,6 +17,7 @@ from loadtest import (
     capacity,
     compare,
     fanout,
+    floor,
     frontends,
     overload,
     payloads,
@@ -50,10 +51,12 @@ DESCRIPTION = """Benchmarks for Batchline. Modes:
             memory vs in the body as a binary tensor, in one run
   fanout    one GPU stand-in fed by one server process, by --http-workers N, and by N whole
             servers on one port, in one run: req/s, mean batch size, CPU per request
+  floor     the server serving the MLP against a bare app on the same HTTP stack (parse, build
+            the array, no model), in turn on one core: the server's share of the floor's rate
 
 Each run writes MODE.json (the record: machine, command line, parameters, every level),
 MODE.md (a table) and MODE.png (a plot, with matplotlib) into --out.
-The HTTP modes but shm and fanout never start a server: start it yourself, e.g. pinned to CPU 0:
+The HTTP modes but shm, fanout and floor never start a server: start it yourself, e.g. pinned to CPU 0:
   taskset -c 0 batchline serve --http-port 8000
   batchline bench closed --url http://127.0.0.1:8000 --generator-cpu 1 --out out/closed
 """
@@ -152,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     batching.add_argument("--url-on", required=True, help="base URL of the server with batching")
     batching.add_argument("--url-off", required=True, help="base URL of the server without batching")
     batching.add_argument("--duration", type=float, default=10.0, help="seconds per concurrency level")
-    for module in (capacity, compare, batchsize, precision, builds, overload, frontends, sharedmem, fanout):
+    for module in (capacity, compare, batchsize, precision, builds, overload, frontends, sharedmem, fanout,
+                   floor):
         module.add_parser(modes, parents)
     return parser
 
@@ -326,7 +330,7 @@ def run_open(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
 MODES = {"engine": run_engine, "closed": run_closed, "open": run_open, "batching": run_batching,
          "capacity": capacity.run, "compare": compare.run, "batchsize": batchsize.run, "precision": precision.run,
          "builds": builds.run, "overload": overload.run,
-         "frontends": frontends.run, "shm": sharedmem.run, "fanout": fanout.run}
+         "frontends": frontends.run, "shm": sharedmem.run, "fanout": fanout.run, "floor": floor.run}
 
 
 def main(argv: list[str] | None = None) -> int:

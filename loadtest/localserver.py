@@ -74,18 +74,31 @@ def started_server(
         command = [sys.executable, *launcher, "--model-repository", str(repository),
                    "--host", "127.0.0.1", "--http-port", str(port), "--port-file", str(port_file),
                    "--grpc-port", "0", *extra]  # gRPC on a free port too (--grpc-port-file in extra learns it)
-        if cpu is not None:
-            command = ["taskset", "-c", str(cpu), *command]
-        with open(log_path, "w") as log:
-            process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                       env={**os.environ, "PYTHONUNBUFFERED": "1", **(environment or {})})
-            try:
-                deadline = time.monotonic() + startup_timeout_s
-                url = f"http://127.0.0.1:{bound_port(port_file, process, log_path, deadline)}"
-                _wait(url + wait_path, process, log_path, deadline)
-                yield StartedServer(url, process)
-            finally:
-                stop(process)
+        with started_process(command, port_file, log_path=log_path, cpu=cpu, wait_path=wait_path,
+                             startup_timeout_s=startup_timeout_s, environment=environment) as server:
+            yield server
+
+
+@contextmanager
+def started_process(
+    command: list[str], port_file: Path, *, log_path: Path, cpu: int | None = None,
+    wait_path: str = "/v2/health/ready", startup_timeout_s: float = 300,
+    environment: dict[str, str] | None = None,
+) -> Iterator[StartedServer]:
+    """Any HTTP server on loopback that writes its port to `port_file` once bound (pinned to
+    `cpu` if given): yielded once `wait_path` answers 200, stopped after."""
+    if cpu is not None:
+        command = ["taskset", "-c", str(cpu), *command]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **(environment or {})})
+        try:
+            deadline = time.monotonic() + startup_timeout_s
+            url = f"http://127.0.0.1:{bound_port(port_file, process, log_path, deadline)}"
+            _wait(url + wait_path, process, log_path, deadline)
+            yield StartedServer(url, process)
+        finally:
+            stop(process)
 
 
 def bound_port(port_file: Path, process: subprocess.Popen, log_path: Path, deadline: float) -> int:
