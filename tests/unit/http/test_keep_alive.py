@@ -1,0 +1,131 @@
+"""The idle timer of the HTTP protocol, through a real uvicorn on loopback: armed once per idle
+spell, not made and cancelled per request, it still closes a connection idle for the keep-alive
+timeout, and only such a one: not one that keeps sending, nor one whose answer is still due."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from server.dataplane import DataPlane
+from server.http.app import create_app
+from tests.unit.http.conftest import HOLD, Gate, infer_body
+from tests.unit.http.test_door import post, read_response, started
+from tests.unit.waiting import eventually
+
+KEEP_ALIVE_S = 0.5
+
+_timers: list[Any] = []  # every idle timer the protocol armed, newest last
+
+
+@pytest.fixture
+def short_keep_alive(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Connections idle for half a second are closed, not five; each timer the protocol arms
+    is listed."""
+    real = HttpToolsProtocol.__init__
+
+    def init(self: HttpToolsProtocol, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        self.timeout_keep_alive = KEEP_ALIVE_S
+        loop = self.loop
+
+        class CountingLoop:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(loop, name)
+
+            def call_later(self, *args: Any) -> Any:
+                handle = loop.call_later(*args)
+                _timers.append(handle)
+                return handle
+
+        self.loop = CountingLoop()  # type: ignore[assignment]
+
+    _timers.clear()
+    monkeypatch.setattr(HttpToolsProtocol, "__init__", init)
+    return _timers
+
+
+async def _closed(reader: asyncio.StreamReader, within_s: float) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(), within_s) == b""
+    except TimeoutError:
+        return False
+
+
+async def test_an_idle_connection_is_closed_after_the_timeout_and_one_timer_serves_many_requests(
+    plane: DataPlane, short_keep_alive: list[Any],
+) -> None:
+    plane.start([])
+    frontend, port = await started(create_app(plane))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        for _ in range(20):
+            writer.write(post(infer_body(1.0)))
+            assert (await read_response(reader))[0] == 200
+        assert len(short_keep_alive) == 1  # armed at the first answer, left running after
+        started_idle = asyncio.get_running_loop().time()
+        assert await _closed(reader, 5)
+        assert asyncio.get_running_loop().time() - started_idle >= KEEP_ALIVE_S - 0.05
+    finally:
+        writer.close()
+        await frontend.drain()
+
+
+async def test_a_connection_that_keeps_sending_is_not_closed_when_its_first_timer_fires(
+    plane: DataPlane, short_keep_alive: list[Any],
+) -> None:
+    """Requests spread over three timeouts, none idle for one: the timer that fires finds the
+    connection idle for less and waits out the rest."""
+    plane.start([])
+    frontend, port = await started(create_app(plane))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        for _ in range(10):
+            writer.write(post(infer_body(1.0)))
+            assert (await read_response(reader))[0] == 200
+            await asyncio.sleep(KEEP_ALIVE_S * 0.3)
+        assert not reader.at_eof()
+        assert len(short_keep_alive) > 1  # it fired meanwhile, and re-armed for what was left
+        assert await _closed(reader, 5)  # then idle: closed
+    finally:
+        writer.close()
+        await frontend.drain()
+
+
+async def test_a_connection_whose_answer_is_due_is_not_closed_while_it_computes(
+    plane: DataPlane, gate: Gate, short_keep_alive: list[Any],
+) -> None:
+    plane.start([])
+    frontend, port = await started(create_app(plane))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(post(infer_body(1.0)))
+        assert (await read_response(reader))[0] == 200  # the timer is armed
+        writer.write(post(infer_body(HOLD)))
+        await eventually(gate.held.is_set, "the second call is held in the engine")
+        await asyncio.sleep(KEEP_ALIVE_S * 3)  # the timer fires while the call computes
+        gate.released.set()
+        assert (await read_response(reader))[0] == 200
+        writer.write(post(infer_body(1.0)))  # and the connection serves on
+        assert (await read_response(reader))[0] == 200
+    finally:
+        writer.close()
+        await frontend.drain()
+
+
+async def test_a_connection_the_client_closes_leaves_no_timer_behind(
+    plane: DataPlane, short_keep_alive: list[Any],
+) -> None:
+    plane.start([])
+    frontend, port = await started(create_app(plane))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(post(infer_body(1.0)))
+        assert (await read_response(reader))[0] == 200
+        writer.close()
+        await eventually(lambda: short_keep_alive[-1].cancelled(), "the idle timer is cancelled with its connection")
+    finally:
+        await frontend.drain()
