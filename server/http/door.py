@@ -13,7 +13,8 @@ else, and every request the access gate would refuse (401 comes before 429), goe
 An admitted call of at most 16 KiB, sent as is, whose body comes whole in the same read as its
 head (what clients of small models send) is answered inline: started on the data plane (in a
 front-end process, sent to the server process's) from the parser's callback and answered from
-its future's, with no ASGI task (InferEndpoint.answered_inline). A body that comes in later
+its future's, with no ASGI task (InferEndpoint.answered_inline); its start asks the model's
+queue in the same turn, so the door leaves that to it. A body that comes in later
 reads takes the endpoint's task, whose body timeout refuses a client that stops part-way.
 
 The same protocol offers the app a way to write a whole response in one piece
@@ -116,6 +117,8 @@ class Door:
                                 endpoint.answers_inline and inline(headers))
             if plane is None:
                 return admitted  # the queues are in the server process: it refuses there
+            if admitted.inline:
+                return admitted  # admitted as it starts, in this same turn: its body is in this read, or it takes the task
             try:
                 plane.admit(admitted.model, admitted.version)
             except QueueFull as exc:

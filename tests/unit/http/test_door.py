@@ -182,7 +182,10 @@ async def test_a_refused_client_that_cannot_go_on_is_closed(
     writer.close()
 
 
-async def test_a_full_queue_is_refused_at_the_door_with_its_model_and_counted(root: Path, gate: Gate) -> None:
+@pytest.mark.parametrize("request_id", ["small", "x" * 17_000], ids=["inline", "too-big-for-inline"])
+async def test_a_full_queue_is_refused_with_its_model_and_counted(root: Path, gate: Gate, request_id: str) -> None:
+    """A call too big to answer inline is refused at the door, before its body is read; a
+    small one as it starts, its body in the same read."""
     write_spin_model(root, "bounded", dynamic_batching={"max_queue_delay_microseconds": 0,
                                                         "default_queue_policy": {"max_queue_size": 1}})
     plane = DataPlane(ModelRepository(root))
@@ -196,7 +199,8 @@ async def test_a_full_queue_is_refused_at_the_door_with_its_model_and_counted(ro
     queued = asyncio.create_task(exchange(port, post(infer_body(2.0), path=path)))
     await eventually(lambda: model.queue_depth == 1, "a request waits")
     try:
-        status, body = await exchange(port, post(infer_body(3.0), path=path))
+        refused = orjson.loads(infer_body(3.0)) | {"id": request_id}
+        status, body = await exchange(port, post(orjson.dumps(refused), path=path))
         assert status == 429 and "queue of this model is full (1 requests waiting)" in orjson.loads(body)["error"]
         assert plane.statistics("bounded", None)["model_stats"][0]["failures"]["queue_full"] == 1
     finally:
