@@ -5,9 +5,11 @@ timeout, and only such a one: not one that keeps sending, nor one whose answer i
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import pytest_asyncio
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from server.dataplane import DataPlane
@@ -48,6 +50,21 @@ def short_keep_alive(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return _timers
 
 
+@pytest_asyncio.fixture
+async def connection(
+    plane: DataPlane, short_keep_alive: list[Any],
+) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """A client's keep-alive connection to a real uvicorn serving the data plane."""
+    plane.start([])
+    frontend, port = await started(create_app(plane))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+        await frontend.drain()
+
+
 async def _closed(reader: asyncio.StreamReader, within_s: float) -> bool:
     try:
         return await asyncio.wait_for(reader.read(), within_s) == b""
@@ -56,76 +73,53 @@ async def _closed(reader: asyncio.StreamReader, within_s: float) -> bool:
 
 
 async def test_an_idle_connection_is_closed_after_the_timeout_and_one_timer_serves_many_requests(
-    plane: DataPlane, short_keep_alive: list[Any],
+    connection: tuple[asyncio.StreamReader, asyncio.StreamWriter], short_keep_alive: list[Any],
 ) -> None:
-    plane.start([])
-    frontend, port = await started(create_app(plane))
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        for _ in range(20):
-            writer.write(post(infer_body(1.0)))
-            assert (await read_response(reader))[0] == 200
-        assert len(short_keep_alive) == 1  # armed at the first answer, left running after
-        started_idle = asyncio.get_running_loop().time()
-        assert await _closed(reader, 5)
-        assert asyncio.get_running_loop().time() - started_idle >= KEEP_ALIVE_S - 0.05
-    finally:
-        writer.close()
-        await frontend.drain()
+    reader, writer = connection
+    for _ in range(20):
+        writer.write(post(infer_body(1.0)))
+        assert (await read_response(reader))[0] == 200
+    assert len(short_keep_alive) == 1  # armed at the first answer, left running after
+    started_idle = asyncio.get_running_loop().time()
+    assert await _closed(reader, 5)
+    assert asyncio.get_running_loop().time() - started_idle >= KEEP_ALIVE_S - 0.05
 
 
 async def test_a_connection_that_keeps_sending_is_not_closed_when_its_first_timer_fires(
-    plane: DataPlane, short_keep_alive: list[Any],
+    connection: tuple[asyncio.StreamReader, asyncio.StreamWriter], short_keep_alive: list[Any],
 ) -> None:
     """Requests spread over three timeouts, none idle for one: the timer that fires finds the
     connection idle for less and waits out the rest."""
-    plane.start([])
-    frontend, port = await started(create_app(plane))
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        for _ in range(10):
-            writer.write(post(infer_body(1.0)))
-            assert (await read_response(reader))[0] == 200
-            await asyncio.sleep(KEEP_ALIVE_S * 0.3)
-        assert not reader.at_eof()
-        assert len(short_keep_alive) > 1  # it fired meanwhile, and re-armed for what was left
-        assert await _closed(reader, 5)  # then idle: closed
-    finally:
-        writer.close()
-        await frontend.drain()
+    reader, writer = connection
+    for _ in range(10):
+        writer.write(post(infer_body(1.0)))
+        assert (await read_response(reader))[0] == 200
+        await asyncio.sleep(KEEP_ALIVE_S * 0.3)
+    assert not reader.at_eof()
+    assert len(short_keep_alive) > 1  # it fired meanwhile, and re-armed for what was left
+    assert await _closed(reader, 5)  # then idle: closed
 
 
 async def test_a_connection_whose_answer_is_due_is_not_closed_while_it_computes(
-    plane: DataPlane, gate: Gate, short_keep_alive: list[Any],
+    connection: tuple[asyncio.StreamReader, asyncio.StreamWriter], gate: Gate,
 ) -> None:
-    plane.start([])
-    frontend, port = await started(create_app(plane))
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(post(infer_body(1.0)))
-        assert (await read_response(reader))[0] == 200  # the timer is armed
-        writer.write(post(infer_body(HOLD)))
-        await eventually(gate.held.is_set, "the second call is held in the engine")
-        await asyncio.sleep(KEEP_ALIVE_S * 3)  # the timer fires while the call computes
-        gate.released.set()
-        assert (await read_response(reader))[0] == 200
-        writer.write(post(infer_body(1.0)))  # and the connection serves on
-        assert (await read_response(reader))[0] == 200
-    finally:
-        writer.close()
-        await frontend.drain()
+    reader, writer = connection
+    writer.write(post(infer_body(1.0)))
+    assert (await read_response(reader))[0] == 200  # the timer is armed
+    writer.write(post(infer_body(HOLD)))
+    await eventually(gate.held.is_set, "the second call is held in the engine")
+    await asyncio.sleep(KEEP_ALIVE_S * 3)  # the timer fires while the call computes
+    gate.released.set()
+    assert (await read_response(reader))[0] == 200
+    writer.write(post(infer_body(1.0)))  # and the connection serves on
+    assert (await read_response(reader))[0] == 200
 
 
 async def test_a_connection_the_client_closes_leaves_no_timer_behind(
-    plane: DataPlane, short_keep_alive: list[Any],
+    connection: tuple[asyncio.StreamReader, asyncio.StreamWriter], short_keep_alive: list[Any],
 ) -> None:
-    plane.start([])
-    frontend, port = await started(create_app(plane))
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(post(infer_body(1.0)))
-        assert (await read_response(reader))[0] == 200
-        writer.close()
-        await eventually(lambda: short_keep_alive[-1].cancelled(), "the idle timer is cancelled with its connection")
-    finally:
-        await frontend.drain()
+    reader, writer = connection
+    writer.write(post(infer_body(1.0)))
+    assert (await read_response(reader))[0] == 200
+    writer.close()
+    await eventually(lambda: short_keep_alive[-1].cancelled(), "the idle timer is cancelled with its connection")
