@@ -1,11 +1,11 @@
 """`bench floor`: the server against the HTTP floor of its own stack, in turn on one core.
 
 The per-request cost target (10,000 req/s for the MLP at 64 clients, one core) was set on a
-machine where a bare ASGI app on uvicorn and httptools, parsing each body and building its
-array, served 23,097 req/s: there, the target is 0.43 of that floor. On a shared machine whose
-speed drifts by half within minutes, req/s alone says more about the machine than the server;
-the server's rate over the floor's, each round measured minutes apart on the same core under the
-same load, does not drift with it.
+machine where a bare ASGI app on uvicorn and httptools (JSON parsed, no model) served 23,097
+req/s: there, the target is 0.43 of that floor. On a shared machine whose speed drifts by half
+within minutes, req/s alone says more about the machine than the server; the server's rate over
+the floor's, both measured a minute apart on the same core under the same load, drifts less
+(not nothing: the engine and the parser do not slow alike).
 
   floor      the bare app (loadtest/bareapp.py): read, parse, build the array, a constant answer
   batchline  `batchline serve` serving the MLP (ONNX Runtime, one thread, max batch 64, a 2 ms

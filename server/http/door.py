@@ -111,23 +111,31 @@ class Door:
         if not endpoint.flight.has_room(reserved):
             if plane is not None and plane.stopping:
                 return Admitted(match["model"], match["version"], headers, reserved, False)  # its 503, not a 429
-            body, retry_after = BUSY_BODY, "1"
-        else:
-            admitted = Admitted(match["model"], match["version"], headers, reserved,
-                                endpoint.answers_inline and inline(headers))
-            if plane is None:
-                return admitted  # the queues are in the server process: it refuses there
-            if admitted.inline:
-                return admitted  # admitted as it starts, in this same turn: its body is in this read, or it takes the task
-            try:
-                plane.admit(admitted.model, admitted.version)
-            except QueueFull as exc:
-                body, retry_after = self._queue_full_body(exc), exc.retry_after
-            except BatchlineError:
-                return admitted  # 404, 503: the endpoint answers, its access log line with the request's id
-            else:
-                return admitted
-        self._endpoint.log_refusal(scope, match["model"], BUSY, time.perf_counter_ns())
+            return self._refused(scope, match["model"], headers, BUSY_BODY, "1")
+        admitted = Admitted(match["model"], match["version"], headers, reserved,
+                            endpoint.answers_inline and inline(headers))
+        if admitted.inline:
+            return admitted  # its start asks the model's queue in this same turn; `queue_refusal` if its body comes later
+        refused = self.queue_refusal(admitted, scope)
+        return admitted if refused is None else refused
+
+    def queue_refusal(self, call: Admitted, scope: Scope) -> Refused | None:
+        """A 429 to answer now for a call whose model's queue is full; None for any other (the
+        queues are in the server process, which refuses there; or 404 and 503, which the
+        endpoint answers, its access log line with the request's id)."""
+        plane = self._endpoint.plane
+        if plane is None:
+            return None
+        try:
+            plane.admit(call.model, call.version)
+        except QueueFull as exc:
+            return self._refused(scope, call.model, call.headers, self._queue_full_body(exc), exc.retry_after)
+        except BatchlineError:
+            return None
+        return None
+
+    def _refused(self, scope: Scope, model: str, headers: dict[bytes, bytes], body: bytes, retry_after: str) -> Refused:
+        self._endpoint.log_refusal(scope, model, BUSY, time.perf_counter_ns())
         return Refused(body, retry_after, headers.get(_EXPECT, b"").lower() == b"100-continue")
 
     def app_for(self, call: Admitted) -> ASGIApp:
@@ -174,9 +182,13 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             begun, bodies = self._begun, self._bodies
             super().data_received(data)
             if self._inline is not None:  # its body did not come whole with its head: the task's way,
-                cycle, call = self._inline  # which times out a body that stops part-way
-                self._inline = None
-                self._start_task(cycle, call)
+                cycle, call = self._inline  # which times out a body that stops part-way, unless the
+                self._inline = None  # model's queue is full: refused now, the rest of its body dropped
+                refused = door.queue_refusal(call, cycle.scope)
+                if refused is None:
+                    self._start_task(cycle, call)
+                else:
+                    self._refuse(cycle, refused)
             if not self._in_message or self.transport.is_closing():
                 return
             began = self._begun - begun
@@ -229,9 +241,13 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
                     app = door.app_for(decision)
                 super()._start_asgi_task(cycle, app)
                 return
-            body, retry_after, close = decision
+            self._refuse(cycle, decision)
+
+        def _refuse(self, cycle: RequestResponseCycle, refused: Refused) -> None:
+            """Write the 429 now; what follows of the body is dropped as it comes."""
+            body, retry_after, close = refused
             close = close or not cycle.keep_alive
-            cycle.response_started = cycle.response_complete = True  # what follows of the body is dropped
+            cycle.response_started = cycle.response_complete = True
             headers = body_headers(body, {"Retry-After": retry_after})
             self.transport.write(b"".join([*_head(BUSY, self.server_state.default_headers, headers, not close), body]))
             if close:
@@ -323,14 +339,22 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             else:
                 self.timeout_keep_alive_handler()
 
+        def handle_websocket_upgrade(self) -> None:
+            """The connection passes to another protocol: the idle timer goes with this one."""
+            self._stop_idle_timer()
+            super().handle_websocket_upgrade()
+
+        def _stop_idle_timer(self) -> None:
+            if self.timeout_keep_alive_task is not None:
+                self.timeout_keep_alive_task.cancel()
+                self.timeout_keep_alive_task = None
+
         def connection_lost(self, exc: Exception | None) -> None:
             """Tell the requests of this connection that wait on their work that the client left
             (server/asgi/disconnect.py): they are dropped at once, with no task per request
             watching for it. The idle timer goes with the connection."""
             cycles = {id(c): c for c in (self.cycle, self._last_started) if c is not None}
-            if self.timeout_keep_alive_task is not None:
-                self.timeout_keep_alive_task.cancel()
-                self.timeout_keep_alive_task = None
+            self._stop_idle_timer()
             super().connection_lost(exc)
             for cycle in cycles.values():
                 if not cycle.response_complete:

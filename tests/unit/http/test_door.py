@@ -182,10 +182,11 @@ async def test_a_refused_client_that_cannot_go_on_is_closed(
     writer.close()
 
 
-@pytest.mark.parametrize("request_id", ["small", "x" * 17_000], ids=["inline", "too-big-for-inline"])
-async def test_a_full_queue_is_refused_with_its_model_and_counted(root: Path, gate: Gate, request_id: str) -> None:
-    """A call too big to answer inline is refused at the door, before its body is read; a
-    small one as it starts, its body in the same read."""
+@pytest.mark.parametrize("how", ["inline", "too-big-for-inline", "body-later"])
+async def test_a_full_queue_is_refused_with_its_model_and_counted(root: Path, gate: Gate, how: str) -> None:
+    """A small call whose body comes with its head is refused as it starts; one too big to
+    answer inline, or whose body has not come yet, at the door, before its body is read (the
+    rest of it dropped as it comes, the connection kept)."""
     write_spin_model(root, "bounded", dynamic_batching={"max_queue_delay_microseconds": 0,
                                                         "default_queue_policy": {"max_queue_size": 1}})
     plane = DataPlane(ModelRepository(root))
@@ -198,12 +199,21 @@ async def test_a_full_queue_is_refused_with_its_model_and_counted(root: Path, ga
     await eventually(gate.held.is_set, "a request holds the instance")
     queued = asyncio.create_task(exchange(port, post(infer_body(2.0), path=path)))
     await eventually(lambda: model.queue_depth == 1, "a request waits")
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        refused = orjson.loads(infer_body(3.0)) | {"id": request_id}
-        status, body = await exchange(port, post(orjson.dumps(refused), path=path))
-        assert status == 429 and "queue of this model is full (1 requests waiting)" in orjson.loads(body)["error"]
+        refused = post(orjson.dumps(orjson.loads(infer_body(3.0)) | {"id": "x" * 17_000 if how == "too-big-for-inline" else "small"}),
+                       path=path)
+        head, _, body = refused.partition(b"\r\n\r\n")
+        writer.write(head + b"\r\n\r\n" if how == "body-later" else refused)
+        status, headers, content = await read_response(reader)  # for body-later: before its body is sent
+        assert status == 429 and "queue of this model is full (1 requests waiting)" in orjson.loads(content)["error"]
+        assert headers["retry-after"] == "1"
         assert plane.statistics("bounded", None)["model_stats"][0]["failures"]["queue_full"] == 1
+        if how == "body-later":
+            writer.write(body + get("/v2/health/live"))
+            assert (await read_response(reader))[0] == 200, "the body was dropped, the connection kept in step"
     finally:
+        writer.close()
         gate.released.set()
         assert [(await t)[0] for t in (held, queued)] == [200, 200]
         await frontend.drain()

@@ -20,18 +20,17 @@ from tests.unit.waiting import eventually
 
 KEEP_ALIVE_S = 0.5
 
-_timers: list[Any] = []  # every idle timer the protocol armed, newest last
-
 
 @pytest.fixture
 def short_keep_alive(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Connections idle for half a second are closed, not five; each timer the protocol arms
-    is listed."""
+    is listed, newest last."""
+    timers: list[Any] = []
     real = HttpToolsProtocol.__init__
 
     def init(self: HttpToolsProtocol, *args: Any, **kwargs: Any) -> None:
         real(self, *args, **kwargs)
-        self.timeout_keep_alive = KEEP_ALIVE_S
+        self.timeout_keep_alive = KEEP_ALIVE_S  # type: ignore[assignment]  # uvicorn's int, any number works
         loop = self.loop
 
         class CountingLoop:
@@ -40,14 +39,13 @@ def short_keep_alive(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
             def call_later(self, *args: Any) -> Any:
                 handle = loop.call_later(*args)
-                _timers.append(handle)
+                timers.append(handle)
                 return handle
 
         self.loop = CountingLoop()  # type: ignore[assignment]
 
-    _timers.clear()
     monkeypatch.setattr(HttpToolsProtocol, "__init__", init)
-    return _timers
+    return timers
 
 
 @pytest_asyncio.fixture
@@ -91,10 +89,10 @@ async def test_a_connection_that_keeps_sending_is_not_closed_when_its_first_time
     """Requests spread over three timeouts, none idle for one: the timer that fires finds the
     connection idle for less and waits out the rest."""
     reader, writer = connection
-    for _ in range(10):
+    for _ in range(15):
         writer.write(post(infer_body(1.0)))
         assert (await read_response(reader))[0] == 200
-        await asyncio.sleep(KEEP_ALIVE_S * 0.3)
+        await asyncio.sleep(KEEP_ALIVE_S * 0.2)
     assert not reader.at_eof()
     assert len(short_keep_alive) > 1  # it fired meanwhile, and re-armed for what was left
     assert await _closed(reader, 5)  # then idle: closed
@@ -123,3 +121,16 @@ async def test_a_connection_the_client_closes_leaves_no_timer_behind(
     assert (await read_response(reader))[0] == 200
     writer.close()
     await eventually(lambda: short_keep_alive[-1].cancelled(), "the idle timer is cancelled with its connection")
+
+
+async def test_a_connection_upgraded_to_a_websocket_leaves_no_timer_behind(
+    connection: tuple[asyncio.StreamReader, asyncio.StreamWriter], short_keep_alive: list[Any],
+) -> None:
+    """The connection passes to uvicorn's websocket protocol (the app then refuses it): the
+    HTTP protocol it leaves has nothing left to time."""
+    reader, writer = connection
+    writer.write(post(infer_body(1.0)))
+    assert (await read_response(reader))[0] == 200  # the timer is armed
+    writer.write(b"GET /ws HTTP/1.1\r\nHost: batchline\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    await eventually(lambda: short_keep_alive[-1].cancelled(), "the idle timer is cancelled with the upgrade")
