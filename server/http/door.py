@@ -14,8 +14,9 @@ An admitted call of at most 16 KiB, sent as is, whose body comes whole in the sa
 head (what clients of small models send) is answered inline: started on the data plane (in a
 front-end process, sent to the server process's) from the parser's callback and answered from
 its future's, with no ASGI task (InferEndpoint.answered_inline); its start asks the model's
-queue in the same turn, so the door leaves that to it. A body that comes in later
-reads takes the endpoint's task, whose body timeout refuses a client that stops part-way.
+queue in the same turn, so the door leaves that to it. One whose body comes in later reads is
+asked by the door then (a full queue refuses it at once, the rest of its body dropped) and takes
+the endpoint's task, whose body timeout refuses a client that stops part-way.
 
 The same protocol offers the app a way to write a whole response in one piece
 (server/asgi/respond.py), which the infer route takes for its answers and errors (and the
