@@ -132,7 +132,7 @@ class Door:
         except QueueFull as exc:
             return self._refused(scope, call.model, call.headers, self._queue_full_body(exc), exc.retry_after)
         except BatchlineError:
-            return None
+            pass
         return None
 
     def _refused(self, scope: Scope, model: str, headers: dict[bytes, bytes], body: bytes, retry_after: str) -> Refused:
@@ -182,9 +182,12 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             idle = not self._in_message
             begun, bodies = self._begun, self._bodies
             super().data_received(data)
-            if self._inline is not None:  # its body did not come whole with its head: the task's way,
-                cycle, call = self._inline  # which times out a body that stops part-way, unless the
-                self._inline = None  # model's queue is full: refused now, the rest of its body dropped
+            if self._inline is not None:
+                # Its body did not come whole with its head: refused now if its model's queue is
+                # full (the rest of its body dropped), else the task's way, which times out a body
+                # that stops part-way.
+                cycle, call = self._inline
+                self._inline = None
                 refused = door.queue_refusal(call, cycle.scope)
                 if refused is None:
                     self._start_task(cycle, call)
