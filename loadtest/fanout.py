@@ -326,11 +326,12 @@ def ratios(levels: list[dict[str, Any]]) -> list[float | None]:
             for level in levels]
 
 
-def median_rates(levels: list[dict[str, Any]]) -> dict[tuple[str, int], float]:
-    """Each (layout, concurrency)'s median req/s over the rounds."""
+def median_rates(levels: list[dict[str, Any]], by: str = "layout") -> dict[tuple[str, int], float]:
+    """Each (level[by], concurrency)'s median req/s over the rounds (`by`: what was measured,
+    the layout here, the side in `bench floor`)."""
     rates: dict[tuple[str, int], list[float]] = {}
     for level in levels:
-        rates.setdefault((level["layout"], level["concurrency"]), []).append(level["req_s"])
+        rates.setdefault((level[by], level["concurrency"]), []).append(level["req_s"])
     return {key: float(np.median(values)) for key, values in rates.items()}
 
 

@@ -40,8 +40,8 @@ HELP = f"""Serves the 256-float MLP with `batchline serve`, and a bare ASGI app 
 httptools and uvloop that parses each body and builds its array but runs no model, one after the
 other on --server-cpu, under the same wrk load on --generator-cpu, --rounds times. Reports each
 one's req/s, p50/p99, its process's CPU per request and wrk's, and the server's rate over the
-floor's in each round. The target of 10,000 req/s at 64 clients was set where the floor served
-{FLOOR_OF_RECORD_REQ_S:,} req/s: {TARGET_REQ_S / FLOOR_OF_RECORD_REQ_S:.2f} of the floor."""
+floor's in each round. The target of 10,000 req/s at 64 clients was set where such a floor (a bare
+app on uvicorn and httptools) served {FLOOR_OF_RECORD_REQ_S:,} req/s: about {TARGET_REQ_S / FLOOR_OF_RECORD_REQ_S:.2f} of the floor here."""
 
 
 def add_parser(modes: Any, parents: runs.Parents) -> None:
@@ -89,11 +89,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
                           f"{level['cpu_us_per_request']:.1f} us CPU a request", file=sys.stderr)
     record["results"] = levels
     summary = ratio_summary(levels)
-    record["headline"] = {f"{side}@{connections}_req_s": rate for (side, connections), rate in median_rates(levels).items()}
+    medians = fanout.median_rates(levels, by="side")
+    record["headline"] = {f"{side}@{connections}_req_s": rate for (side, connections), rate in medians.items()}
     record["headline"] |= {f"of_floor@{connections}": ratio for connections, ratio in median_ratios(levels).items()}
     record["notes"] += [
         ("of floor: the server's req/s over the floor's at the same concurrency in the same round. The target of "
-         f"{TARGET_REQ_S:,} req/s at 64 clients was set where the floor served {FLOOR_OF_RECORD_REQ_S:,}: "
+         f"{TARGET_REQ_S:,} req/s at 64 clients was set where such a floor served {FLOOR_OF_RECORD_REQ_S:,}: "
          f"{TARGET_REQ_S / FLOOR_OF_RECORD_REQ_S:.2f} of it"),
         ("CPU us/request: the serving process's CPU time (user + system, /proc) over the level, per request "
          "served; wrk us/request: the load generator's own"),
@@ -132,13 +133,6 @@ def ratios(levels: list[dict[str, Any]]) -> list[float | None]:
     floor = {(level["round"], level["concurrency"]): level["req_s"] for level in levels if level["side"] == "floor"}
     return [level["req_s"] / base if level["side"] != "floor" and (base := floor.get((level["round"], level["concurrency"])))
             else None for level in levels]
-
-
-def median_rates(levels: list[dict[str, Any]]) -> dict[tuple[str, int], float]:
-    rates: dict[tuple[str, int], list[float]] = {}
-    for level in levels:
-        rates.setdefault((level["side"], level["concurrency"]), []).append(level["req_s"])
-    return {key: float(np.median(values)) for key, values in rates.items()}
 
 
 def _ratios_by_concurrency(levels: list[dict[str, Any]]) -> dict[int, list[float]]:

@@ -39,7 +39,7 @@ def test_each_server_round_is_read_against_its_own_floor() -> None:
               _level(3, "floor", 64, 10_000.0), _level(3, "batchline", 64, 6_000.0)]
     assert floor.ratios(levels) == [None, 0.5, None, 0.4, None, None, 0.6]  # no floor at 8 clients: no ratio
     assert floor.median_ratios(levels) == {64: 0.5}
-    assert floor.median_rates(levels)[("floor", 64)] == 20_000.0
+    assert floor.fanout.median_rates(levels, by="side")[("floor", 64)] == 20_000.0
     assert floor.ratio_summary(levels) == [
         ("at 64 clients the server serves 0.50, 0.40, 0.60 of the floor's rate by round, median 0.50 "
         "(where the floor served 23,097 req/s: 11,548 req/s)")]
