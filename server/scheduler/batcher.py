@@ -156,7 +156,8 @@ class Batcher:
         self._next_sequence += 1
         self._queues[request.priority - 1].append(request)
         self._queued += 1
-        request.future.add_done_callback(lambda _: self._on_future_done(request))
+        request.watch = lambda _: self._on_future_done(request)
+        request.future.add_done_callback(request.watch)
         if request.deadline_ns is not None:
             delay_s = max(0.0, (request.deadline_ns - self._clock()) / 1e9)
             request.expiry = asyncio.get_running_loop().call_later(delay_s, self._expire, request)
@@ -169,7 +170,8 @@ class Batcher:
         for queue in self._queues:
             for request in queue:
                 if request.future is future and request.state is RequestState.QUEUED:
-                    self._on_future_done(request)  # now, so no batch takes it before the callback runs
+                    request.unwatch()
+                    self._on_future_done(request)  # now, so no batch takes it before a callback would run
                     future.cancel()
                     return True
         return False
@@ -207,6 +209,7 @@ class Batcher:
 
     def _on_future_done(self, request: InferenceRequest) -> None:
         """A queued future that completes from outside was cancelled by its client."""
+        request.watch = None  # run: the future holds it no more
         if request.state is RequestState.QUEUED:
             self._drop(request)
             self._stats.count_failure("cancelled", self._clock() - request.received_ns)

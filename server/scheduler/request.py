@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,16 +54,29 @@ class InferenceRequest:
     sequence: int = 0
     expiry: asyncio.TimerHandle | None = None
     record: RequestRecord | None = None
+    # What the queue runs when the future completes from outside (cancelled by its caller).
+    # Taken off when the request is answered: it would only run, a loop callback later, to find
+    # the request done.
+    watch: Callable[[asyncio.Future[dict[str, np.ndarray]]], None] | None = None
 
     def __post_init__(self) -> None:
         self.received_ns = self.received_ns or self.arrival_ns
 
     def resolve(self, outputs: dict[str, np.ndarray]) -> None:
         self.state = RequestState.DONE
+        self.unwatch()
         if not self.future.done():
             self.future.set_result(outputs)
 
     def fail(self, error: BaseException) -> None:
         self.state = RequestState.DONE
+        self.unwatch()
         if not self.future.done():
             self.future.set_exception(error)
+
+    def unwatch(self) -> None:
+        """Take `watch` off the future, and let go of it: it holds this request (no cycle is
+        left for the garbage collector)."""
+        if self.watch is not None:
+            self.future.remove_done_callback(self.watch)
+            self.watch = None

@@ -344,6 +344,34 @@ async def test_a_cancelled_request_is_dropped_before_compute() -> None:
     assert [f["x"].item() for f in fake.batches[1]] == [2.0]
 
 
+async def test_an_answered_request_takes_the_queues_callback_off_its_future(monkeypatch) -> None:
+    """The queue watches a request's future for a caller that cancels it. Once the request is
+    answered, that callback comes off: it would only run a loop turn later to find the request
+    done, and it holds the request. A cancelled one is still dropped through it."""
+    fake = FakeInstance()
+    b, stats = batcher([fake])
+    seen: list[InferenceRequest] = []
+    original = b._on_future_done
+    monkeypatch.setattr(b, "_on_future_done", lambda r: (seen.append(r), original(r)))
+    answered = [request([1.0]), request([2.0])]
+    for r in answered:
+        b.submit(r)
+    await settle()
+    fake.release(0)
+    await settle()
+    fake.release(1)
+    assert [(await r.future)["y"].item() for r in answered] == [2.0, 4.0]
+    await settle()
+    assert seen == [] and all(r.watch is None for r in answered)
+    b.submit(request([0.0]))
+    await settle()
+    cancelled = request([3.0])
+    b.submit(cancelled)
+    cancelled.future.cancel()
+    await settle()
+    assert seen == [cancelled] and cancelled.watch is None and stats.failures["cancelled"] == 1
+
+
 async def test_a_withdrawn_request_is_dropped_only_while_queued() -> None:
     """A client gone: its queued request is dropped at once, so no batch can take it even
     before the future's callbacks run; one already computing runs to its end and resolves,
