@@ -167,6 +167,11 @@ class AccessGate:
         """Whether this request passes the gate (what a layer that answers before it must ask)."""
         return self._refusal(scope) is None
 
+    def admits_data(self, scope: Scope) -> bool:
+        """`admits`, for a request the caller knows is on a data route (an infer call): on a
+        server without an inference token, every one passes, unlooked at."""
+        return self._inference is None or self._refusal(scope) is None
+
     def _refusal(self, scope: Scope) -> Refusal | None:
         """Why this request may not pass, or None. Cheap where it matters: an infer call on a
         server without an inference token costs a set lookup and two prefix checks."""

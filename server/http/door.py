@@ -49,7 +49,8 @@ from server.asgi.respond import RESPOND_EXTENSION, Headers, body_headers, send_m
 from server.asgi.types import ASGIApp, Scope, Send
 from server.errors import BatchlineError, QueueFull
 from server.http.auth import AccessGate
-from server.http.infer import BUSY, BUSY_BODY, INFER_PATH, FastInferApp, InferEndpoint, WriteWhole, inline
+from server.http.infer import (BUSY, BUSY_BODY, INFER_PATH, FastInferApp, InferEndpoint, WriteWhole,
+                               content_length, inline)
 from server.protocol.v2 import encode_error
 
 WHOLE_BYTES = 64 << 10  # a body up to this is joined to its head (one write); a larger one is written apart
@@ -103,18 +104,19 @@ class Door:
         if scope["method"] != "POST":
             return None
         match = INFER_PATH.fullmatch(scope["path"])
-        if match is None or not self._gate.admits(scope):
+        if match is None or not self._gate.admits_data(scope):  # an infer call is a data route
             return None
         headers = dict(scope["headers"])
         endpoint = self._endpoint
-        reserved = endpoint.reservation(headers)
+        length = content_length(headers)
+        reserved = endpoint.reservation(length)
         plane = endpoint.plane
         if not endpoint.flight.has_room(reserved):
             if plane is not None and plane.stopping:
                 return Admitted(match["model"], match["version"], headers, reserved, False)  # its 503, not a 429
             return self._refused(scope, match["model"], headers, BUSY_BODY, "1")
         admitted = Admitted(match["model"], match["version"], headers, reserved,
-                            endpoint.answers_inline and inline(headers))
+                            endpoint.answers_inline and inline(headers, length))
         if admitted.inline:
             return admitted  # its start asks the model's queue in this same turn; `queue_refusal` if its body comes later
         refused = self.queue_refusal(admitted, scope)
@@ -433,12 +435,11 @@ def _write_whole(
 def _head(status: int, default_headers: list[tuple[bytes, bytes]], headers: Headers, keep_alive: bool) -> list[bytes]:
     """A response's status line and header lines, uvicorn's default headers first, and the blank
     line; `connection: close` when the connection ends with it."""
-    return [
-        STATUS_LINE[status],
-        _default_lines(default_headers),
-        *(name + b": " + value + b"\r\n" for name, value in headers),
-        b"\r\n" if keep_alive else b"connection: close\r\n\r\n",
-    ]
+    lines = [STATUS_LINE[status], _default_lines(default_headers)]
+    for name, value in headers:  # a loop, not a generator: every answer comes here
+        lines += (name, b": ", value, b"\r\n")
+    lines.append(b"\r\n" if keep_alive else b"connection: close\r\n\r\n")
+    return lines
 
 
 _default_head: tuple[list[tuple[bytes, bytes]], bytes] = ([], b"")

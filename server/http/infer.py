@@ -98,7 +98,7 @@ class InferEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, model: str, version: str | None) -> None:
         headers = dict(scope["headers"])
-        await self.admitted(model, version, headers, self.reservation(headers), scope, receive, send)
+        await self.admitted(model, version, headers, self.reservation(content_length(headers)), scope, receive, send)
 
     async def admitted(
         self,
@@ -179,9 +179,10 @@ class InferEndpoint:
         """Whether small calls can be answered inline (`answered_inline`)."""
         return self._start_inline is not None
 
-    def reservation(self, headers: dict[bytes, bytes]) -> int:
-        """The body bytes a request holds from its head on (server/inflight.py)."""
-        return body_reservation(declared_length(headers.get(_CONTENT_LENGTH)), self._limit)
+    def reservation(self, length: int | None) -> int:
+        """The body bytes a request holds from its head on (server/inflight.py), given its
+        declared length (`content_length`)."""
+        return body_reservation(length, self._limit)
 
     def log_refusal(self, scope: Scope, model: str, status: int, started: int) -> None:
         """The access log line of a request refused before its body was read."""
@@ -260,7 +261,7 @@ class InferEndpoint:
         """The body, inflated when it has a Content-Encoding: while it inflates, the request holds
         the body limit more (what it may inflate to), then what it inflated to."""
         limit = self._limit
-        body = await read_body(receive, limit, declared_length(headers.get(_CONTENT_LENGTH)), hold)
+        body = await read_body(receive, limit, content_length(headers), hold)
         encoding = headers.get(_CONTENT_ENCODING, b"identity").decode("latin-1").strip().lower()
         if encoding in _IDENTITY:
             return body
@@ -277,11 +278,16 @@ class InferEndpoint:
 WriteWhole = Callable[[int, Headers, bytes], None]
 
 
-def inline(headers: dict[bytes, bytes]) -> bool:
+def content_length(headers: dict[bytes, bytes]) -> int | None:
+    """A request's declared body length (None: none, or not a number)."""
+    return declared_length(headers.get(_CONTENT_LENGTH))
+
+
+def inline(headers: dict[bytes, bytes], length: int | None) -> bool:
     """Whether a call past the door can be answered inline (`InferEndpoint.answered_inline`)
-    once its body is in: a declared length small enough to parse on the event loop, sent as
-    is, with no 100 Continue awaited. Every other call takes the task of `admitted`."""
-    length = declared_length(headers.get(_CONTENT_LENGTH))
+    once its body is in: a declared `length` (`content_length`) small enough to parse on the
+    event loop, sent as is, with no 100 Continue awaited. Every other call takes the task of
+    `admitted`."""
     return (length is not None and length <= v2_infer.INLINE_DECODE_BYTES and _CONTENT_ENCODING not in headers
             and _EXPECT not in headers)
 

@@ -69,6 +69,9 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
     return build_tensors(parse_request(body, header_length))
 
 
+_NO_BINARY = BinaryCursor(b"")  # stateless while it holds nothing: take(0) moves it by nothing, any more raises
+
+
 def parse_request(body: bytes, header_length: int | None = None) -> ParsedRequest:
     """Read the JSON header and cut the binary section; no tensor is built yet. Its cost grows
     with the header's size only (orjson's parse)."""
@@ -84,7 +87,7 @@ def parse_request(body: bytes, header_length: int | None = None) -> ParsedReques
     raw_inputs = document.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidInput("'inputs' must be a non-empty list of tensors")
-    cursor = BinaryCursor(binary)
+    cursor = BinaryCursor(binary) if len(binary) else _NO_BINARY
     inputs: list[DeclaredInput] = []
     names: set[str] = set()
     decode_bytes = len(header)
@@ -163,10 +166,19 @@ def _declared_input(raw: object, cursor: BinaryCursor) -> DeclaredInput:
     if not isinstance(datatype, str):
         raise InvalidInput(f"input '{name}' has no 'datatype'")
     shape = raw.get("shape")
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+    if not isinstance(shape, list):
         raise InvalidInput(f"input '{name}': 'shape' must be a list of non-negative integers")
+    for dim in shape:  # a loop, not all() over a generator: this runs for every input of every call
+        if type(dim) is not int or dim < 0:
+            raise InvalidInput(f"input '{name}': 'shape' must be a list of non-negative integers")
     if len(shape) > MAX_DIMS:
         raise InvalidInput(f"input '{name}': 'shape' has {len(shape)} dimensions; at most {MAX_DIMS} are allowed")
+    if "parameters" not in raw:  # the common case: JSON data and nothing else to read
+        if "data" not in raw:
+            raise InvalidInput(f"input '{name}' has neither 'data' nor 'binary_data_size'")
+        data = raw["data"]
+        _check_flat_count(data, shape, name)
+        return DeclaredInput(name, datatype, shape, data, None)
     parameters = _parameters(raw.get("parameters"), f"input '{name}'")
     size = parameters.get("binary_data_size")
     region = region_ref(parameters, f"input '{name}'")
@@ -211,7 +223,7 @@ def json_tensor(data: object, datatype: str, shape: list[int], name: str) -> np.
             array = np.asarray(data)
         except ValueError as exc:  # ragged nesting
             raise InvalidInput(f"input '{name}': data is not a regular array: {exc}") from exc
-        array = _cast(array.reshape(-1), dtype, datatype, name, data)
+        array = _cast(array if array.ndim == 1 else array.reshape(-1), dtype, datatype, name, data)
     if array.size != expected:
         raise InvalidInput(
             f"input '{name}': shape {shape} needs {expected} elements, data has {array.size}"

@@ -180,6 +180,7 @@ class Admission:
         self._text_input = config.tokenize.input if config.tokenize else None
         self._bucketed = bool(config.tokenize and config.tokenize.sequence_buckets)
         self._padded = {t.name for t in config.inputs if t.pad_value is not None}
+        self._numbers_only = all(t.datatype != "BYTES" for t in config.inputs)  # nothing to decode or tokenize
         batching = config.dynamic_batching
         self._levels = batching.levels if batching else 1
         self._default_level = batching.default_level if batching else 1
@@ -199,6 +200,9 @@ class Admission:
         (None: check)."""
         priority, deadline_ns = self._options(parameters, received_ns)
         batch_size = _checked(self._config, inputs) if checked_batch_size is None else checked_batch_size
+        if self._numbers_only:  # no per-item work: admitted here
+            arrays = {tensor.name: inputs[tensor.name][1] for tensor in self._config.inputs}
+            return self._admitted(arrays, batch_size, None, priority, deadline_ns)
         if bytes_items(self._config, inputs) > INLINE_ITEMS:
             return functools.partial(self._prepared, inputs, batch_size, priority, deadline_ns, True)
         if check_item_bytes(self._config, inputs) > INLINE_TEXT_BYTES:

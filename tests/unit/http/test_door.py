@@ -302,7 +302,7 @@ async def test_what_the_door_leaves_to_the_app(plane: DataPlane) -> None:
     assert door.decide(scope("POST", "/v2/models/spin/versions/2/infer", bearer, length)) == Admitted(
         "spin", "2", {b"authorization": bearer[1], b"content-length": b"12"}, 12, True), "within bounds: to the endpoint"
     assert door.decide(scope("POST", "/v2/models/unknown/infer", bearer)) == Admitted(
-        "unknown", None, {b"authorization": bearer[1]}, endpoint.reservation({}), False), "the endpoint answers 404"
+        "unknown", None, {b"authorization": bearer[1]}, endpoint.reservation(None), False), "the endpoint answers 404"
     big = (b"content-length", b"16385")
     assert not door.decide(scope("POST", "/v2/models/spin/infer", bearer, big)).inline, "too big to parse inline"
     for header in [(b"content-encoding", b"gzip"), (b"expect", b"100-continue")]:
