@@ -49,8 +49,16 @@ from server.asgi.respond import RESPOND_EXTENSION, Headers, body_headers, send_m
 from server.asgi.types import ASGIApp, Scope, Send
 from server.errors import BatchlineError, QueueFull
 from server.http.auth import AccessGate
-from server.http.infer import (BUSY, BUSY_BODY, INFER_PATH, FastInferApp, InferEndpoint, WriteWhole,
-                               content_length, inline)
+from server.http.infer import (
+    BUSY,
+    BUSY_BODY,
+    INFER_PATH,
+    FastInferApp,
+    InferEndpoint,
+    WriteWhole,
+    content_length,
+    inline,
+)
 from server.protocol.v2 import encode_error
 
 WHOLE_BYTES = 64 << 10  # a body up to this is joined to its head (one write); a larger one is written apart

@@ -18,7 +18,7 @@ import orjson
 from server.errors import InvalidInput, Unsupported
 from server.protocol.binary import BinaryCursor, reshaped, split_body, tensor_from_bytes, tensor_to_bytes
 from server.protocol.datatypes import MAX_DIMS, numpy_dtype
-from server.protocol.shared_memory import BYTE_SIZE, REGION, NOT_TAKEN, RegionRef, Windows, region_ref
+from server.protocol.shared_memory import BYTE_SIZE, NOT_TAKEN, REGION, RegionRef, Windows, region_ref
 
 
 @dataclass
