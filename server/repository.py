@@ -218,11 +218,14 @@ class ModelRepository:
             if not chosen.ready:
                 raise Unavailable(f"model '{name}' version {version} is not ready: {chosen.reason}")
             return chosen
-        ready = [number for number, m in versions.items() if m.ready]
-        if not ready:
+        newest = -1  # a loop, not a list and max(): every call asks
+        for number, model in versions.items():
+            if number > newest and model.ready:
+                newest = number
+        if newest < 0:
             reasons = "; ".join(m.reason for m in versions.values() if m.reason)
             raise Unavailable(f"model '{name}' is not ready" + (f": {reasons}" if reasons else ""))
-        return versions[max(ready)]
+        return versions[newest]
 
     def versions(self, name: str) -> list[ModelVersion]:
         return [m for _, m in sorted(self._versions.get(name, {}).items())]

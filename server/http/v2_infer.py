@@ -124,7 +124,8 @@ def _start(
     batch_size: int,
 ) -> Started:
     wanted = decoded.outputs
-    targets = plane.shared_memory.output_targets({o.name: o.region for o in wanted or () if o.region is not None})
+    targets = {} if wanted is None else plane.shared_memory.output_targets(
+        {o.name: o.region for o in wanted if o.region is not None})
     call = plane.start_call(
         model, decoded.inputs, decoded.parameters, None if wanted is None else [o.name for o in wanted], record,
         received_ns, batch_size,

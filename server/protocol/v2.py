@@ -75,15 +75,17 @@ _NO_BINARY = BinaryCursor(b"")  # stateless while it holds nothing: take(0) move
 def parse_request(body: bytes, header_length: int | None = None) -> ParsedRequest:
     """Read the JSON header and cut the binary section; no tensor is built yet. Its cost grows
     with the header's size only (orjson's parse)."""
+    binary: bytes | memoryview
     if header_length is None:
-        header, binary = body, memoryview(b"")
+        header, binary = body, b""
     else:
         header, binary = split_body(body, header_length)
     document = json_object(header)
     request_id = document.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidInput("'id' must be a string")
-    parameters = _parameters(document.get("parameters"), "request")
+    parameters = document.get("parameters")
+    parameters = {} if parameters is None else _parameters(parameters, "request")
     raw_inputs = document.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidInput("'inputs' must be a non-empty list of tensors")
@@ -102,13 +104,15 @@ def parse_request(body: bytes, header_length: int | None = None) -> ParsedReques
             elif declared.region is not None:
                 decode_bytes += declared.region.byte_size
         inputs.append(declared)
-    cursor.finish()
+    if cursor is not _NO_BINARY:
+        cursor.finish()
+    outputs = document.get("outputs")
     return ParsedRequest(
         id=request_id,
         parameters=parameters,
         inputs=inputs,
-        outputs=_requested_outputs(document.get("outputs")),
-        binary_output=_flag(parameters, "binary_data_output", "the request") or False,
+        outputs=None if outputs is None else _requested_outputs(outputs),
+        binary_output=bool(parameters) and (_flag(parameters, "binary_data_output", "the request") or False),
         decode_bytes=decode_bytes,
     )
 

@@ -72,6 +72,7 @@ def check_declared(config: ModelConfig, declared: dict[str, tuple[str, list[int]
         expected = ", ".join(t.name for t in config.inputs)
         raise InvalidInput(f"unexpected input {unknown[0]!r} for model '{config.name}' (inputs: {expected})")
     batch_size = -1
+    batched = config.batched
     for name, datatype, expected, fixed in plan.inputs:
         given = declared.get(name)
         if given is None:
@@ -79,14 +80,17 @@ def check_declared(config: ModelConfig, declared: dict[str, tuple[str, list[int]
         if given[0] != datatype:
             raise InvalidInput(f"input '{name}' has datatype {given[0]}, model '{config.name}' expects {datatype}")
         shape = given[1]
-        if len(shape) != len(expected) or any(shape[i] != d for i, d in fixed):
+        if len(shape) != len(expected):
             raise InvalidInput(f"input '{name}' has shape {list(shape)}, model '{config.name}' expects {expected}")
-        if config.batched:
+        for i, dim in fixed:  # a loop, not any() over a generator: every call comes here
+            if shape[i] != dim:
+                raise InvalidInput(f"input '{name}' has shape {list(shape)}, model '{config.name}' expects {expected}")
+        if batched:
             if batch_size != -1 and shape[0] != batch_size:
                 sizes = sorted({declared[n][1][0] for n, *_ in plan.inputs})
                 raise InvalidInput(f"inputs disagree on the batch size: {sizes}")
             batch_size = shape[0]
-    if not config.batched:
+    if not batched:
         return 1
     if not 1 <= batch_size <= config.max_batch_size:
         raise InvalidInput(
@@ -181,6 +185,10 @@ class Admission:
         self._bucketed = bool(config.tokenize and config.tokenize.sequence_buckets)
         self._padded = {t.name for t in config.inputs if t.pad_value is not None}
         self._numbers_only = all(t.datatype != "BYTES" for t in config.inputs)  # nothing to decode or tokenize
+        self._batched = config.batched
+        # Each input in config order: its name, the engine's name for it, whether it keys the batch
+        # (a padded input joins a batch of any length).
+        self._feeds = [(t.name, t.source_name, t.name not in self._padded) for t in config.inputs]
         batching = config.dynamic_batching
         self._levels = batching.levels if batching else 1
         self._default_level = batching.default_level if batching else 1
@@ -201,7 +209,7 @@ class Admission:
         priority, deadline_ns = self._options(parameters, received_ns)
         batch_size = _checked(self._config, inputs) if checked_batch_size is None else checked_batch_size
         if self._numbers_only:  # no per-item work: admitted here
-            arrays = {tensor.name: inputs[tensor.name][1] for tensor in self._config.inputs}
+            arrays = {name: inputs[name][1] for name, _, _ in self._feeds}
             return self._admitted(arrays, batch_size, None, priority, deadline_ns)
         if bytes_items(self._config, inputs) > INLINE_ITEMS:
             return functools.partial(self._prepared, inputs, batch_size, priority, deadline_ns, True)
@@ -256,15 +264,15 @@ class Admission:
     ) -> Admitted:
         feed: dict[str, np.ndarray] = {}
         key: list[tuple[str, tuple[int, ...]]] = []
-        for tensor in self._config.inputs:
-            if tensor.name == self._text_input:
+        for name, source_name, keys in self._feeds:
+            if name == self._text_input:
                 assert tokens is not None
                 feed.update(tokens)
                 continue
-            array = arrays[tensor.name]
-            feed[tensor.source_name] = array
-            if tensor.name not in self._padded:
-                key.append((tensor.name, array.shape[1:] if self._config.batched else array.shape))
+            array = arrays[name]
+            feed[source_name] = array
+            if keys:
+                key.append((name, array.shape[1:] if self._batched else array.shape))
         longest = length = 0
         if tokens:
             assert self._config.tokenize is not None

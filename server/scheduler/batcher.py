@@ -312,7 +312,7 @@ class Batcher:
             for candidate in queue:
                 if candidate is head or candidate.state is not RequestState.QUEUED:
                     continue
-                if self._too_late(candidate, now):
+                if candidate.deadline_ns is not None and self._too_late(candidate, now):
                     self._give_up_late(candidate, now)
                     continue
                 if candidate.shape_key == head.shape_key:
@@ -357,6 +357,7 @@ class Batcher:
                     result.compute_input_ns, result.compute_infer_ns, result.compute_output_ns,
                 )
             compute_ns = result.compute_input_ns + result.compute_infer_ns + result.compute_output_ns
+            preserve_ordering = self._settings.preserve_ordering
             for index, (request, outputs) in enumerate(zip(batch, result.outputs)):
                 if index in result.failed:
                     self._fail_request(request, result.failed[index], done)
@@ -365,8 +366,10 @@ class Batcher:
                     request.record.compute_ns = compute_ns
                 if index in late:
                     self._answer_late(request, done)
-                    continue
-                self._release(request, functools.partial(self._answer_in_time, request, outputs, done))
+                elif preserve_ordering:
+                    self._release(request, functools.partial(self._answer_in_time, request, outputs, done))
+                else:
+                    self._answer_in_time(request, outputs, done)
         finally:
             self._running.pop(asyncio.current_task(), None)  # type: ignore[arg-type]  # no longer counts as busy
             if retired:
