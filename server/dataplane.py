@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -210,7 +211,7 @@ class DataPlane:
         number that serves now, whose admission checks the inputs against its own config."""
         if not model.ready:
             model, checked_batch_size = self._serving_now(model), None
-        selection = output_tensors(model.config, outputs)
+        selection = model.every_output if outputs is None else output_tensors(model.config, outputs)
         return Call(model.start_request(inputs, parameters, record, received_ns, checked_batch_size), selection, model)
 
 
@@ -218,7 +219,7 @@ class Call(NamedTuple):
     """A started call: the future of the model's outputs, and the outputs asked for."""
 
     future: asyncio.Future[dict[str, np.ndarray]]
-    selection: list[tuple[str, str]]  # (name, datatype), in the order asked for
+    selection: Sequence[tuple[str, str]]  # (name, datatype), in the order asked for
     model: ModelVersion
 
     def outputs(self, results: dict[str, np.ndarray]) -> list[Output]:
@@ -253,11 +254,9 @@ def refuse_when_full(model: ModelVersion) -> None:
         raise QueueFull(f"the queue of this model is full ({limit} requests waiting); retry later")
 
 
-def output_tensors(config: ModelConfig, names: list[str] | None) -> list[tuple[str, str]]:
-    """(name, datatype) of each output to return (None: every output, in the config's order);
-    an unknown name is a 400 before any compute."""
-    if names is None:
-        return [(t.name, t.datatype) for t in config.outputs]
+def output_tensors(config: ModelConfig, names: list[str]) -> list[tuple[str, str]]:
+    """(name, datatype) of each output asked for, in that order (a call that asks for none gets
+    the model's `every_output`); an unknown name is a 400 before any compute."""
     selection = []
     for name in names:
         tensor = config.output(name)

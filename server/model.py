@@ -62,7 +62,10 @@ class ModelVersion:
         self.config = config
         self.version = version
         self.path = path
+        self.ready = False
         self.state = ModelState.LOADING
+        # (name, datatype) of every output, in the config's order: what a call that asks for none returns
+        self.every_output = tuple((t.name, t.datatype) for t in config.outputs)
         self.reason = ""
         self.config_mismatch = False  # it failed to load because its config does not describe its model
         self.stats = ModelStatistics()
@@ -80,8 +83,13 @@ class ModelVersion:
         self._recording: asyncio.Task[None] | None = None
 
     @property
-    def ready(self) -> bool:
-        return self.state is ModelState.READY
+    def state(self) -> ModelState:
+        return self._state
+
+    @state.setter
+    def state(self, state: ModelState) -> None:
+        self._state = state
+        self.ready = state is ModelState.READY  # an attribute, not a property: every call reads it
 
     @property
     def label(self) -> str:

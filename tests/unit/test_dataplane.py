@@ -30,6 +30,7 @@ class StubModel:
     config = CONFIG
     version = 1
     ready = True
+    every_output = tuple((t.name, t.datatype) for t in CONFIG.outputs)
 
     def __init__(self) -> None:
         self.calls = 0

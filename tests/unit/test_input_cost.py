@@ -135,6 +135,7 @@ class Model:
     config = TEXT_MODEL
     version = 1
     ready = True
+    every_output = tuple((t.name, t.datatype) for t in TEXT_MODEL.outputs)
     queue_depth = 0
 
     def __init__(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from server.devices import Device, placements
 from server.errors import EngineError, InvalidInput
 from server.gpu import cuda_visible
 from server.http.errors import STATUS_BY_ERROR, status_of
+from server.model import ModelVersion
 from server.scheduler.admission import validate_inputs
 
 
@@ -213,8 +215,8 @@ def test_bytes_input_that_is_not_utf8_is_refused_at_the_door() -> None:
 # --- output_tensors ----------------------------------------------------------------------
 
 
-def test_all_outputs_by_default_in_the_configs_order() -> None:
-    assert output_tensors(model(), None) == [("scores", "FP32"), ("label", "BYTES")]
+def test_all_outputs_by_default_in_the_configs_order(tmp_path: Path) -> None:
+    assert ModelVersion(model(), 1, tmp_path).every_output == (("scores", "FP32"), ("label", "BYTES"))
 
 
 def test_requested_outputs_in_request_order() -> None:
