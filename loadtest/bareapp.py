@@ -25,6 +25,7 @@ import orjson
 import uvicorn
 
 from loadtest import mlp
+from server.port_file import write_port_file
 
 _JSON = [(b"content-type", b"application/json")]
 _answers: dict[tuple[str, int], bytes] = {}
@@ -71,9 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port-file", type=Path, required=True, help="where the port it listens on is written")
     args = parser.parse_args(argv)
     listener = socket.create_server(("127.0.0.1", 0), backlog=2048)
-    partial = args.port_file.with_name(args.port_file.name + ".partial")
-    partial.write_text(f"{listener.getsockname()[1]}\n")
-    partial.replace(args.port_file)  # whoever polls for the file never reads half a number
+    write_port_file(args.port_file, listener.getsockname()[1])
     config = uvicorn.Config(app, http="httptools", loop="uvloop", lifespan="off", proxy_headers=False,
                             access_log=False, log_level="warning")
     uvicorn.Server(config).run(sockets=[listener])

@@ -150,9 +150,10 @@ def median_ratios(levels: list[dict[str, Any]]) -> dict[int, float]:
 def ratio_summary(levels: list[dict[str, Any]]) -> list[str]:
     """Per concurrency: the server's share of the floor, round by round, its median, and the
     rate that share is on the machine the target was set on."""
+    medians = median_ratios(levels)
     lines = []
     for connections, values in _ratios_by_concurrency(levels).items():
-        median = float(np.median(values))
+        median = medians[connections]
         lines.append(f"at {connections} clients the server serves {', '.join(f'{r:.2f}' for r in values)} of the "
                      f"floor's rate by round, median {median:.2f} (where the floor served "
                      f"{FLOOR_OF_RECORD_REQ_S:,} req/s: {median * FLOOR_OF_RECORD_REQ_S:,.0f} req/s)")

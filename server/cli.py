@@ -12,10 +12,10 @@ import sys
 import tempfile
 import threading
 from importlib.metadata import entry_points
-from pathlib import Path
 
 from server import __version__
 from server.model_import import add_import_parser
+from server.port_file import write_port_file
 from server.quantize.cli import add_build_parser
 from server.settings import add_setting_flags, settings_from
 
@@ -74,7 +74,7 @@ def _serve(args: argparse.Namespace) -> int:
     threading.Thread(target=lambda: logging.getLogger(__name__).info("devices: %s", describe_stack()),
                      name="describe-devices", daemon=True).start()
     if settings.port_file is not None:
-        _write_port_file(settings.port_file, port)
+        write_port_file(settings.port_file, port)
     with contextlib.ExitStack() as cleanup:
         if settings.http_workers == 1:
             http: list[FrontEnd] = [HttpFrontEnd(app, listener, settings.log_level)]
@@ -86,7 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
             http = [HttpFrontEnd(app, upstream, settings.log_level),
                     HttpWorkers(settings, plane, port, settings.http_workers, upstream.getsockname(),
                                 os.path.join(private, "link.sock"))]
-        server = Server(plane, [*http, *grpc_frontends(settings, plane, access, flight, _write_port_file)],
+        server = Server(plane, [*http, *grpc_frontends(settings, plane, access, flight, write_port_file)],
                         settings.models)
         try:
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -104,13 +104,6 @@ def _listen(host: str, port: int) -> socket.socket:
     server starts: with port 0 the system picks a free one that nobody can take in between."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     return socket.create_server((host, port), family=family, backlog=2048)
-
-
-def _write_port_file(path: Path, port: int) -> None:
-    """Written beside, then renamed: whoever polls for the file never reads half a number."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(f"{port}\n")
-    partial.replace(path)
 
 
 # Commands that other installed packages add to `batchline` (the benchmarks add `bench`), found
