@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import gzip
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import pytest
@@ -27,6 +27,8 @@ from server.repository import ModelRepository
 from tests.unit.http.conftest import HOLD, Exchange, Gate, infer_body
 from tests.unit.http.tiny_models import write_spin_model
 from tests.unit.waiting import eventually
+
+T = TypeVar("T")
 
 LIMIT = 64 << 20
 
@@ -319,12 +321,24 @@ def nested_body(items: int) -> bytes:
 
 async def test_a_big_body_under_1_mib_does_not_stall_the_event_loop(plane: DataPlane) -> None:
     """A ticker records the longest gap between its ticks while the request is handled: with
-    the decode on the loop, the gap is the whole decode; off the loop, a few GIL switches."""
+    the decode on the loop, the gap is the whole decode; off the loop, the longest single call
+    that holds the GIL (orjson's parse, a slice of numpy's conversion) and a GIL switch. Both
+    sides are the best of two, as this machine's other work can stretch either."""
     body = nested_body(200_000)
     assert len(body) < 1 << 20
     work_s = min(_timed(lambda: decode_request(body)) for _ in range(2))
     assert work_s > 0.03, f"the body decodes in {work_s * 1e3:.1f} ms: too fast to show a stall"
     app = FastInferApp(unreachable, InferEndpoint(plane, LIMIT))
+    stalls = []
+    for _ in range(2):
+        refused, stall_s = await longest_gap_while(call(app, Exchange.of(body)))
+        assert refused.status == 400 and "batch size 200000" in refused.json()["error"]
+        stalls.append(stall_s)
+    assert min(stalls) < work_s / 2, f"the loop stalled {min(stalls) * 1e3:.1f} ms for {work_s * 1e3:.1f} ms of decoding"
+
+
+async def longest_gap_while(work: Coroutine[Any, Any, T]) -> tuple[T, float]:
+    """What `work` returns, and the longest the event loop went without a turn meanwhile."""
     longest = 0.0
     stop = asyncio.Event()
 
@@ -339,11 +353,12 @@ async def test_a_big_body_under_1_mib_does_not_stall_the_event_loop(plane: DataP
 
     ticks = asyncio.create_task(ticker())
     await asyncio.sleep(0.01)
-    refused = await call(app, Exchange.of(body))
-    stop.set()
-    await ticks
-    assert refused.status == 400 and "batch size 200000" in refused.json()["error"]
-    assert longest < work_s / 2, f"the loop stalled {longest * 1e3:.1f} ms for {work_s * 1e3:.1f} ms of decoding"
+    try:
+        result = await work
+    finally:
+        stop.set()
+        await ticks
+    return result, longest
 
 
 async def test_a_full_server_refuses_a_grpc_message_before_parsing_it(plane: DataPlane, gate: Gate) -> None:

@@ -14,6 +14,7 @@ import tritonclient.http as triton_http
 from tritonclient.http._utils import _get_inference_request
 
 from server.errors import InvalidInput, Unsupported
+from server.protocol import v2
 from server.protocol.shared_memory import RegionRef
 from server.protocol.v2 import (
     DecodedRequest,
@@ -171,6 +172,45 @@ def test_json_scalar_data_and_empty_tensor() -> None:
 
 def test_json_tensor_directly() -> None:
     assert_same(json_tensor([[1, 2], [3, 4]], "INT16", [4], "t"), np.array([1, 2, 3, 4], dtype=np.int16))
+
+
+SLICED_CASES = [
+    ("FP32", [12, 2], [[i, i + 0.5] for i in range(12)]),
+    ("INT8", [10], list(range(10))),
+    ("UINT64", [9], [1] * 8 + [2**64 - 1]),
+    ("BOOL", [7, 1, 1], [[[i % 2 == 0]] for i in range(7)]),
+]
+
+
+@pytest.mark.parametrize(("datatype", "shape", "data"), SLICED_CASES)
+def test_big_json_data_is_read_in_slices_with_the_same_result(
+    monkeypatch: pytest.MonkeyPatch, datatype: str, shape: list[int], data: list[Any],
+) -> None:
+    """Off the event loop, big data is converted a slice of rows at a time (each conversion
+    holds the GIL): the tensor is the one converting it whole gives."""
+    whole = json_tensor(data, datatype, shape, "x")
+    conversions: list[int] = []
+    asarray = np.asarray
+    monkeypatch.setattr(v2, "_VALUES_A_CALL", 4)
+    monkeypatch.setattr(v2.np, "asarray", lambda rows: conversions.append(len(rows)) or asarray(rows))
+    assert_same(json_tensor(data, datatype, shape, "x"), whole)
+    assert len(conversions) > 1 and max(conversions) <= 4 and sum(conversions) == len(data)
+
+
+@pytest.mark.parametrize(("datatype", "data", "refusal"), [
+    ("FP32", [[1.0, 2.0]] * 5 + [[3.0]] * 5, "not a regular array"),
+    ("FP32", [[1.0]] * 6 + [1.0] * 4, "not a regular array"),
+    ("FP32", [1.0] * 8 + ["a", "b"], "must be numbers"),
+    ("INT8", [1] * 8 + [1000, 1], "out of range"),
+    ("INT32", [1] * 8 + [1.5, 1], "must be integers"),
+    ("BOOL", [True] * 8 + [1, 0], "true or false"),
+])
+def test_a_late_slice_of_bad_data_is_refused_as_the_whole_would_be(
+    monkeypatch: pytest.MonkeyPatch, datatype: str, data: list[Any], refusal: str,
+) -> None:
+    monkeypatch.setattr(v2, "_VALUES_A_CALL", 4)
+    with pytest.raises(InvalidInput, match=refusal):
+        json_tensor(data, datatype, [10], "x")
 
 
 def test_json_integer_extremes() -> None:
