@@ -209,3 +209,17 @@ async def test_a_sample_that_did_not_change_is_not_written_again(tmp_path: Path)
         assert wrote == kept_one
         rewritten += wrote
     assert 0 < rewritten < 20
+
+
+@pytest.mark.parametrize("name", ["file", "allow_pickle", "args"])
+async def test_an_input_named_like_a_parameter_of_the_writer_is_recorded(tmp_path: Path, name: str) -> None:
+    """The sample is written one array a name: an input called `file` or `allow_pickle` is an
+    input like any other, not a keyword of the function that writes the file."""
+    named = config(inputs=[{"name": name, "datatype": "FP32", "dims": [2]}])
+    clock = Clock()
+    recorder = TrafficRecorder(RecordTraffic(max_per_second=1000), named, tmp_path, clock=clock)
+    clock.now += 1.0
+    recorder.offer({name: batch(0.0, 3)["x"]}, 3)
+    assert await recorder.write()
+    with np.load(tmp_path / RECORDED_FILE) as stored:
+        assert stored.files == [name] and stored[name].shape == (3, 2)
