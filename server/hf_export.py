@@ -336,10 +336,11 @@ def _transformer_facts(
         raise ExportRefused(f"{config_path}: transformers {package_version('transformers')} cannot read it: {exc}") from exc
     mapping = MODEL_MAPPING if kind == "embedding" else MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
     try:
-        model_class = mapping[type(config)]
+        classes = mapping[type(config)]
     except KeyError:
         raise ExportRefused(f"{config_path}: transformers has no {'encoder' if kind == 'embedding' else 'sequence-classification'} "
                             f"model for model_type {config.model_type!r}") from None
+    model_class = _model_class(classes, getattr(config, "architectures", None) or [])
     parameters = inspect.signature(model_class.forward).parameters
     if "attention_mask" not in parameters:
         raise ExportRefused(f"{config_path}: {model_class.__name__} takes no attention_mask, so padded batches "
@@ -361,6 +362,16 @@ def _transformer_facts(
     dim = config.hidden_size if kind == "embedding" else config.num_labels
     return {"architecture": model_class.__name__, "max_length": length, "token_inputs": tuple(inputs),
             "pad_id": int(tokenizer.pad_token_id), "dim": int(dim), "vocab_size": int(config.vocab_size)}
+
+
+def _model_class(classes: Any, architectures: list[str]) -> Any:
+    """The class transformers' Auto classes build: a model type may map to a few (funnel: the
+    full and the base model), and then the first the config's `architectures` names wins, else
+    the first."""
+    if not isinstance(classes, (tuple, list)):
+        return classes
+    named = {c.__name__: c for c in classes if c is not None}
+    return next((named[a] for a in architectures if a in named), classes[0])
 
 
 def _max_length(folder: Path, asked: int | None, st_max: int | None, tokenizer_max: int | None,

@@ -317,3 +317,18 @@ def test_the_command_refuses_a_folder_in_words_without_a_traceback(st_folder: Pa
     assert run.returncode == 2, run.stderr
     assert "batchline import:" in run.stderr and "pooling mode 'weightedmean' is not supported" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_a_model_type_with_more_than_one_class_takes_the_one_its_config_names() -> None:
+    """transformers maps a few model types to more than one class (funnel: the full model and
+    the base one); the export takes the one the config's `architectures` names, as AutoModel
+    does, where it once read `forward` off the tuple and failed with an AttributeError."""
+    from transformers import MODEL_MAPPING, FunnelConfig
+
+    classes = MODEL_MAPPING[FunnelConfig]
+    assert isinstance(classes, tuple) and len(classes) == 2
+    full, base = classes
+    assert hf_export._model_class(classes, ["FunnelBaseModel"]) is base
+    assert hf_export._model_class(classes, ["FunnelForMaskedLM"]) is full  # named none of them: the first
+    assert hf_export._model_class(classes, []) is full
+    assert hf_export._model_class(full, ["FunnelBaseModel"]) is full
