@@ -55,7 +55,10 @@ serve: setup
 test-tools:
 	sh scripts/test-tools.sh
 
+# Lint and type checks first (seconds; mypy's first run about a minute), then every test.
 test: setup test-tools
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The container image, built with docker or podman (whichever works here; podman is installed

@@ -29,7 +29,8 @@ import yaml
 from loadtest.localserver import running_server
 
 SMALL_TEXT = "How do I reset my password?"
-WORDS = "the quick brown fox jumps over a lazy dog while people walk past the old station".split()
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "people", "walk", "past", "the",
+         "old", "station"]
 SMALL_EVERY_S = 0.05  # the small caller's pause between its calls
 SMALL_AFTER_S = 0.5  # the small caller begins once the list's first requests are queued
 

@@ -10,6 +10,7 @@ per request is what its throughput shows. Weights are random (seeded): only the 
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -32,7 +33,7 @@ def mlp_onnx(seed: int = 0) -> bytes:
     rng = np.random.default_rng(seed)
     sizes = [WIDTH, HIDDEN, HIDDEN, CLASSES]
     nodes, initializers, current = [], [], INPUT
-    for layer, (fan_in, fan_out) in enumerate(zip(sizes, sizes[1:], strict=False)):
+    for layer, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
         weight, bias, out = f"W{layer}", f"b{layer}", f"h{layer}"
         initializers += [
             numpy_helper.from_array(rng.normal(0, fan_in ** -0.5, (fan_in, fan_out)).astype(np.float32), weight),

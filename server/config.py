@@ -492,20 +492,21 @@ class ModelConfig(_Strict):
         for tensor in self.outputs:
             if tensor.pad_value is not None:
                 raise ValueError(f"output {tensor.name!r}: pad_value applies to inputs only")
-        padded = [t.name for t in self.inputs if t.pad_value is not None]
-        for name in padded:
-            if -1 not in self.input(name).dims:
-                raise ValueError(f"input {name!r}: pad_value needs a variable (-1) dim to pad")
+        padded = [t for t in self.inputs if t.pad_value is not None]
+        for tensor in padded:
+            if -1 not in tensor.dims:
+                raise ValueError(f"input {tensor.name!r}: pad_value needs a variable (-1) dim to pad")
         if (padded or self.tokenize) and any(-1 in t.dims for t in self.outputs):
             raise ValueError("padded batching needs outputs of fixed dims (padding would leak into them)")
-        if self.tokenize and self.input(self.tokenize.input).dims != [1]:
-            raise ValueError(f"the text input {self.tokenize.input!r} must have dims [1] (one string per item)")
+        text = self.input(self.tokenize.input) if self.tokenize else None
+        if text is not None and text.dims != [1]:  # the text input exists and is BYTES: checked above
+            raise ValueError(f"the text input {text.name!r} must have dims [1] (one string per item)")
         for name, value in self.warmup.inputs.items():
-            tensor = self.input(name)
-            if tensor is None:
+            warmed = self.input(name)
+            if warmed is None:
                 known = ", ".join(t.name for t in self.inputs)
                 raise ValueError(f"warmup.inputs: {name!r} is not an input (inputs: {known})")
-            problem = _warmup_value_problem(value, tensor.datatype)
+            problem = _warmup_value_problem(value, warmed.datatype)
             if problem:
                 raise ValueError(f"warmup.inputs.{name}: {problem}")
         return self

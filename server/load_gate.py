@@ -26,13 +26,13 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from typing import ParamSpec, TypeVar
+from typing import TypeVar, TypeVarTuple
 
 logger = logging.getLogger(__name__)
 
 WAIT_S = 120.0
 T = TypeVar("T")
-P = ParamSpec("P")
+Args = TypeVarTuple("Args")
 
 
 class LoadGate:
@@ -85,12 +85,12 @@ _LOAD_THREADS = concurrent.futures.ThreadPoolExecutor(  # as many as the default
 _NOW_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="batchline-close")
 
 
-async def run_load(call: Callable[P, T], *args: P.args) -> T:
+async def run_load(call: Callable[[*Args], T], *args: *Args) -> T:
     """`call(*args)` on a load thread: a model's build, warm-up, profile or artifact build."""
     return await asyncio.get_running_loop().run_in_executor(_LOAD_THREADS, call, *args)
 
 
-async def run_now(call: Callable[P, T], *args: P.args) -> T:
+async def run_now(call: Callable[[*Args], T], *args: *Args) -> T:
     """`call(*args)` on a thread no load waiting its turn holds: closing instances, replacing a
     stuck one (which builds beside anything, `building(wait=False)`)."""
     return await asyncio.get_running_loop().run_in_executor(_NOW_THREADS, call, *args)

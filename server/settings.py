@@ -12,7 +12,7 @@ import argparse
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin, overload
 
 from pydantic import Field, SecretStr
 from pydantic.fields import FieldInfo
@@ -163,7 +163,11 @@ def add_setting_flags(parser: argparse.ArgumentParser, settings: type[BaseSettin
         parser.add_argument(option, help=f"{help_text} ({'; '.join(notes)})", **arguments)
 
 
-def settings_from(args: argparse.Namespace, settings: type[Settings] = ServerSettings) -> Settings:  # type: ignore[assignment]  # a TypeVar default needs 3.13
+@overload
+def settings_from(args: argparse.Namespace) -> ServerSettings: ...
+@overload
+def settings_from(args: argparse.Namespace, settings: type[Settings]) -> Settings: ...
+def settings_from(args: argparse.Namespace, settings: type[BaseSettings] = ServerSettings) -> BaseSettings:
     """The environment (BATCHLINE_*) first, the flags given over it."""
     given = {name: getattr(args, name) for name in settings.model_fields if getattr(args, name, None) is not None}
     return settings(**given)

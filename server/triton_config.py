@@ -56,7 +56,7 @@ def triton_model_config(config: ModelConfig, placement: str = "") -> dict[str, A
 def _parameters(config: ModelConfig, placement: str = "") -> dict[str, dict[str, str]]:
     """The precision the engine runs, and for a build what it was built as (a torch INT8 program
     runs with precision fp32 and build_precision int8); where it runs, once loaded."""
-    parameters = {"precision": config.precision}
+    parameters: dict[str, str] = {"precision": config.precision}
     if placement:
         parameters["placement"] = placement
     if config.build is not None:

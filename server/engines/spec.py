@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from server.config import ModelConfig, Precision, TensorConfig
 from server.engines.digests import verify_artifact
@@ -101,7 +101,7 @@ class EngineSpec(Generic[Options]):
     options: Options
 
     @classmethod
-    def from_config(cls, config: ModelConfig, version_dir: Path) -> EngineSpec[Options]:
+    def from_config(cls, config: ModelConfig, version_dir: Path) -> EngineSpec[Any]:
         """The spec of `config`'s version in `version_dir`. The artifact is checked against the
         folder's recorded digests before any engine reads it, so every engine gets the same
         check (`server/engines/digests.py`; a folder without a record loads with a warning)."""
@@ -110,5 +110,5 @@ class EngineSpec(Generic[Options]):
         if not artifact.is_file():
             raise EngineError(f"model artifact {artifact} is missing (was the model built?)")
         verify_artifact(artifact, version_dir)
-        options = getattr(config, entry.options_field) if entry.options_field else None
+        options: Any = getattr(config, entry.options_field) if entry.options_field else None  # the entry's own type
         return cls(artifact, EngineIO.from_config(config), config.precision, options)

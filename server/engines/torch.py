@@ -130,7 +130,9 @@ def _compiled(module: torch.nn.Module, io: EngineIO, mode: str) -> torch.nn.Modu
     with COMPILE_LOCK:  # process-wide settings
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes + 1)
     options = compile_options(mode)
-    return torch.compile(module, dynamic=False, options=options or None)
+    compiled = torch.compile(module, dynamic=False, options=options or None)
+    assert isinstance(compiled, torch.nn.Module)  # a compiled module is a module (OptimizedModule)
+    return compiled
 
 
 class TorchEngine(Engine):

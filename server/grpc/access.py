@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import hmac
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Protocol
 
 from server.grpc.errors import ControlDisabled, NotAuthenticated, Refusal
@@ -22,11 +22,14 @@ _FLAG = "--model-control (BATCHLINE_MODEL_CONTROL=1)"
 
 
 class Policy(Protocol):
-    """What the gate reads of the server's access policy."""
+    """What the gate reads of the server's access policy (read only: the policy is frozen)."""
 
-    model_control: bool
-    admin_token: str | None
-    inference_token: str | None
+    @property
+    def model_control(self) -> bool: ...
+    @property
+    def admin_token(self) -> str | None: ...
+    @property
+    def inference_token(self) -> str | None: ...
 
 
 class Access(enum.Enum):
@@ -54,7 +57,7 @@ class CallGate:
         self._admin = _encoded(policy.admin_token if policy is not None else None)
         self._inference = _encoded(policy.inference_token if policy is not None else None)
 
-    def refusal(self, rpc: str, metadata: Sequence[tuple[str, str | bytes]] | None) -> Refusal | None:
+    def refusal(self, rpc: str, metadata: Iterable[tuple[str, str | bytes]] | None) -> Refusal | None:
         """Why this call may not go on, or None."""
         access = access_of(rpc)
         if access is Access.OPEN:
@@ -77,7 +80,7 @@ class CallGate:
         return None
 
 
-def bearer(metadata: Sequence[tuple[str, str | bytes]] | None) -> bytes | None:
+def bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes | None:
     """The token of the one `authorization` entry, if it is `Bearer <token>` (scheme in any case)."""
     values = [value for key, value in metadata or () if key.lower() == "authorization"]
     if len(values) != 1:

@@ -40,9 +40,12 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+
+if TYPE_CHECKING:
+    from uvicorn._types import ASGI3Application
 
 from server.asgi.disconnect import DISCONNECT_EXTENSION, disconnect_callbacks
 from server.asgi.respond import RESPOND_EXTENSION, Headers, body_headers, send_messages
@@ -154,7 +157,7 @@ class Door:
         return functools.partial(self._endpoint.admitted, call.model, call.version, call.headers, call.reserved)
 
     def answered_inline(
-        self, call: Admitted, scope: Scope, body: bytes, write: WriteWhole, running: set[Any],
+        self, call: Admitted, scope: Scope, body: bytes | bytearray, write: WriteWhole, running: set[Any],
     ) -> bool:
         """Answer an admitted `inline` call, its whole body in, without a task; False when it
         must take `app_for`'s way after all (InferEndpoint.answered_inline)."""
@@ -198,7 +201,7 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
                 # that stops part-way.
                 cycle, call = self._inline
                 self._inline = None
-                refused = door.queue_refusal(call, cycle.scope)
+                refused = door.queue_refusal(call, _asgi(cycle))
                 if refused is None:
                     self._start_task(cycle, call)
                 else:
@@ -238,14 +241,15 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             self._last_started = cycle
             # A client that does not read its answers gets no more written for it here: the app's
             # path waits for the socket to drain, and pauses reading meanwhile.
-            decision = None if self.flow.write_paused else door.decide(cycle.scope)
+            scope: Scope = cycle.scope  # type: ignore[assignment]  # see _asgi
+            decision = None if self.flow.write_paused else door.decide(scope)
             if isinstance(decision, Admitted) and decision.inline and app is self.app:
                 self._inline = (cycle, decision)  # answered when its body is whole, in this read
                 if not cycle.more_body:  # a pipelined request, read whole while the one before ran
                     self._answer_inline()
                 return
             if not isinstance(decision, Refused):
-                extensions = cycle.scope.setdefault("extensions", {})
+                extensions = scope.setdefault("extensions", {})
                 extensions[DISCONNECT_EXTENSION] = []  # see connection_lost
                 # HttpFrontEnd turns uvicorn's access log off (the server writes its own), so
                 # what uvicorn's send would have logged is not missed
@@ -288,10 +292,11 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             already read."""
             cycle, call = self._inline  # type: ignore[misc]
             self._inline = None
-            cycle.scope.setdefault("extensions", {})[DISCONNECT_EXTENSION] = []
+            scope: Scope = cycle.scope  # type: ignore[assignment]  # see _asgi
+            scope.setdefault("extensions", {})[DISCONNECT_EXTENSION] = []
             self._answering = True
             try:
-                taken = door.answered_inline(call, cycle.scope, cycle.body,
+                taken = door.answered_inline(call, scope, cycle.body,
                                              functools.partial(self._write_inline, cycle), self.tasks)
             finally:
                 self._answering = False
@@ -312,10 +317,10 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
 
         def _start_task(self, cycle: RequestResponseCycle, call: Admitted) -> None:
             """The endpoint's task for an admitted call (Door.app_for), as for one not inline."""
-            extensions = cycle.scope.setdefault("extensions", {})
+            extensions = _asgi(cycle).setdefault("extensions", {})
             extensions[DISCONNECT_EXTENSION] = []
             extensions[RESPOND_EXTENSION] = _respond_whole
-            super()._start_asgi_task(cycle, door.app_for(call))
+            super()._start_asgi_task(cycle, cast("ASGI3Application", door.app_for(call)))  # see _asgi
 
         def _unset_keepalive_if_required(self) -> None:
             """uvicorn's way, called on every read, cancels the idle timer that each answer
@@ -372,7 +377,7 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             super().connection_lost(exc)
             for cycle in cycles.values():
                 if not cycle.response_complete:
-                    for client_left in list(disconnect_callbacks(cycle.scope) or ()):
+                    for client_left in list(disconnect_callbacks(_asgi(cycle)) or ()):
                         client_left()
                 # What uvicorn does as a request's task ends: an inline call has none, and its
                 # cycle's `on_response` (this protocol's method) would keep the connection in a
@@ -389,6 +394,12 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
                 self.server_state.total_requests += 1
 
     return DoorProtocol
+
+
+def _asgi(cycle: RequestResponseCycle) -> Scope:
+    """A cycle's scope as the ASGI mapping the server's code reads. uvicorn types it as its own
+    TypedDict of an HTTP scope (and an app as taking one): the same mapping, typed apart."""
+    return cycle.scope  # type: ignore[return-value]
 
 
 def _nothing() -> None:

@@ -67,7 +67,7 @@ CONTROL_BODY_BYTES = 64 << 10
 # access log record, when its head arrived) -> (response body, its binary header length or None).
 Answer = Callable[[str, str | None, bytes, int | None, RequestRecord | None, int], Awaitable[tuple[bytes, int | None]]]
 # The same call started on the event loop, answered from its future (None: `Answer`'s way for it).
-StartInline = Callable[[str, str | None, bytes, int | None, RequestRecord | None, int], "v2_infer.InlineStarted | None"]
+StartInline = Callable[[str, str | None, bytes | bytearray, int | None, RequestRecord | None, int], "v2_infer.InlineStarted | None"]
 
 
 class InferEndpoint:
@@ -132,7 +132,7 @@ class InferEndpoint:
         headers: dict[bytes, bytes],
         reserved: int,
         scope: Scope,
-        body: bytes,
+        body: bytes | bytearray,
         write: WriteWhole,
         running: set[Any],
     ) -> bool:

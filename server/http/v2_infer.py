@@ -83,7 +83,7 @@ def start_inline(
     plane: DataPlane,
     name: str,
     version: str | None,
-    body: bytes,
+    body: bytes | bytearray,
     header_length: int | None,
     record: RequestRecord | None,
     received_ns: int,
@@ -183,7 +183,7 @@ def start_inline_remote(
     link: LinkClient,
     name: str,
     version: str | None,
-    body: bytes,
+    body: bytes | bytearray,
     header_length: int | None,
     record: RequestRecord | None,
     received_ns: int,
@@ -222,7 +222,7 @@ def _names_shared_memory(parsed: ParsedRequest) -> bool:
     return any(d.region is not None for d in parsed.inputs) or any(o.region is not None for o in parsed.outputs or ())
 
 
-async def _parsed(body: bytes, header_length: int | None) -> ParsedRequest:
+async def _parsed(body: bytes | bytearray, header_length: int | None) -> ParsedRequest:
     if len(body) > INLINE_DECODE_BYTES:
         return await asyncio.to_thread(_parse_without_gc, body, header_length)
     return parse_request(body, header_length)
@@ -283,7 +283,7 @@ _gc_pauses = 0
 _gc_was_enabled = False
 
 
-def _parse_without_gc(body: bytes, header_length: int | None) -> ParsedRequest:
+def _parse_without_gc(body: bytes | bytearray, header_length: int | None) -> ParsedRequest:
     """parse_request with the cyclic GC paused. orjson holds the GIL for the whole parse, so a
     worker thread alone does not free the loop; most of a nested body's parse time is the
     collections its hundred thousand fresh lists trigger (measured: 200k lists, ~200 ms with
@@ -303,7 +303,7 @@ def _parse_without_gc(body: bytes, header_length: int | None) -> ParsedRequest:
                 gc.enable()
 
 
-def _request_id(body: bytes, header_length: int | None) -> str | None:
+def _request_id(body: bytes | bytearray, header_length: int | None) -> str | None:
     """The request's id for the access log of a refused request, best effort (a worker thread:
     the body was never parsed, and a big one is not parsed on the loop for a log line)."""
     try:

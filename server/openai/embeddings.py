@@ -20,6 +20,7 @@ batches take in v2 requests as well, and the other way round.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -116,7 +117,7 @@ async def embed(
     return vectors
 
 
-async def _first_failure(tasks: list[asyncio.Future[list[Output]]]) -> BaseException | None:
+async def _first_failure(tasks: Sequence[asyncio.Future[list[Output]]]) -> BaseException | None:
     """Wait for every chunk, or for the first to fail (the rest are then cancelled, dropped from
     the queue); that failure, if any."""
     try:

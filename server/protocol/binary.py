@@ -29,7 +29,7 @@ _PREFIX_SIZE = _LENGTH_PREFIX.size
 _MAX_ELEMENT_SIZE = 2**32 - 1
 
 
-def split_body(body: bytes, header_length: int) -> tuple[bytes, memoryview]:
+def split_body(body: bytes | bytearray, header_length: int) -> tuple[bytes, memoryview]:
     """Split a body into its JSON header and a zero-copy view of the binary data after it."""
     if isinstance(header_length, bool) or not isinstance(header_length, int):
         raise InvalidInput(

@@ -72,9 +72,10 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
 _NO_BINARY = BinaryCursor(b"")  # stateless while it holds nothing: take(0) moves it by nothing, any more raises
 
 
-def parse_request(body: bytes, header_length: int | None = None) -> ParsedRequest:
+def parse_request(body: bytes | bytearray, header_length: int | None = None) -> ParsedRequest:
     """Read the JSON header and cut the binary section; no tensor is built yet. Its cost grows
     with the header's size only (orjson's parse)."""
+    header: bytes | bytearray
     binary: bytes | memoryview
     if header_length is None:
         header, binary = body, b""
@@ -141,7 +142,7 @@ def build_tensors(parsed: ParsedRequest, windows: Windows | None = None) -> Deco
     )
 
 
-def json_object(raw: bytes) -> dict[str, Any]:
+def json_object(raw: bytes | bytearray) -> dict[str, Any]:
     """A request body that must be one JSON object."""
     try:
         document = orjson.loads(raw)

@@ -193,8 +193,8 @@ def make(plan: BuildPlan, stage: Path, work: Path) -> Made:
     record_digests(stage)  # evaluated and timed as it will serve: verified; publish records the rest
     has_config = config_path(plan.variant_dir).is_file()
     base = variants.read_raw_config(plan.variant_dir if has_config else plan.repository / source.model)
-    spec = BuildSpec(source=source.model, engine=plan.engine, precision=plan.precision, device=plan.device,
-                     options=plan.given, gate=plan.gate)
+    spec = BuildSpec.model_validate({"source": source.model, "engine": plan.engine, "precision": plan.precision,
+                                     "device": plan.device, "options": plan.given, "gate": plan.gate})
     filename = None if output.artifact == ENGINES[output.engine].artifact else output.artifact
     derived = variants.derive_config(
         base, name=variant, engine=output.engine, precision=output.precision, model_filename=filename, spec=spec,

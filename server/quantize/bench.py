@@ -56,7 +56,7 @@ def benchmark(
 
     The child prints a line as each batch size is done (the bar's steps), then the figures on
     a line of their own marked RESULT."""
-    request = {
+    request: dict[str, Any] = {
         "config": config.model_dump(mode="json"),
         "version_dir": str(version_dir),
         "model_dir": str(data_dirs[0]),
@@ -118,7 +118,10 @@ def _child(request_path: Path) -> dict[str, Any]:
     rows = []
     for batch in request["batches"]:
         feed = runner.feed(data, batch, request["sequence_length"])
-        timings = time_runs(lambda _, feed=feed: runner.run(feed), request["seconds"]).latencies_s
+        def one_run(_: int, feed: dict[str, Any] = feed) -> object:
+            return runner.run(feed)
+
+        timings = time_runs(one_run, request["seconds"]).latencies_s
         mean = statistics.fmean(timings)
         rows.append({
             "batch": batch,

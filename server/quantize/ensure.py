@@ -42,10 +42,11 @@ def ensure_built(repository: Path, model_name: str, config: ModelConfig, *, benc
             recorded=False,  # recorded traffic changes as it is served: it would rebuild at every load
         )
     except EvalDataUnavailable as exc:
-        report = published_build(Path(repository), model_name, spec)
-        if report is None:
+        published = published_build(Path(repository), model_name, spec)
+        if published is None:
             raise EngineError(f"{model_name}: no build of this spec is published, and none can be made here: "
                               f"{exc.message}") from exc
+        report = published
         logger.warning("%s: serving version %s as it was built and gated; it cannot be rebuilt or re-judged "
                        "here (%s)", model_name, report.version, exc.message)
     except (EngineError, ConfigError):  # BuildError is an EngineError: its message says why

@@ -69,8 +69,8 @@ def check_declared(config: ModelConfig, declared: dict[str, tuple[str, list[int]
     plan = _declared_plan(config)
     if not plan.names.issuperset(declared):
         unknown = sorted(set(declared) - plan.names)
-        expected = ", ".join(t.name for t in config.inputs)
-        raise InvalidInput(f"unexpected input {unknown[0]!r} for model '{config.name}' (inputs: {expected})")
+        known = ", ".join(t.name for t in config.inputs)
+        raise InvalidInput(f"unexpected input {unknown[0]!r} for model '{config.name}' (inputs: {known})")
     batch_size = -1
     batched = config.batched
     for name, datatype, expected, fixed in plan.inputs:
@@ -236,7 +236,7 @@ class Admission:
     def admit_now(self, inputs: dict[str, np.ndarray], batch_size: int) -> Admitted:
         """Synchronous admission of already validated inputs (warm-up and profiling)."""
         texts = self._texts(inputs)
-        tokens = self._tokenizer.encode(texts) if texts is not None else None
+        tokens = self._tokenizer.encode(texts) if texts is not None and self._tokenizer is not None else None
         return self._admitted(inputs, batch_size, tokens, self._default_level, None)
 
     def tokens_in(self, feed: dict[str, np.ndarray]) -> int:

@@ -286,7 +286,7 @@ def test_a_stop_drains_calls_in_flight_and_ends_every_process(repository: Path) 
         assert slow.echoed() == SLOW  # answered during the drain
         assert server.process.wait(WAIT_S) == 0
     for pid in processes:
-        wait_until(lambda: not Path(f"/proc/{pid}").exists() or _zombie(pid), f"front end {pid} has ended")
+        wait_until(lambda pid=pid: not Path(f"/proc/{pid}").exists() or _zombie(pid), f"front end {pid} has ended")
 
 
 def _zombie(pid: int) -> bool:

@@ -13,7 +13,7 @@ import textwrap
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pytest
 
@@ -377,7 +377,7 @@ def test_a_front_end_count_that_cannot_start_is_recorded_and_one_with_no_time_le
         def __init__(self, processes: int) -> None:
             self.processes = processes
 
-        def __enter__(self) -> FakeClients:
+        def __enter__(self) -> Self:
             return self
 
         def __exit__(self, *_: object) -> None:

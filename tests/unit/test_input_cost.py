@@ -19,8 +19,8 @@ from server.http import v2_infer
 from server.protocol import v2
 from server.protocol.v2 import parse_request
 from server.scheduler import admission
-from tests.unit.admitting import admit
 from server.scheduler.admission import INLINE_ITEMS, INLINE_TEXT_BYTES, Admission
+from tests.unit.admitting import admit
 
 TEXT_MODEL = ModelConfig.model_validate(
     {

@@ -1,6 +1,6 @@
 """Regenerate the gRPC modules of this folder from its .proto files (grpcio-tools).
 
-    python -m server.grpc.protos.generate              # .proto -> *_pb2.py, *_pb2_grpc.py
+    python -m server.grpc.protos.generate              # .proto -> *_pb2.py, *_pb2.pyi, *_pb2_grpc.py
     python -m server.grpc.protos.generate --from-tritonclient   # rewrite the .proto first
 
 The .proto files are Triton's `grpc_service.proto` and `model_config.proto` (BSD-3), rendered
@@ -141,16 +141,16 @@ def from_tritonclient() -> None:
 
 
 def compile_protos(out: Path) -> None:
-    """*_pb2.py and *_pb2_grpc.py of every .proto here into `out`, importing each other from
+    """*_pb2.py, its type stub *_pb2.pyi, and *_pb2_grpc.py of every .proto here into `out`, importing each other from
     this package (protoc writes top-level imports, as tritonclient's build fixes up too)."""
     from grpc_tools import protoc
 
     with tempfile.TemporaryDirectory() as scratch:
-        command = ["protoc", f"-I{HERE}", f"--python_out={scratch}", f"--grpc_python_out={scratch}",
-                   *(str(HERE / name) for name in PROTOS)]
+        command = ["protoc", f"-I{HERE}", f"--python_out={scratch}", f"--pyi_out={scratch}",
+                   f"--grpc_python_out={scratch}", *(str(HERE / name) for name in PROTOS)]
         if protoc.main(command) != 0:
             raise SystemExit("protoc failed")
-        for generated in sorted(Path(scratch).glob("*.py")):
+        for generated in sorted([*Path(scratch).glob("*.py"), *Path(scratch).glob("*.pyi")]):
             if generated.name.endswith("_pb2_grpc.py") and "Stub" not in generated.read_text():
                 continue  # a file without a service: protoc writes an empty module
             text = re.sub(r"^import (\w+_pb2) as", rf"from {PACKAGE} import \1 as", generated.read_text(),

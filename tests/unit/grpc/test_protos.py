@@ -50,3 +50,12 @@ def test_the_service_has_every_rpc_tritonclient_calls() -> None:
         assert name in methods
     stream = methods["ModelStreamInfer"]
     assert stream.client_streaming and stream.server_streaming
+
+
+def test_the_type_stubs_declare_every_message_of_their_modules() -> None:
+    """The .pyi beside each module (written by generate.py with it) types the server's use of
+    the messages: a message the module has and the stub lacks would be unchecked, or refused."""
+    for module in (model_config_pb2, grpc_service_pb2):
+        stub = Path(str(module.__file__)).with_suffix(".pyi").read_text()
+        for message in _committed(module).message_type:
+            assert f"\nclass {message.name}(_message.Message):" in stub, f"{message.name} is not in the stub"

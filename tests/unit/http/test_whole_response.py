@@ -233,8 +233,8 @@ async def test_a_closing_answer_closes_and_a_gone_client_gets_nothing() -> None:
     transport = _Transport()
     cycle, _ = _cycle(transport, FlowControl(transport), keep_alive=False)  # type: ignore[arg-type]
     await _respond_whole(cycle.send, 404, [(b"content-length", b"0")], b"")
-    assert transport.writes == [b"HTTP/1.1 404 Not Found\r\nserver: uvicorn\r\ncontent-length: 0\r\n"
-                                b"connection: close\r\n\r\n"] and transport.closed
+    assert transport.writes == [(b"HTTP/1.1 404 Not Found\r\nserver: uvicorn\r\ncontent-length: 0\r\n"
+                                 b"connection: close\r\n\r\n")] and transport.closed
     gone = _Transport()
     cycle, completed = _cycle(gone, FlowControl(gone))  # type: ignore[arg-type]
     cycle.disconnected = True

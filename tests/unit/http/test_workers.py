@@ -38,9 +38,8 @@ def test_a_front_end_gets_the_settings_secrets_included(tmp_path: Path) -> None:
 
 
 def test_a_port_already_held_is_refused() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as other_server:
-        with pytest.raises(OSError):
-            reserve_port("127.0.0.1", other_server.getsockname()[1])
+    with socket.create_server(("127.0.0.1", 0)) as other_server, pytest.raises(OSError):
+        reserve_port("127.0.0.1", other_server.getsockname()[1])
     holder = reserve_port("127.0.0.1", 0)
     front = reuse_port_socket("127.0.0.1", holder.getsockname()[1], listen=True)
     try:
