@@ -241,7 +241,7 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             self._last_started = cycle
             # A client that does not read its answers gets no more written for it here: the app's
             # path waits for the socket to drain, and pauses reading meanwhile.
-            scope: Scope = cycle.scope  # type: ignore[assignment]  # see _asgi
+            scope: Scope = cycle.scope  # type: ignore[assignment]  # as _asgi, less a call a request
             decision = None if self.flow.write_paused else door.decide(scope)
             if isinstance(decision, Admitted) and decision.inline and app is self.app:
                 self._inline = (cycle, decision)  # answered when its body is whole, in this read
@@ -292,7 +292,7 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             already read."""
             cycle, call = self._inline  # type: ignore[misc]
             self._inline = None
-            scope: Scope = cycle.scope  # type: ignore[assignment]  # see _asgi
+            scope: Scope = cycle.scope  # type: ignore[assignment]  # as _asgi, less a call a request
             scope.setdefault("extensions", {})[DISCONNECT_EXTENSION] = []
             self._answering = True
             try:

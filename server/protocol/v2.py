@@ -259,24 +259,31 @@ _VALUES_A_CALL = 1 << 15
 
 
 def _numbers(data: list[Any], dtype: np.dtype, datatype: str, name: str) -> np.ndarray:
-    """The flat array of numeric JSON data, checked against its datatype; big data is read in
-    slices of rows, each checked as the whole would be."""
-    rows = len(data)
-    step = max(1, _VALUES_A_CALL // _values_in(data[0])) if rows else 1
-    if step >= rows:
+    """The flat array of numeric JSON data, checked against its datatype. Big data is converted
+    a slice of rows at a time (a row is never split: a row over _VALUES_A_CALL is one call), and
+    the slices are joined as numpy joins mixed values (bools and numbers, ints and floats), so
+    the tensor and its checks are the whole conversion's."""
+    rows = data
+    while len(rows) == 1 and isinstance(rows[0], list):  # [[...]], a batch of one: its rows hold the values
+        rows = rows[0]
+    step = max(1, _VALUES_A_CALL // _values_in(rows[0])) if rows else 1
+    if step >= len(rows):
         return _cast(_regular(data, name).reshape(-1), dtype, datatype, name, data)
     parts: list[np.ndarray] = []
     row_shape: tuple[int, ...] | None = None
-    for start in range(0, rows, step):
-        rows_here = data[start:start + step]
-        array = _regular(rows_here, name)
+    for start in range(0, len(rows), step):
+        array = _regular(rows[start:start + step], name)
         if row_shape is None:
             row_shape = array.shape[1:]
         elif array.shape[1:] != row_shape:
             raise InvalidInput(f"input '{name}': data is not a regular array: rows of shapes "
                                f"{list(row_shape)} and {list(array.shape[1:])}")
-        parts.append(_cast(array.reshape(-1), dtype, datatype, name, rows_here))
-    return np.concatenate(parts)
+        parts.append(array.reshape(-1))
+    try:
+        joined = np.concatenate(parts)
+    except TypeError:  # text beside numbers, which numpy does not join: the whole conversion's refusal
+        joined = _regular(data, name).reshape(-1)
+    return _cast(joined, dtype, datatype, name, data)
 
 
 def _values_in(row: object) -> int:
