@@ -52,10 +52,24 @@ def test_the_service_has_every_rpc_tritonclient_calls() -> None:
     assert stream.client_streaming and stream.server_streaming
 
 
-def test_the_type_stubs_declare_every_message_of_their_modules() -> None:
+def test_the_type_stubs_declare_every_message_and_enum_of_their_modules() -> None:
     """The .pyi beside each module (written by generate.py with it) types the server's use of
-    the messages: a message the module has and the stub lacks would be unchecked, or refused."""
+    the messages: one the module has and the stub lacks would go unchecked. Nested messages and
+    enums are declared inside their parent's class, one level of indent deeper."""
     for module in (model_config_pb2, grpc_service_pb2):
         stub = Path(str(module.__file__)).with_suffix(".pyi").read_text()
-        for message in _committed(module).message_type:
-            assert f"\nclass {message.name}(_message.Message):" in stub, f"{message.name} is not in the stub"
+        file = _committed(module)
+        expected = [f"\nclass {e.name}(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):" for e in file.enum_type]
+        for message in file.message_type:
+            expected += _declared(message, "")
+        for declaration in expected:
+            assert declaration in stub, f"{declaration.strip()} is not in {module.__name__}'s stub"
+
+
+def _declared(message: descriptor_pb2.DescriptorProto, indent: str) -> list[str]:
+    inner = indent + "    "
+    lines = [f"\n{indent}class {message.name}(_message.Message):"]
+    lines += [f"\n{inner}class {e.name}(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):" for e in message.enum_type]
+    for nested in message.nested_type:
+        lines += _declared(nested, inner)
+    return lines
