@@ -64,7 +64,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
                   "timeout_s": args.timeout, "bodies": args.bodies, "generator_cpu": args.generator_cpu}
     record = runs.record(args, argv, parameters)
     record["server"] = runs.server_info(args.url)
-    levels = []
+    levels: list[dict[str, Any]] = []
     for index, items in enumerate(args.sizes):
         for concurrency in args.concurrency:
             levels.append(measure(args, items, concurrency, args.warmup if index == 0 and not levels else 0))

@@ -132,8 +132,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
     quality = quality_names(entries)
     headers = ["build", "gate", *quality, "size MB", *[f"speedup @{b}" for b in args.batch_sizes], "GPU MB"]
     rows = [table_row(entry, quality, args.batch_sizes) for entry in entries if "report" in entry]
-    built = [e for e in entries if "report" in e]
-    summary = [(f"{len(built)} of {len(entries)} builds of {args.model} made on the {args.device.upper()}; "
+    made = [e for e in entries if "report" in e]
+    summary = [(f"{len(made)} of {len(entries)} builds of {args.model} made on the {args.device.upper()}; "
                 "speedup is FP32's latency over the build's, both timed in the same run")]
 
     def plot(path: Path) -> None:

@@ -177,8 +177,7 @@ def preflight_grpc(target: str, model: str, items: int, request: Any, timeout: f
         try:
             response = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=timeout)
         except grpc.RpcError as exc:
-            problem = f"{exc.code()} {exc.details()}"
-            raise SystemExit(f"bench: gRPC ModelInfer at {target} failed: {problem}") from exc
+            raise SystemExit(f"bench: gRPC ModelInfer at {target} failed: {exc.code()} {exc.details()}") from exc
     problem = check_grpc_response(model, items, response)
     if problem:
         raise SystemExit(f"bench: gRPC at {target} answers {model} wrongly: {problem}")

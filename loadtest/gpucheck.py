@@ -352,7 +352,7 @@ def build_phase(run: Run, repository: Path, artifacts: Path, deadline: float) ->
             run.log(f"{role}: {model.name} built in {run.clock() - started:.1f} s; exporting")
             fp32 = artifacts / f"{model.name}-fp32.pt2"
             models.save(models.export(model.module, model, device), fp32)
-            options = {"kind": kind, "instances": profile.instances, "max_batch": profile.max_batch[role],
+            options: dict[str, Any] = {"kind": kind, "instances": profile.instances, "max_batch": profile.max_batch[role],
                        "threads": profile.threads}
             for precision in (p for p in profile.precisions if p != "int8"):
                 name = models.write_variant(repository, model, precision, fp32, **options)

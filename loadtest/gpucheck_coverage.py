@@ -108,7 +108,7 @@ def server_compiles(log: str, model: str) -> dict[str, Any]:
     """What the server's log says of `model`'s load: each bucket's compile (and any CUDA graph
     recorded again for another thread) in seconds, the warm-up's batch sizes, and the time from
     the first warm-up to the last instance ready (compiles, graphs and warm-up runs together)."""
-    compiles = [{"shape": m["shape"], "seconds": float(m["seconds"])} for m in _COMPILED.finditer(log)
+    compiles: list[dict[str, Any]] = [{"shape": m["shape"], "seconds": float(m["seconds"])} for m in _COMPILED.finditer(log)
                 if m["model"] == model]
     graphs = [{"shape": m["shape"], "seconds": float(m["seconds"])} for m in _GRAPH.finditer(log)
               if m["model"] == model]

@@ -48,7 +48,7 @@ class Shapes:
     resnet_width: int
     image: int
     classes: int
-    bert: dict[str, int]
+    bert: dict[str, Any]  # BertConfig's keyword arguments
     sequence: int
     digits_epochs: int
 
@@ -236,9 +236,10 @@ def _digits_build_module() -> Any:
     return module
 
 
-def train_digits(net: nn.Module, images: np.ndarray, labels: np.ndarray, epochs: int, device: torch.device,
+def train_digits(net: Any, images: np.ndarray, labels: np.ndarray, epochs: int, device: torch.device,
                  build: Any) -> None:
-    """models/digits/build.py's recipe (Adam, cosine schedule, its seed and batch size) on
+    """models/digits/build.py's recipe (Adam, cosine schedule, its seed and batch size) for its
+    network (`net`, its DigitsNet, whose `logits` the loss reads; `build`, that module) on
     `device`, for `epochs`; without its global deterministic mode, which would constrain every
     CUDA kernel the check runs afterwards."""
     net.to(device)

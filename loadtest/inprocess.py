@@ -380,8 +380,8 @@ def _connect(app: Any, door: Any, model: str, bodies: list[bytes], clients: int,
 
     from server.http.door import door_protocol
 
-    config = Config(app, http=door_protocol(door), lifespan="off", access_log=False, proxy_headers=False,
-                    log_level="warning")
+    protocol = door_protocol(door)
+    config = Config(app, http=protocol, lifespan="off", access_log=False, proxy_headers=False, log_level="warning")
     config.load()
     state = ServerState()
     requests = [f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: local\r\nContent-Type: application/json\r\n"
@@ -389,7 +389,7 @@ def _connect(app: Any, door: Any, model: str, bodies: list[bytes], clients: int,
     connections = []
     for first in range(clients):
         connection = _Connection(requests, first, load)
-        connection.protocol = config.http_protocol_class(config=config, server_state=state, app_state={})
+        connection.protocol = protocol(config=config, server_state=state, app_state={})
         connection.protocol.connection_made(connection)
         asyncio.get_running_loop().call_soon(connection.send_next)
         connections.append(connection)

@@ -142,11 +142,11 @@ def table_rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
     binary = {level["concurrency"]: level["req_s"] for level in levels if level["way"] == "binary"}
     rows = []
     for level in levels:
-        ratio = level["req_s"] / binary[level["concurrency"]] if level["way"] == "shm" and binary.get(
-            level["concurrency"]) else ""
+        against = binary.get(level["concurrency"]) if level["way"] == "shm" else None
         rows.append([level["way"], level["concurrency"], level["req_s"],
                      round(level["req_s"] * int(np.prod(SHAPE)) * 4 / 1e6, 1), level["latency_ms"]["p50"],
-                     level["latency_ms"]["p99"], level["error_count"], round(ratio, 2) if ratio else ""])
+                     level["latency_ms"]["p99"], level["error_count"],
+                     round(level["req_s"] / against, 2) if against else ""])
     return rows
 
 

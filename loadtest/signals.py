@@ -187,7 +187,7 @@ def window(before: Snapshot, after: Snapshot, model: str, gauge: dict[str, Any] 
         out["source"] = "stats"
     queue_s = _delta(before.metrics, after.metrics, QUEUE_SUM, model)
     if queue_s is not None and after.metrics is not None:
-        compute_s = _delta(before.metrics, after.metrics, COMPUTE_SUM, model)
+        metrics_compute_s = _delta(before.metrics, after.metrics, COMPUTE_SUM, model)
         busy_s = _delta(before.metrics, after.metrics, BUSY, model)
         instances = len({labels.get("model_instance") for labels, _ in after.metrics.get(BUSY, [])
                          if labels.get("model") == model})
@@ -195,7 +195,7 @@ def window(before: Snapshot, after: Snapshot, model: str, gauge: dict[str, Any] 
         out["metrics"] = {
             "requests": int(_delta(before.metrics, after.metrics, QUEUE_COUNT, model) or 0),
             "batches": int(_delta(before.metrics, after.metrics, COMPUTE_COUNT, model) or 0),
-            "queue_per_compute": _ratio(queue_s, compute_s),
+            "queue_per_compute": _ratio(queue_s, metrics_compute_s),
             "queue_depth_mean": round(queue_s / seconds, 4),
             "queue_depth_gauge": gauge,
             "instances": instances or None,
