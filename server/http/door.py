@@ -44,9 +44,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
-if TYPE_CHECKING:
-    from uvicorn._types import ASGI3Application
-
 from server.asgi.disconnect import DISCONNECT_EXTENSION, disconnect_callbacks
 from server.asgi.respond import RESPOND_EXTENSION, Headers, body_headers, send_messages
 from server.asgi.types import ASGIApp, Scope, Send
@@ -63,6 +60,9 @@ from server.http.infer import (
     inline,
 )
 from server.protocol.v2 import encode_error
+
+if TYPE_CHECKING:
+    from uvicorn._types import ASGI3Application
 
 WHOLE_BYTES = 64 << 10  # a body up to this is joined to its head (one write); a larger one is written apart
 # A request's line and headers (or a chunked body's trailers) past this are refused (431) and the
