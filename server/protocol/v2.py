@@ -264,19 +264,15 @@ _VALUES_A_CALL = 1 << 15
 
 def _numbers(data: list[Any], dtype: np.dtype, datatype: str, name: str) -> np.ndarray:
     """The flat array of numeric JSON data, checked against its datatype. Big data is converted
-    a slice of rows at a time (a row is never split: a row over _VALUES_A_CALL is one call), and
-    the slices are joined as numpy joins mixed values (bools and numbers, ints and floats), so
-    the tensor and its checks are the whole conversion's."""
-    rows = data
-    while len(rows) == 1 and isinstance(rows[0], list):  # [[...]], a batch of one: its rows hold the values
-        rows = rows[0]
-    step = max(1, _VALUES_A_CALL // _values_in(rows[0])) if rows else 1
-    if step >= len(rows):
+    a piece at a time (_pieces), and the pieces are joined as numpy joins mixed values (bools and
+    numbers, ints and floats), so the tensor and its checks are the whole conversion's."""
+    pieces = _pieces(data, name)
+    if len(pieces) == 1:
         return _cast(_regular(data, name).reshape(-1), dtype, datatype, name, data)
     parts: list[np.ndarray] = []
     row_shape: tuple[int, ...] | None = None
-    for start in range(0, len(rows), step):
-        array = _regular(rows[start:start + step], name)
+    for piece in pieces:
+        array = _regular(piece, name)
         if row_shape is None:
             row_shape = array.shape[1:]
         elif array.shape[1:] != row_shape:
@@ -288,6 +284,26 @@ def _numbers(data: list[Any], dtype: np.dtype, datatype: str, name: str) -> np.n
     except TypeError:  # text beside numbers, which numpy does not join: the whole conversion's refusal
         joined = _regular(data, name).reshape(-1)
     return _cast(joined, dtype, datatype, name, data)
+
+
+def _pieces(data: list[Any], name: str) -> list[list[Any]]:
+    """The lists of at most about _VALUES_A_CALL values that data is converted in, in order: a
+    slice of its rows; where a row holds more, a slice of the rows of its rows (a batch of one,
+    an image's channels), and so on down; a row of values over a slice, cut. Each level split
+    up is checked to be regular, as numpy's whole conversion would check it."""
+    rows = data
+    while rows and isinstance(rows[0], list) and _values_in(rows[0]) > _VALUES_A_CALL:
+        length = len(rows[0])
+        for row in rows:
+            if not isinstance(row, list) or len(row) != length:
+                beside = f"of {len(row)}" if isinstance(row, list) else "that is a value, not a list"
+                raise InvalidInput(f"input '{name}': data is not a regular array: "
+                                   f"a row of {length} elements beside one {beside}")
+        if not isinstance(rows[0][0], list):  # rows of values: each cut, never flattened into one list
+            return [row[start:start + _VALUES_A_CALL] for row in rows for start in range(0, length, _VALUES_A_CALL)]
+        rows = [inner for row in rows for inner in row]
+    step = max(1, _VALUES_A_CALL // _values_in(rows[0])) if rows else 1
+    return [rows[start:start + step] for start in range(0, len(rows), step)] if step < len(rows) else [rows]
 
 
 def _values_in(row: object) -> int:

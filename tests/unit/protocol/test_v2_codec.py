@@ -177,6 +177,9 @@ def test_json_tensor_directly() -> None:
 SLICED_CASES = [
     ("FP32", [12, 2], [[i, i + 0.5] for i in range(12)]),
     ("FP32", [1, 10, 1], [[[float(i)] for i in range(10)]]),  # a batch of one: sliced within its own list
+    ("FP32", [2, 10], [[float(i) for i in range(10)], [-float(i) for i in range(10)]]),  # rows over a slice
+    ("INT16", [2, 3, 5], [[[c * 5 + i for i in range(5)] for c in range(3)]] * 2),  # an image's channels
+    ("FP64", [3, 6], [[1.5] * 6, [True] * 6, [2] * 6]),  # joined as numpy joins mixed values
     ("INT8", [10], list(range(10))),
     ("UINT64", [9], [1] * 8 + [2**64 - 1]),
     ("BOOL", [7, 1, 1], [[[i % 2 == 0]] for i in range(7)]),
@@ -192,10 +195,16 @@ def test_big_json_data_is_read_in_slices_with_the_same_result(
     """Off the event loop, big data is converted a slice of rows at a time (each conversion
     holds the GIL): the tensor is the one converting it whole gives."""
     whole = json_tensor(data, datatype, shape, "x")
-    conversions: list[int] = []
+    conversions: list[int] = []  # the values each conversion read
+
+    def counted(rows: list[Any], name: str) -> np.ndarray:
+        array = regular(rows, name)
+        conversions.append(array.size)
+        return array
+
     regular = v2._regular
     monkeypatch.setattr(v2, "_VALUES_A_CALL", 4)
-    monkeypatch.setattr(v2, "_regular", lambda rows, name: conversions.append(len(rows)) or regular(rows, name))
+    monkeypatch.setattr(v2, "_regular", counted)
     assert_same(json_tensor(data, datatype, shape, "x"), whole)
     assert len(conversions) > 1 and max(conversions) <= 4
 
@@ -203,6 +212,10 @@ def test_big_json_data_is_read_in_slices_with_the_same_result(
 @pytest.mark.parametrize(("datatype", "data", "refusal"), [
     ("FP32", [[1.0, 2.0]] * 5 + [[3.0]] * 5, "not a regular array"),
     ("FP32", [[1.0]] * 6 + [1.0] * 4, "not a regular array"),
+    ("FP32", [[1.0] * 5, [1.0] * 4 + [[1.0]]], "not a regular array"),  # rows over a slice, ragged within
+    ("FP32", [[[1.0] * 5], [[1.0] * 4, [1.0]]], "not a regular array"),  # ragged where rows are split up
+    ("FP32", [[1.0] * 5, 1.0, 1.0, 1.0, 1.0, 1.0], "not a regular array"),
+    ("FP32", [[1.0] * 5, [1.0] * 4 + ["a"]], "FP32 data must be numbers"),
     ("FP32", [1.0] * 8 + ["a", "b"], "FP32 data must be numbers"),
     ("INT8", [1] * 8 + [1000, 1], "out of range"),
     ("INT8", [1000] * 8 + [1.5, 1], "INT8 data must be integers"),
