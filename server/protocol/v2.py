@@ -257,8 +257,8 @@ def _flatten(data: list[Any]) -> list[Any]:
 
 
 # Values one numpy conversion reads (~3 ms on this project's CI machine). Each conversion holds
-# the GIL throughout, so a big body's tensors, built off the event loop, are built in slices of
-# rows: between two slices the loop can take the GIL and answer everyone else.
+# the GIL throughout, so a big body's tensors, built off the event loop, are built in pieces
+# (_pieces): between two pieces the loop can take the GIL and answer everyone else.
 _VALUES_A_CALL = 1 << 15
 
 
