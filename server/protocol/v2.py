@@ -224,7 +224,11 @@ def json_tensor(data: object, datatype: str, shape: list[int], name: str) -> np.
         array = np.empty(len(flat), dtype=object)
         array[:] = [x.encode() for x in flat]
     elif len(data) <= _VALUES_A_CALL and not (data and isinstance(data[0], list)):  # small and flat: the common case
-        try:  # _regular's work, less a call on every request's path
+        try:  # _numbers_only's check, less a call on every request's path
+            sum(data)
+        except (TypeError, OverflowError):
+            _numbers_only(data, datatype, name)
+        try:  # _regular's work, likewise
             array = np.asarray(data)
         except ValueError as exc:
             raise _irregular(name, exc) from exc
@@ -268,10 +272,12 @@ def _numbers(data: list[Any], dtype: np.dtype, datatype: str, name: str) -> np.n
     numbers, ints and floats), so the tensor and its checks are the whole conversion's."""
     pieces = _pieces(data, name)
     if len(pieces) == 1:
+        _numbers_only(data, datatype, name)
         return _cast(_regular(data, name).reshape(-1), dtype, datatype, name, data)
     parts: list[np.ndarray] = []
     row_shape: tuple[int, ...] | None = None
     for piece in pieces:
+        _numbers_only(piece, datatype, name)
         array = _regular(piece, name)
         if row_shape is None:
             row_shape = array.shape[1:]
@@ -279,11 +285,31 @@ def _numbers(data: list[Any], dtype: np.dtype, datatype: str, name: str) -> np.n
             raise InvalidInput(f"input '{name}': data is not a regular array: rows of shapes "
                                f"{list(row_shape)} and {list(array.shape[1:])}")
         parts.append(array.reshape(-1))
-    try:
-        joined = np.concatenate(parts)
-    except TypeError:  # text beside numbers, which numpy does not join: the whole conversion's refusal
-        joined = _regular(data, name).reshape(-1)
-    return _cast(joined, dtype, datatype, name, data)
+    return _cast(np.concatenate(parts), dtype, datatype, name, data)
+
+
+def _numbers_only(rows: list[Any], datatype: str, name: str) -> None:
+    """Refuses data that holds anything but numbers (true and false among them) before numpy
+    reads it: numpy reads one string among numbers as text, an array of as many strings as long
+    as the longest (a string of a million characters beside 16,000 numbers: 61 GiB). `sum`, a C
+    loop at a few nanoseconds a value, checks each list of values; a list that fails is walked."""
+    pending = [rows]
+    while pending:
+        values = pending.pop()
+        if values and isinstance(values[0], list):
+            for row in values:
+                if not isinstance(row, list):
+                    raise InvalidInput(f"input '{name}': data is not a regular array: a list beside a value")
+                pending.append(row)
+            continue
+        try:
+            sum(values)
+        except (TypeError, OverflowError):  # OverflowError: an int past a float's range, beside floats
+            for value in values:
+                if isinstance(value, list):
+                    raise InvalidInput(f"input '{name}': data is not a regular array: a list beside a value")
+                if not isinstance(value, (int, float)):  # bool is an int
+                    raise _wrong_kind(datatype, name)
 
 
 def _pieces(data: list[Any], name: str) -> list[list[Any]]:
@@ -333,7 +359,7 @@ def _cast(array: np.ndarray, dtype: np.dtype, datatype: str, name: str, data: li
         return array.astype(dtype)
     if datatype == "BOOL":
         if kind != "b":
-            raise InvalidInput(f"input '{name}': BOOL data must be true or false")
+            raise _wrong_kind(datatype, name)
         return array
     if dtype.kind in "iu":
         if kind not in "iu":  # floats, or ints past int64 that numpy widened to float/object
@@ -342,14 +368,23 @@ def _cast(array: np.ndarray, dtype: np.dtype, datatype: str, name: str, data: li
         if array.min() < info.min or array.max() > info.max:
             raise InvalidInput(f"input '{name}': a value is out of range for {datatype}")
     elif kind not in "iuf":
-        raise InvalidInput(f"input '{name}': {datatype} data must be numbers")
+        raise _wrong_kind(datatype, name)
     return array.astype(dtype)
+
+
+def _wrong_kind(datatype: str, name: str) -> InvalidInput:
+    """The refusal of values of another kind than the datatype's."""
+    if datatype == "BOOL":
+        return InvalidInput(f"input '{name}': BOOL data must be true or false")
+    if numpy_dtype(datatype).kind in "iu":
+        return InvalidInput(f"input '{name}': {datatype} data must be integers")
+    return InvalidInput(f"input '{name}': {datatype} data must be numbers")
 
 
 def _exact_integers(flat: list[Any], dtype: np.dtype, datatype: str, name: str) -> np.ndarray:
     """The slow, exact path: every value a Python int within the type's range."""
     if not all(type(x) is int for x in flat):
-        raise InvalidInput(f"input '{name}': {datatype} data must be integers")
+        raise _wrong_kind(datatype, name)
     info = np.iinfo(dtype)
     if min(flat) < info.min or max(flat) > info.max:
         raise InvalidInput(f"input '{name}': a value is out of range for {datatype}")

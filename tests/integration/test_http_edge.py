@@ -30,6 +30,7 @@ def log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def url(tmp_path_factory: pytest.TempPathFactory, log: Path) -> Iterator[str]:
     root = tmp_path_factory.mktemp("edge") / "models"
     write_spin_model(root, "spin")
+    write_spin_model(root, "wide", max_batch_size=8_192)  # admits a request of thousands of values
     with pytest.MonkeyPatch.context() as env:
         env.setenv("BATCHLINE_MAX_BODY_BYTES", str(LIMIT))  # no flag for it: the setting's variable
         with running_server(root, log_path=log) as base:
@@ -138,6 +139,17 @@ def test_a_bad_inference_header_content_length_is_400(url: str, length: str) -> 
                           headers={"Inference-Header-Content-Length": length})
     assert_error(response, 400)
     assert "Inference-Header-Content-Length" in response.json()["error"]
+
+
+@pytest.mark.parametrize("values", [1_000, 4_500])  # a body under 16 KiB is read on the event loop, over on a thread
+def test_a_long_string_among_numbers_is_400(url: str, values: int) -> None:
+    """numpy would read the numbers as text, each as long as the string: refused before it does."""
+    data = orjson.dumps({"inputs": [{"name": "x", "shape": [values + 1, 1], "datatype": "FP32",
+                                     "data": [0.0] * values + ["a" * 2_000]}]})
+    response = httpx.post(f"{url}/v2/models/wide/infer", content=data)
+    assert_error(response, 400)
+    assert "FP32 data must be numbers" in response.json()["error"]
+    assert httpx.post(f"{url}/v2/models/wide/infer", content=body(1.0)).status_code == 200
 
 
 def test_no_edge_case_surfaced_as_an_unexpected_error(url: str, log: Path) -> None:

@@ -4,6 +4,7 @@ and tritonclient's own response parser."""
 from __future__ import annotations
 
 import time
+import tracemalloc
 from typing import Any
 
 import ml_dtypes
@@ -230,6 +231,47 @@ def test_a_late_slice_of_bad_data_is_refused_as_the_whole_would_be(
     monkeypatch.setattr(v2, "_VALUES_A_CALL", 4)
     with pytest.raises(InvalidInput, match=refusal):
         json_tensor(data, datatype, [10], "x")
+
+
+@pytest.mark.parametrize("data", [
+    [0.0] * 16_383 + ["a" * 1_000_000],  # small and flat
+    [[0.0] * 16] * 1_024 + [[0.0] * 15 + ["a" * 1_000_000]],  # nested, converted whole
+    [0.0] * 40_000 + ["a" * 1_000_000],  # converted in slices
+    [[0.0] * 40_000, [0.0] * 39_999 + ["a" * 1_000_000]],  # rows over a slice
+])
+def test_a_long_string_among_numbers_is_refused_before_numpy_reads_it(data: list[Any]) -> None:
+    """numpy reads one string among numbers as text: an array of as many strings, each as long as
+    the longest (here 61 GiB and up, a MemoryError), for a body of about a megabyte."""
+    values = len(data) if not isinstance(data[0], list) else sum(len(row) for row in data)
+    with pytest.raises(InvalidInput, match="FP32 data must be numbers"):
+        json_tensor(data, "FP32", [values], "x")
+
+
+def test_a_string_among_numbers_costs_no_more_memory_than_the_numbers() -> None:
+    data = [0.0] * 1_000 + ["a" * 1_000]  # read as text: 1,001 strings of 1,000 characters, 4 MB
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidInput, match="INT32 data must be integers"):
+            json_tensor(data, "INT32", [1_001], "x")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+
+
+@pytest.mark.parametrize(("datatype", "data", "refusal"), [
+    ("FP32", [1.5, 10**400, "a"], "FP32 data must be numbers"),  # past a float's range, then text
+    ("FP32", [1.5, 10**400], "FP32 data must be numbers"),  # numpy reads it as an object
+    ("INT64", [1, 10**400], "out of range for INT64"),
+    ("FP32", [1.0, [2.0]], "not a regular array"),
+    ("FP32", [[1.0], [None]], "FP32 data must be numbers"),
+    ("BOOL", [True, "true"], "BOOL data must be true or false"),
+    ("UINT8", [[1, 2], [3, {}]], "UINT8 data must be integers"),
+])
+def test_what_is_not_a_number_is_refused_by_kind(datatype: str, data: list[Any], refusal: str) -> None:
+    shape = [len(data)] if not isinstance(data[0], list) else [len(data), len(data[0])]
+    with pytest.raises(InvalidInput, match=refusal):
+        json_tensor(data, datatype, shape, "x")
 
 
 def test_json_integer_extremes() -> None:
