@@ -4,10 +4,12 @@ Every front end takes from the same budget before it reads a request's body (HTT
 /v1, gRPC), so memory under load is bounded by what the server took in, whichever protocol it
 came by, and a client refused here costs the server almost nothing.
 
-A body whose length its head declares is counted whole from the head on. One without a declared
-length is counted as its parts arrive, and one that inflates (a Content-Encoding) by the body
-limit while it inflates: counting such a body as the limit from its head on let sixteen clients
-trickling a few bytes each hold the default 1 GiB, and every other call was refused meanwhile.
+A request is let in when the bound has room for the whole body its head declares, and holds
+from then on what has arrived of it, and at least its first HELD_AHEAD bytes; one without a
+declared length holds its parts as they arrive, and one that inflates (a Content-Encoding) the
+body limit more while it inflates. Counting a body whole from its head on let sixteen clients
+that declared 64 MiB and sent a byte now and then (or reconnected every half minute) hold the
+default 1 GiB, and every other call was refused meanwhile.
 """
 
 from __future__ import annotations
@@ -17,9 +19,14 @@ from server.errors import ServerBusy
 BUSY_MESSAGE = "the server is at its limit of requests in flight; retry after Retry-After seconds"
 
 
+# What a body still to come holds ahead of its bytes: bodies up to this size (most calls) are
+# never refused once let in; a client trickling a bigger one holds no more than this.
+HELD_AHEAD = 64 << 10
+
+
 def body_reservation(declared: int | None, limit: int) -> int:
-    """The bytes a request's body holds from its head on: its declared length (one past the
-    limit at most: the 413 comes as it is read), or nothing for a body that declares none."""
+    """The bytes a request's body needs room for from its head on: its declared length (one past
+    the limit at most: the 413 comes as it is read), or nothing for a body that declares none."""
     return 0 if declared is None else min(declared, limit + 1)
 
 
@@ -37,18 +44,21 @@ class InFlight:
         """Whether a request holding `nbytes` would be let in now."""
         return self.requests < self.max_requests and not (self.bytes and self.bytes + nbytes > self.max_bytes)
 
-    def try_hold(self, nbytes: int) -> Hold | None:
+    def try_hold(self, nbytes: int, *, arriving: bool = False) -> Hold | None:
         """A request counted in, holding `nbytes`, when there is room; None (nothing counted)
-        when there is none."""
+        when there is none. `arriving`: `nbytes` is a body still to come, which needs the room
+        but holds at most HELD_AHEAD of it until its bytes arrive (`Hold.hold_to`)."""
         if not self.has_room(nbytes):
             return None
+        if arriving and nbytes > HELD_AHEAD:
+            nbytes = HELD_AHEAD
         self.requests += 1
         self.bytes += nbytes
         return Hold(self, nbytes)
 
-    def hold(self, nbytes: int) -> Hold:
+    def hold(self, nbytes: int, *, arriving: bool = False) -> Hold:
         """A request counted in, or refused (ServerBusy, answered 429 / RESOURCE_EXHAUSTED)."""
-        held = self.try_hold(nbytes)
+        held = self.try_hold(nbytes, arriving=arriving)
         if held is None:
             raise ServerBusy(BUSY_MESSAGE)
         return held

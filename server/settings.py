@@ -89,10 +89,11 @@ class ServerSettings(RepositorySettings):
         "front end takes 1/N of it); past it 429 + Retry-After before the body is read")
     max_in_flight_bytes: Annotated[int, Flag(metavar="BYTES")] = Field(
         default=1 << 30, gt=0,
-        description="bytes of infer bodies held at once (the declared Content-Length; a body without one as it "
-        "arrives; a compressed one --max-body-bytes more while it inflates), over every front end together (with "
+        description="bytes of infer bodies held at once (a body as it arrives, and at least its first 64 KiB; a "
+        "compressed one --max-body-bytes more while it inflates), over every front end together (with "
         "--http-workers N, each HTTP front end takes 1/N of it); past it 429 + Retry-After, before the body is read "
-        "where its length is declared; request memory stays near 3x this")
+        "where its declared Content-Length finds no room, else by the part that finds none; request memory stays "
+        "near 3x this")
     allow_client_shm: bool = Field(
         default=False,
         description="let clients register system shared-memory regions and pass tensors through them (Triton's "

@@ -2,11 +2,10 @@
 the body limit and the bytes in flight its request may hold.
 
 A client that stops sending its body part-way (a process frozen mid-upload: the connection
-stays open) would hold what its request reserved of the bytes in flight for as long as the
-connection lives: sixteen such uploads of a declared 64 MiB held the whole default budget, and
-every other request was refused. A wait for a part is bounded, as nginx's client_body_timeout
-bounds it (60 s there); a client that goes on sending, however slowly, is not cut off (a proxy
-in front is where a minimum rate belongs). A part already received costs no timer: uvicorn's
+stays open) would hold its place in flight for as long as the connection lives. A wait for a
+part is bounded, as nginx's client_body_timeout bounds it (60 s there); a client that goes on
+sending, however slowly, is not cut off (a proxy in front is where a minimum rate belongs), and
+holds of the bytes in flight only what it sent, or HELD_AHEAD (server/inflight.py). A part already received costs no timer: uvicorn's
 request cycle says so, and most bodies arrive whole with their head.
 """
 
@@ -49,8 +48,9 @@ async def within_idle_timeout(part: Awaitable[T]) -> T:
 
 async def read_body(receive: Receive, limit: int, declared: int | None, hold: Hold | None = None) -> bytes:
     """The whole body: refused (413) past `limit`, at once when its `declared` length is over it.
-    Its bytes past what `hold` holds already (a body whose head declared no length) are counted
-    into it as they arrive, refused (429) when the server's bound has no room for them."""
+    Its bytes past what `hold` holds already (a body whose head declared no length, or more than
+    is held ahead of it) are counted into it as they arrive, refused (429) when the server's
+    bound has no room for them."""
     if declared is not None and declared > limit:
         raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
     chunk, more = await _next_chunk(receive)

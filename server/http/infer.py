@@ -114,7 +114,7 @@ class InferEndpoint:
         and the body bytes it `reserved` (what `reservation` says of them). The server's HTTP
         protocol calls this directly for the calls its door lets in (server/http/door.py)."""
         started = time.perf_counter_ns()
-        hold = self.flight.try_hold(reserved)  # one check: the door's earlier one may be stale by now
+        hold = self.flight.try_hold(reserved, arriving=True)  # one check: the door's earlier one may be stale by now
         if hold is None:
             await self._refuse_busy(scope, send, headers, model, started)
             return

@@ -69,7 +69,7 @@ def openai_router(
         declared = declared_length(request.headers.get("content-length", "").encode("latin-1"))
         try:
             plane.refuse_when_stopping()  # before a 429
-            hold = bound.hold(body_reservation(declared, max_body_bytes))
+            hold = bound.hold(body_reservation(declared, max_body_bytes), arriving=True)
         except (ServerBusy, Unavailable) as exc:
             response = error_response(exc)
         else:

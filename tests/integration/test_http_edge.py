@@ -152,6 +152,29 @@ def test_a_long_string_among_numbers_is_400(url: str, values: int) -> None:
     assert httpx.post(f"{url}/v2/models/wide/infer", content=body(1.0)).status_code == 200
 
 
+def test_uploads_that_stall_after_their_head_do_not_lock_others_out(tmp_path: Path) -> None:
+    """Clients that declare big bodies and send a byte: counted whole from their heads on, four
+    of them held the whole byte bound, and every other call was refused until they went."""
+    root = tmp_path / "models"
+    write_spin_model(root, "spin")
+    bound = 4 << 20
+    with running_server(root, "--max-body-bytes", str(bound), "--max-in-flight-bytes", str(bound)) as base:
+        host, port = base.removeprefix("http://").split(":")
+        stalled = [socket.create_connection((host, int(port)), timeout=10) for _ in range(4)]
+        try:
+            for raw in stalled:
+                raw.sendall(b"POST /v2/models/spin/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            + f"Content-Length: {bound}\r\n\r\n{{".encode())
+            with httpx.Client(base_url=base, timeout=30) as client:
+                client.get("/v2/health/ready")  # a request after theirs on the same loop: their heads are read
+                served = client.post("/v2/models/spin/infer", content=body(5.0))
+            assert served.status_code == 200, served.text
+            assert served.json()["outputs"][0]["data"] == [5.0]
+        finally:
+            for raw in stalled:
+                raw.close()
+
+
 def test_no_edge_case_surfaced_as_an_unexpected_error(url: str, log: Path) -> None:
     """Runs last in this module: every answer above was a mapped one, none an application error."""
     text = log.read_text(errors="replace")

@@ -21,7 +21,7 @@ from server.grpc.servicer import InferCall, InferenceServicer
 from server.http import v2_infer
 from server.http.app import create_app
 from server.http.infer import CONTROL_BODY_BYTES, FastInferApp, InferEndpoint
-from server.inflight import BUSY_MESSAGE, InFlight
+from server.inflight import BUSY_MESSAGE, HELD_AHEAD, InFlight
 from server.protocol.v2 import decode_request
 from server.repository import ModelRepository
 from tests.unit.http.conftest import HOLD, Exchange, Gate, infer_body
@@ -91,10 +91,11 @@ async def test_past_max_in_flight_bytes_the_declared_length_is_refused(plane: Da
 
 
 class Trickle(Exchange):
-    """A client sending a body without a Content-Length, a part whenever the test says."""
+    """A client sending a body (without a Content-Length unless `headers` declare one), a part
+    whenever the test says."""
 
-    def __init__(self) -> None:
-        super().__init__([])
+    def __init__(self, headers: dict[str, str] | None = None) -> None:
+        super().__init__([], headers)
         self.parts: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
 
     def send_part(self, body: bytes, more: bool) -> None:
@@ -122,6 +123,55 @@ async def test_a_body_without_a_declared_length_holds_only_what_has_arrived(plan
         trickle.send_part(body[10:], more=False)
     await asyncio.gather(*tasks)
     assert [t.json()["outputs"][0]["data"] for t in trickles] == [[1.0]] * 3
+    assert flight.requests == 0 and flight.bytes == 0
+
+
+async def test_a_declared_body_holds_only_what_has_arrived_past_what_is_held_ahead(plane: DataPlane) -> None:
+    """Counted whole from its head on, a few clients that declared big bodies and sent a byte
+    now and then held the whole byte bound, and every other call was refused meanwhile. Each is
+    let in where there is room for all it declared, and holds at most HELD_AHEAD until its bytes
+    come; then what came."""
+    declared = 1 << 20
+    flight = InFlight(100, 2 * declared)
+    app = FastInferApp(unreachable, InferEndpoint(plane, LIMIT, flight=flight))
+    body = infer_body(1.0)
+    body += b" " * (declared - len(body))  # JSON's whitespace, to the declared length
+    trickles = [Trickle({"content-length": str(declared)}) for _ in range(3)]
+    tasks = [asyncio.create_task(call(app, t)) for t in trickles]
+    for trickle in trickles:
+        trickle.send_part(body[:10], more=True)
+    await eventually(lambda: flight.requests == 3, "all three are let in")
+    assert flight.bytes == 3 * HELD_AHEAD
+    served = await call(app, Exchange.of(infer_body(2.0)))
+    assert served.status == 200 and served.json()["outputs"][0]["data"] == [2.0]
+    for trickle, task in zip(trickles, tasks):  # one at a time: two whole bodies would not fit
+        trickle.send_part(body[10:], more=False)
+        await task
+        assert trickle.status == 200 and trickle.json()["outputs"][0]["data"] == [1.0], trickle.sent
+    assert flight.requests == 0 and flight.bytes == 0
+
+
+async def test_a_declared_body_is_refused_as_it_comes_when_others_took_its_room(plane: DataPlane) -> None:
+    """Let in with room for all of it, a body longer than what it holds ahead can find that room
+    taken by the time its bytes come: refused then (429), as a body of no declared length is."""
+    declared = 1 << 20
+    flight = InFlight(100, declared + HELD_AHEAD)
+    app = FastInferApp(unreachable, InferEndpoint(plane, LIMIT, flight=flight))
+    body = infer_body(1.0)
+    body += b" " * (declared - len(body))
+    slow, fast = (Trickle({"content-length": str(declared)}) for _ in range(2))
+    slow_task = asyncio.create_task(call(app, slow))
+    slow.send_part(body[:10], more=True)
+    await eventually(lambda: flight.requests == 1, "the slow one is let in")
+    fast_task = asyncio.create_task(call(app, fast))
+    fast.send_part(body[:-10], more=True)
+    await eventually(lambda: flight.bytes == HELD_AHEAD + declared - 10, "the fast one holds what it sent")
+    slow.send_part(body[10:], more=False)
+    await slow_task
+    assert slow.status == 429 and "in flight" in slow.json()["error"], slow.sent
+    fast.send_part(body[-10:], more=False)
+    await fast_task
+    assert fast.status == 200, fast.sent
     assert flight.requests == 0 and flight.bytes == 0
 
 
