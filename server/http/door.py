@@ -38,6 +38,7 @@ uvicorn.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
@@ -69,6 +70,10 @@ WHOLE_BYTES = 64 << 10  # a body up to this is joined to its head (one write); a
 # connection closed: the parser joins a long line or value piece by piece, and 400 MB of one
 # header held the loop for 88 s.
 MAX_HEAD_BYTES = 64 << 10
+# A request's line and headers still coming this long after the idle timer first finds them
+# unfinished are refused (408) and the connection closed, as nginx's client_header_timeout does: a
+# client sending its head a byte now and then would otherwise hold its connection for ever.
+HEAD_TIMEOUT_S = 30.0
 _EXPECT = b"expect"
 _MAX_CACHED_BODIES = 256
 
@@ -185,6 +190,14 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
         _bodies = 0  # pieces of body read on this connection
         _head_bytes = 0  # read of the unfinished request since its last piece of body: head, or trailers
         _idle_since: float | None = None  # when the last answer completed with nothing read since (loop time)
+        _head_timed = 0  # the request (by `_begun`) whose unfinished head the idle timer found last
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's
+            """uvicorn's, and the idle timer armed: a connection that sends no request is closed
+            as one idle after its answers is."""
+            super().connection_made(transport)
+            self._idle_since = self.loop.time()
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_due)
 
         def data_received(self, data: bytes) -> None:
             """Counted a read at a time, after the parser has it, so the parser has taken at most
@@ -227,14 +240,16 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             self._bodies += 1
             super().on_body(body)
 
-        def _refuse_head(self) -> None:
-            """431 and close; only a close while an answer of this connection is still due (its
-            own, for trailers; or one pipelined before it, lost with the connection: a client
-            sending such a head behind its own requests gets no more answers)."""
+        def _refuse_head(self, status: int = 431) -> None:
+            """431 (too long) or 408 (too slow), and close; only a close while an answer of this
+            connection is still due (its own, for trailers; or one pipelined before it, lost with
+            the connection: a client sending such a head behind its own requests gets no more
+            answers)."""
             if self.cycle is None or self.cycle.response_complete:
-                body = encode_error(f"the request's line and headers exceed {MAX_HEAD_BYTES} bytes")
+                body = encode_error(f"the request's line and headers exceed {MAX_HEAD_BYTES} bytes" if status == 431
+                                    else f"the request's line and headers did not come whole within {HEAD_TIMEOUT_S:g} s")
                 self.transport.write(b"".join([
-                    *_head(431, self.server_state.default_headers, body_headers(body, {}), False), body]))
+                    *_head(status, self.server_state.default_headers, body_headers(body, {}), False), body]))
             self.transport.close()
 
         def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
@@ -348,15 +363,27 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
 
         def _keep_alive_due(self) -> None:
             """Close a connection idle for the keep-alive timeout; one idle for less waits the
-            rest of it; one with a request under way waits for its answer to arm the timer."""
+            rest of it; one with a request under way waits for its answer to arm the timer, and
+            one whose request's head is still coming, HEAD_TIMEOUT_S more for it (`_time_head`)."""
             self.timeout_keep_alive_task = None
             if self._idle_since is None:
+                if self._in_message and not (self.cycle is not None and self.cycle.scope is self.scope):
+                    self._time_head()  # (uvicorn makes a request's cycle, with its scope, once its head is read)
                 return
             left = self._idle_since + self.timeout_keep_alive - self.loop.time()
             if left > 0:
                 self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_due)
             else:
                 self.timeout_keep_alive_handler()
+
+        def _time_head(self) -> None:
+            """A head still coming: 408 if it was already when the timer last fired, else
+            HEAD_TIMEOUT_S more for it. Nothing per request: the one idle timer does it."""
+            if self._head_timed == self._begun:
+                self._refuse_head(408)
+            else:
+                self._head_timed = self._begun
+                self.timeout_keep_alive_task = self.loop.call_later(HEAD_TIMEOUT_S, self._keep_alive_due)
 
         def handle_websocket_upgrade(self) -> None:
             """The connection passes to another protocol: the idle timer goes with this one."""

@@ -1,6 +1,8 @@
 """The idle timer of the HTTP protocol, through a real uvicorn on loopback: armed once per idle
 spell, not made and cancelled per request, it still closes a connection idle for the keep-alive
-timeout, and only such a one: not one that keeps sending, nor one whose answer is still due."""
+timeout, and only such a one: not one that keeps sending, nor one whose answer is still due. It
+also closes a connection that never sends a request, and one whose request's head does not come
+whole in time (408)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest_asyncio
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from server.dataplane import DataPlane
+from server.http import door
 from server.http.app import create_app
 from tests.unit.http.conftest import HOLD, Gate, infer_body
 from tests.unit.http.test_door import post, read_response, started
@@ -77,7 +80,7 @@ async def test_an_idle_connection_is_closed_after_the_timeout_and_one_timer_serv
     for _ in range(20):
         writer.write(post(infer_body(1.0)))
         assert (await read_response(reader))[0] == 200
-    assert len(short_keep_alive) == 1  # armed at the first answer, left running after
+    assert len(short_keep_alive) == 1  # armed as the connection opened, left running after
     started_idle = asyncio.get_running_loop().time()
     assert await _closed(reader, 5)
     assert asyncio.get_running_loop().time() - started_idle >= KEEP_ALIVE_S - 0.05
@@ -134,3 +137,46 @@ async def test_a_connection_upgraded_to_a_websocket_leaves_no_timer_behind(
     writer.write(b"GET /ws HTTP/1.1\r\nHost: batchline\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                  b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
     await eventually(lambda: short_keep_alive[-1].cancelled(), "the idle timer is cancelled with the upgrade")
+
+
+async def test_a_connection_that_sends_no_request_is_closed_after_the_timeout(
+    connection: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+) -> None:
+    reader, _ = connection
+    assert await _closed(reader, 5)
+
+
+@pytest.fixture
+def short_head_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(door, "HEAD_TIMEOUT_S", KEEP_ALIVE_S)
+
+
+async def test_a_head_that_does_not_come_whole_in_time_is_refused_408_and_closed(
+    connection: tuple[asyncio.StreamReader, asyncio.StreamWriter], short_head_timeout: None,
+) -> None:
+    """A byte of it now and then kept the connection open for ever: each read marks it busy."""
+    reader, writer = connection
+    request = post(infer_body(1.0))
+    head_end = request.index(b"\r\n\r\n")
+    for byte in range(6):
+        writer.write(request[byte:byte + 1])
+        await asyncio.sleep(KEEP_ALIVE_S * 0.4)
+    started = asyncio.get_running_loop().time()
+    answer = await asyncio.wait_for(reader.read(), 5)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert b"did not come whole within" in answer and b"connection: close" in answer.lower()
+    assert asyncio.get_running_loop().time() - started < 5 and head_end > 6
+
+
+async def test_a_head_that_comes_slowly_but_in_time_is_served(
+    connection: tuple[asyncio.StreamReader, asyncio.StreamWriter], short_keep_alive: list[Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(door, "HEAD_TIMEOUT_S", KEEP_ALIVE_S * 4)
+    reader, writer = connection
+    request = post(infer_body(1.0))
+    for start in range(0, 40, 10):  # the head over twice the keep-alive timeout, within the head's
+        writer.write(request[start:start + 10])
+        await asyncio.sleep(KEEP_ALIVE_S * 0.6)
+    writer.write(request[40:])
+    assert (await read_response(reader))[0] == 200
+    assert len(short_keep_alive) > 1  # the timer found the head coming and gave it time
