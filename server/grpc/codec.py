@@ -204,16 +204,31 @@ def _from_contents(tensor: pb.ModelInferRequest.InferInputTensor, shape: list[in
             raise InvalidInput(f"input '{name}' ({datatype}) has values in {other}; its values go in {field}")
     dtype = numpy_dtype(datatype)
     if datatype == BYTES:
-        array = np.empty(count, dtype=np.object_)
-        array[:] = list(values)
-        return reshaped(array, shape, name)
+        return reshaped(_read(values, np.dtype(np.object_), count), shape, name)
     if datatype in _NARROW:
-        wide = np.fromiter(values, dtype=np.int64, count=count)
+        wide = _read(values, np.dtype(np.int64), count)
         info = np.iinfo(dtype)
         if count and (wide.min() < info.min or wide.max() > info.max):
             raise InvalidInput(f"input '{name}': a value is out of range for {datatype}")
         return reshaped(wide.astype(dtype), shape, name)
-    return reshaped(np.fromiter(values, dtype=dtype, count=count), shape, name)
+    return reshaped(_read(values, dtype, count), shape, name)
+
+
+# Values one read of typed contents takes (2 million FP32 values: 48 ms in one call). Each call
+# holds the GIL throughout, so big contents, decoded off the event loop, are read a piece at a
+# time, and the loop runs between pieces; at no cost in all (one iterator goes through them).
+_VALUES_A_CALL = 1 << 15
+
+
+def _read(values: Any, dtype: np.dtype, count: int) -> np.ndarray:
+    if count <= _VALUES_A_CALL:
+        return np.fromiter(values, dtype=dtype, count=count)
+    array = np.empty(count, dtype=dtype)
+    remaining = iter(values)
+    for start in range(0, count, _VALUES_A_CALL):
+        stop = min(start + _VALUES_A_CALL, count)
+        array[start:stop] = np.fromiter(remaining, dtype=dtype, count=stop - start)
+    return array
 
 
 def plain_parameters(parameters: Any) -> dict[str, Any]:

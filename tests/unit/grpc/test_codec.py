@@ -73,6 +73,30 @@ def test_typed_and_raw_contents_give_the_same_array(datatype: str) -> None:
         assert decoded.tolist() == array.tolist()
 
 
+@pytest.mark.parametrize("datatype", list(ARRAYS))
+def test_big_typed_contents_are_read_a_piece_at_a_time_with_the_same_result(
+    monkeypatch: pytest.MonkeyPatch, datatype: str,
+) -> None:
+    """Each read of typed contents holds the GIL: off the event loop, big contents are read in
+    pieces, between which the loop runs."""
+    array = np.resize(ARRAYS[datatype], (5, 3))
+    request = _request(_typed("x", array, datatype), raw=False)
+    whole = codec.decode_inputs(request)["x"][1]
+    reads: list[int] = []
+    fromiter = np.fromiter
+
+    def counted(values: object, dtype: object, count: int) -> np.ndarray:
+        reads.append(count)
+        return fromiter(values, dtype=dtype, count=count)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(codec, "_VALUES_A_CALL", 4)
+    monkeypatch.setattr(codec.np, "fromiter", counted)
+    decoded = codec.decode_inputs(request)["x"][1]
+    assert decoded.dtype == whole.dtype and decoded.shape == whole.shape == (5, 3)
+    assert decoded.tolist() == whole.tolist() == array.tolist()
+    assert reads == [4, 4, 4, 3]
+
+
 def test_raw_numbers_are_not_copied() -> None:
     request = _request(_raw("x", ARRAYS["FP32"], "FP32"), raw=True)
     _, decoded = codec.decode_inputs(request)["x"]
