@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import orjson
 import pytest
 
 from loadtest import localserver
@@ -106,3 +107,11 @@ def scratch_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                      "inputs: [{name: x, datatype: FP32, dims: [1]}]\n"
                                      "outputs: [{name: y, datatype: FP32, dims: [1]}]\n")
     return root
+
+
+def access_log_lines(log: Path) -> list[dict]:
+    """The server's JSON access-log lines written so far, in the order it answered. A line still
+    being written when the file is read (a read can see part of a write) is left for later."""
+    text = log.read_text()
+    whole = text[:text.rfind("\n") + 1]
+    return [orjson.loads(line) for line in whole.splitlines() if line.startswith('{"time"')]

@@ -6,9 +6,8 @@ import time
 from pathlib import Path
 
 import httpx
-import orjson
 
-from tests.integration.conftest import running_server
+from tests.integration.conftest import access_log_lines, running_server
 
 
 def test_json_access_log_lines(scratch_repository: Path, tmp_path: Path) -> None:
@@ -22,8 +21,7 @@ def test_json_access_log_lines(scratch_repository: Path, tmp_path: Path) -> None
         deadline = time.monotonic() + 5
         while log.read_text().count('"request_id"') < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-    lines = [orjson.loads(line) for line in log.read_text().splitlines() if line.startswith('{"time"')]
-    ok, bad = lines
+    ok, bad = access_log_lines(log)
     assert ok["request_id"] == "req-42" and ok["status"] == 200 and ok["model"] == "digits" and ok["version"] == 1
     assert ok["path"] == "/v2/models/digits/infer"
     assert ok["duration_ms"] >= ok["compute_ms"] > 0 and ok["queue_ms"] >= 0

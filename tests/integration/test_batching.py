@@ -10,7 +10,6 @@ request outlasts the few requests a test sends behind it."""
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
@@ -28,7 +27,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from tests.integration.conftest import MODELS, running_server
+from tests.integration.conftest import MODELS, access_log_lines, running_server
 
 SLOW_TEXTS = ["word " * 400] * 32  # seconds of encoder time on a CPU: the instance stays busy meanwhile
 BOUNDED = "minilm_bounded"  # one instance, a queue of one, two priority levels
@@ -75,9 +74,6 @@ def _stats(url: str, model: str = BOUNDED) -> dict:
     return httpx.get(f"{url}/v2/models/{model}/stats", timeout=30).json()["model_stats"][0]
 
 
-def _log_lines(log: Path) -> list[dict]:
-    """The JSON access-log lines so far, in the order the server answered."""
-    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
 
 
 def _answer_order(log: Path, since: int, wanted: dict[str, Callable[[dict], bool]]) -> list[str]:
@@ -88,7 +84,7 @@ def _answer_order(log: Path, since: int, wanted: dict[str, Callable[[dict], bool
 
     def all_logged() -> bool:
         nonlocal order
-        lines = _log_lines(log)[since:]
+        lines = access_log_lines(log)[since:]
         order = [name for line in lines for name, match in wanted.items() if match(line)]
         return sorted(order) == sorted(wanted)
 
@@ -235,7 +231,7 @@ def test_a_full_queue_answers_429_at_once(slow_server: SlowServer) -> None:
     """A request that finds the queue full is refused while the instance is still busy: the
     server answers it before the slow request, never holding it until there is room."""
     url = slow_server.url
-    before, logged = _stats(url), len(_log_lines(slow_server.log))
+    before, logged = _stats(url), len(access_log_lines(slow_server.log))
     busy = Background(url, request_id="busy-429")
     with ThreadPoolExecutor(1) as pool:
         queued = pool.submit(_post, url, _body(["I wait my turn"], "queued-429"))
@@ -257,7 +253,7 @@ def test_a_deadline_that_passes_in_the_queue_is_504_and_never_runs(slow_server: 
     """The deadline, not the end of the slow request, ends the wait: the 504 goes out while the
     slow request still runs, and the expired request never reaches the engine."""
     url = slow_server.url
-    before, logged = _stats(url), len(_log_lines(slow_server.log))
+    before, logged = _stats(url), len(access_log_lines(slow_server.log))
     busy = Background(url, request_id="busy-504")
     client = triton.InferenceServerClient(url.removeprefix("http://"), network_timeout=WAIT_S)
     text = triton.InferInput("text", [1, 1], "BYTES")
@@ -314,7 +310,7 @@ def test_a_high_priority_request_queued_last_runs_first(slow_server: SlowServer)
     Its text falls in another length bucket than theirs, so it cannot share their batch: the
     order of the answers is the order of the batches."""
     url = slow_server.url
-    logged = len(_log_lines(slow_server.log))
+    logged = len(access_log_lines(slow_server.log))
     low_text = ["a low priority request with a sentence long enough for a longer length bucket " * 2]
     busy = Background(url, PRIORITY, request_id="busy-priority")
     with ThreadPoolExecutor(3) as pool:

@@ -23,7 +23,7 @@ import orjson
 import pytest
 
 from loadtest.localserver import ROOT, bound_port, stop
-from tests.integration.conftest import running_server
+from tests.integration.conftest import access_log_lines, running_server
 from tests.unit.http.tiny_models import write_spin_model
 
 SLOW = 30_000.0  # iterations of spin: seconds of compute on one core of this machine
@@ -106,8 +106,7 @@ def queued(url: str, model: str, depth: int) -> Callable[[], bool]:
 
 def answered_ids(log: Path) -> list[str]:
     """Request ids in the order the server answered them (its JSON access log)."""
-    lines = [orjson.loads(line) for line in log.read_text().splitlines() if line.startswith('{"time"')]
-    return [line["request_id"] for line in lines]
+    return [line["request_id"] for line in access_log_lines(log)]
 
 
 # --- one server: models whose config.yaml sets priorities, ordering, or is reloaded ----------

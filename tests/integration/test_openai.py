@@ -21,7 +21,7 @@ import yaml
 from openai import OpenAI
 from tokenizers import Tokenizer
 
-from tests.integration.conftest import MODELS, linked_repository, running_server
+from tests.integration.conftest import MODELS, access_log_lines, linked_repository, running_server
 
 TOKEN = "openai-test-token-5e1d7c9a3b"
 MRL = "minilm-mrl"  # minilm under another name, declaring Matryoshka dimensions (for the test only)
@@ -238,8 +238,7 @@ def test_openai_and_v2_requests_share_a_batch_and_the_models_statistics(guarded:
     deadline = time.monotonic() + 5
     while '"/v1/embeddings"' not in log.read_text() and time.monotonic() < deadline:
         time.sleep(0.05)
-    lines = [orjson.loads(line) for line in log.read_text().splitlines() if line.startswith('{"time"')]
-    logged = [line for line in lines if line["path"] == "/v1/embeddings" and line["status"] == 200]
+    logged = [line for line in access_log_lines(log) if line["path"] == "/v1/embeddings" and line["status"] == 200]
     assert logged and logged[-1]["model"] == MRL and logged[-1]["version"] == 1
     assert logged[-1]["queue_ms"] > 0 and logged[-1]["compute_ms"] > 0
 
