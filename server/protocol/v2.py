@@ -292,19 +292,23 @@ def _numbers_only(rows: list[Any], datatype: str, name: str) -> None:
     """Refuses data that holds anything but numbers (true and false among them) before numpy
     reads it: numpy reads one string among numbers as text, an array of as many strings as long
     as the longest (a string of a million characters beside 16,000 numbers: 61 GiB). `sum`, a C
-    loop at a few nanoseconds a value, checks each list of values; a list that fails is walked."""
+    loop at a few nanoseconds a value, checks a list of values, or of rows of values (the common
+    nesting); a list that fails is walked, a level at a time."""
     pending = [rows]
     while pending:
         values = pending.pop()
-        if values and isinstance(values[0], list):
+        nested = bool(values) and isinstance(values[0], list)
+        try:
+            sum(map(sum, values)) if nested else sum(values)
+            continue
+        except (TypeError, OverflowError):  # OverflowError: an int past a float's range, beside floats
+            pass
+        if nested:  # rows of rows, or a row that does not hold numbers alone: each row on its own
             for row in values:
                 if not isinstance(row, list):
                     raise InvalidInput(f"input '{name}': data is not a regular array: a list beside a value")
                 pending.append(row)
-            continue
-        try:
-            sum(values)
-        except (TypeError, OverflowError):  # OverflowError: an int past a float's range, beside floats
+        else:
             for value in values:
                 if isinstance(value, list):
                     raise InvalidInput(f"input '{name}': data is not a regular array: a list beside a value")
