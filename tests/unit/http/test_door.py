@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 import pytest
 import pytest_asyncio
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from server.asgi import body
 from server.dataplane import DataPlane
@@ -438,5 +439,36 @@ async def test_a_head_past_its_limit_is_refused_and_requests_pipelined_in_one_re
         for _ in range(3001):
             assert (await read_response(reader))[0] == 200
         writer.close()
+    finally:
+        await frontend.drain()
+
+
+async def test_a_client_that_pipelines_and_reads_no_answers_is_not_read_ahead_of_them(
+    plane: DataPlane, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """uvicorn reads on after each answer, though requests are queued behind it: a client that
+    pipelined and read nothing had the server read a read's worth of requests (thousands of small
+    ones) for every answer, each queued with its state, and its memory grew by a gigabyte in
+    seconds. Reading stays paused until the queued requests are answered."""
+    protocols: list[HttpToolsProtocol] = []
+    init = HttpToolsProtocol.__init__
+
+    def recorded(self: HttpToolsProtocol, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        protocols.append(self)
+
+    monkeypatch.setattr(HttpToolsProtocol, "__init__", recorded)
+    plane.start([])
+    frontend, port = await started(create_app(plane))
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(get("/v2/health/live") * 40_000)  # about 1.7 MB; the answers are never read
+        deepest = 0
+        for _ in range(150):
+            await asyncio.sleep(0.01)
+            deepest = max(deepest, *(len(protocol.pipeline) for protocol in protocols))
+        assert 0 < deepest < 10_000, deepest  # a read's worth at most (256 KiB: about 6,000 of these)
+        writer.close()
+        assert (await exchange(port, get("/v2/health/live")))[0] == 200
     finally:
         await frontend.drain()
