@@ -213,12 +213,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if self._plane.stopping:  # a stream opened now would hold the drain to its grace period
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "the server is shutting down; open a stream to another replica")
-        stream = _Stream()
+        stream = _Stream(stream_share(self._flight.max_requests))
         stream.reader = asyncio.create_task(self._read_stream(request_iterator, context, stream))
         self._streams.add(stream)
         try:
             while (answer := await stream.answers.get()) is not _STREAM_END:
                 yield answer
+                stream.room.release()  # sent: the client reads its answers
         finally:
             self._streams.discard(stream)
             stream.abandon()  # done, or the client went away: nothing of it may still run
@@ -240,18 +241,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _read_stream(
         self, messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext, stream: _Stream
     ) -> None:
-        room = asyncio.Semaphore(self._flight.max_requests)
-
-        def finished(task: asyncio.Task[None]) -> None:
-            stream.running.discard(task)
-            room.release()
-
         try:
             async for message in messages:
-                await room.acquire()
+                await stream.room.acquire()
                 task = asyncio.create_task(self._stream_one(message, context, stream.answers))
                 stream.running.add(task)
-                task.add_done_callback(finished)
+                task.add_done_callback(stream.running.discard)
         except asyncio.CancelledError:
             pass  # a stop (or the client left): read no more
         except Exception:  # noqa: BLE001 (the stream broke under us: nobody to answer)
@@ -374,11 +369,21 @@ class InferCall:
         return self.request
 
 
-class _Stream:
-    """One ModelStreamInfer call: its reader, the requests it runs, the answers it sends."""
+def stream_share(max_requests: int) -> int:
+    """The requests one stream may have running or answered but not yet sent: a quarter of the
+    server's bound on requests in flight. One stream holding all of it refused every other
+    client (1 call in 750 served); one whose client read no answers grew without bound."""
+    return max(1, max_requests // 4)
 
-    def __init__(self) -> None:
+
+class _Stream:
+    """One ModelStreamInfer call: its reader, the requests it runs, the answers it sends. A
+    request holds a place in `room` from when it is read until its answer is sent: a client
+    that stops reading its answers is read no further."""
+
+    def __init__(self, room: int) -> None:
         self.reader: asyncio.Task[None] | None = None
+        self.room = asyncio.Semaphore(room)
         self.running: set[asyncio.Task[None]] = set()
         self.answers: asyncio.Queue[Any] = asyncio.Queue()
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -17,7 +17,7 @@ import pytest
 from server.dataplane import DataPlane
 from server.errors import DeadlineExceeded, InvalidInput, ServerBusy, Unavailable
 from server.grpc.protos import grpc_service_pb2 as pb
-from server.grpc.servicer import InferCall, InferenceServicer
+from server.grpc.servicer import InferCall, InferenceServicer, stream_share
 from server.http import v2_infer
 from server.http.app import create_app
 from server.http.infer import CONTROL_BODY_BYTES, FastInferApp, InferEndpoint
@@ -447,6 +447,52 @@ async def test_a_streamed_call_refused_before_parsing_is_answered_with_its_id(
     assert (answer.infer_response.id, answer.infer_response.model_name) == ("first", "spin")
     gate.released.set()
     await task
+
+
+class _StreamContext:
+    """What ModelStreamInfer asks of its call's context, for a client with no token and no deadline."""
+
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+    def time_remaining(self) -> None:
+        return None
+
+
+async def test_a_stream_whose_client_reads_no_answers_is_read_no_further_than_its_share(plane: DataPlane) -> None:
+    """A request of a stream held its place until it finished, not until its answer was sent: a
+    client that sent and never read had its answers queued without bound (the server grew by 10 MB
+    a second), and one stream could hold every place in flight. It holds a quarter of them, each
+    until its answer is sent."""
+    flight = InFlight(8)
+    share = stream_share(flight.max_requests)
+    assert share == 2 and stream_share(512) == 128 and stream_share(1) == 1
+    request = pb.ModelInferRequest(model_name="spin", id="s")
+    tensor = request.inputs.add(name="x", datatype="FP32", shape=[1, 1])
+    tensor.contents.fp32_contents.append(3.0)
+    message = request.SerializeToString()
+    sent = 0
+
+    async def messages() -> AsyncIterator[bytes]:
+        nonlocal sent
+        while True:
+            sent += 1
+            yield message
+
+    stream = InferenceServicer(plane, flight=flight).ModelStreamInfer(messages(), _StreamContext())  # type: ignore[arg-type]
+    try:
+        first = await asyncio.wait_for(stream.__anext__(), 10)
+        assert list(first.infer_response.outputs[0].shape) == [1, 1] and not first.error_message
+        await asyncio.sleep(0.3)  # the client reads nothing more
+        assert sent <= share + 1, sent  # its share, and one message read that waits for a place
+        assert flight.requests == 0  # each request ran, and gave back its place in flight
+        read_before = sent
+        for _ in range(20):  # reading again, it is read again
+            answer = await asyncio.wait_for(stream.__anext__(), 10)
+            assert answer.infer_response.id == "s" and not answer.error_message, answer
+        assert sent >= read_before + 20
+    finally:
+        await stream.aclose()
 
 
 def _timed(work: Callable[[], Any]) -> float:
