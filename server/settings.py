@@ -89,8 +89,9 @@ class ServerSettings(RepositorySettings):
         "front end takes 1/N of it); past it 429 + Retry-After before the body is read")
     max_in_flight_bytes: Annotated[int, Flag(metavar="BYTES")] = Field(
         default=1 << 30, gt=0,
-        description="bytes of infer bodies held at once (a body as it arrives, and at least its first 64 KiB; a "
-        "compressed one --max-body-bytes more while it inflates), over every front end together (with "
+        description="bytes of infer bodies held at once (a body with a declared length holds up to 64 KiB of it "
+        "from its head on, then what has arrived; one without, what has arrived; a compressed one --max-body-bytes "
+        "more while it inflates), over every front end together (with "
         "--http-workers N, each HTTP front end takes 1/N of it); past it 429 + Retry-After, before the body is read "
         "where its declared Content-Length finds no room, else by the part that finds none; request memory stays "
         "near 3x this")

@@ -5,8 +5,9 @@ A client that stops sending its body part-way (a process frozen mid-upload: the 
 stays open) would hold its place in flight for as long as the connection lives. A wait for a
 part is bounded, as nginx's client_body_timeout bounds it (60 s there); a client that goes on
 sending, however slowly, is not cut off (a proxy in front is where a minimum rate belongs), and
-holds of the bytes in flight only what it sent, or HELD_AHEAD (server/inflight.py). A part already received costs no timer: uvicorn's
-request cycle says so, and most bodies arrive whole with their head.
+holds of the bytes in flight only what it sent, or HELD_AHEAD (server/inflight.py). A part
+already received costs no timer: uvicorn's request cycle says so, and most bodies arrive whole
+with their head.
 """
 
 from __future__ import annotations

@@ -246,7 +246,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 await stream.room.acquire()
                 task = asyncio.create_task(self._stream_one(message, context, stream.answers))
                 stream.running.add(task)
-                task.add_done_callback(stream.running.discard)
+                task.add_done_callback(stream.finished)
         except asyncio.CancelledError:
             pass  # a stop (or the client left): read no more
         except Exception:  # noqa: BLE001 (the stream broke under us: nobody to answer)
@@ -386,6 +386,13 @@ class _Stream:
         self.room = asyncio.Semaphore(room)
         self.running: set[asyncio.Task[None]] = set()
         self.answers: asyncio.Queue[Any] = asyncio.Queue()
+
+    def finished(self, task: asyncio.Task[None]) -> None:
+        """A request's task is done: its answer is queued, or, cancelled, it has none to send and
+        gives its place back now."""
+        self.running.discard(task)
+        if task.cancelled():
+            self.room.release()
 
     def abandon(self) -> None:
         """Cancel what runs and stop reading: queued requests are dropped before compute."""

@@ -357,8 +357,10 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             self._idle_since = None
             if self.pipeline:
                 cycle, app = self.pipeline.pop()
+                if not self.pipeline:  # the last queued: its body may still be coming (and its client leaving)
+                    self.flow.resume_reading()
                 self._start_asgi_task(cycle, app)
-                return  # reading stays paused, as uvicorn paused it for the queued requests
+                return  # with more queued, reading stays paused, as uvicorn paused it for them
             self.flow.resume_reading()
             self._idle_since = self.loop.time()
             if self.timeout_keep_alive_task is None:
@@ -370,7 +372,8 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             one whose request's head is still coming, HEAD_TIMEOUT_S more for it (`_time_head`)."""
             self.timeout_keep_alive_task = None
             if self._idle_since is None:
-                if self._in_message and not (self.cycle is not None and self.cycle.scope is self.scope):
+                if (self._in_message and not self.flow.read_paused  # paused: the server, not the client, waits
+                        and not (self.cycle is not None and self.cycle.scope is self.scope)):
                     self._time_head()  # (uvicorn makes a request's cycle, with its scope, once its head is read)
                 return
             left = self._idle_since + self.timeout_keep_alive - self.loop.time()

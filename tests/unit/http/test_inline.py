@@ -177,6 +177,29 @@ async def test_a_call_pipelined_behind_one_answered_at_once_is_not_cut_off_by_th
         await frontend.drain()
 
 
+async def test_a_call_queued_behind_one_that_computes_with_its_body_still_coming_is_answered(
+    plane: DataPlane, gate: Gate,
+) -> None:
+    """Reading stays paused while calls are queued behind the one computing; the last one
+    queued starts with reading resumed, or the rest of its body would never be read."""
+    plane.start([])
+    frontend, port = await started(create_app(plane))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        second = post(infer_body(2.0))
+        writer.write(post(infer_body(HOLD)) + second[:-5])
+        await eventually(gate.held.is_set, "the first call is held in the engine")
+        await asyncio.sleep(0.1)  # the second's head, and part of its body, read and queued
+        gate.released.set()
+        assert (await read_response(reader))[0] == 200
+        writer.write(second[-5:])
+        status, _, body = await read_response(reader)
+        assert status == 200 and orjson.loads(body)["outputs"][0]["data"] == [2.0]
+    finally:
+        writer.close()
+        await frontend.drain()
+
+
 async def test_hundreds_of_pipelined_calls_answered_at_once_are_all_answered(plane: DataPlane, gate: Gate) -> None:
     """Each completes at the next turn, so none starts the next from within its own answer (a
     chain of 400 overflowed the stack, lost answers and kept a place in flight)."""

@@ -17,7 +17,7 @@ import pytest
 from server.dataplane import DataPlane
 from server.errors import DeadlineExceeded, InvalidInput, ServerBusy, Unavailable
 from server.grpc.protos import grpc_service_pb2 as pb
-from server.grpc.servicer import InferCall, InferenceServicer, stream_share
+from server.grpc.servicer import InferCall, InferenceServicer, _Stream, stream_share
 from server.http import v2_infer
 from server.http.app import create_app
 from server.http.infer import CONTROL_BODY_BYTES, FastInferApp, InferEndpoint
@@ -485,14 +485,26 @@ async def test_a_stream_whose_client_reads_no_answers_is_read_no_further_than_it
         assert list(first.infer_response.outputs[0].shape) == [1, 1] and not first.error_message
         await asyncio.sleep(0.3)  # the client reads nothing more
         assert sent <= share + 1, sent  # its share, and one message read that waits for a place
-        assert flight.requests == 0  # each request ran, and gave back its place in flight
+        await eventually(lambda: flight.requests == 0, "each request ran and gave back its place in flight")
         read_before = sent
         for _ in range(20):  # reading again, it is read again
             answer = await asyncio.wait_for(stream.__anext__(), 10)
             assert answer.infer_response.id == "s" and not answer.error_message, answer
-        assert sent >= read_before + 20
+        await eventually(lambda: sent >= read_before + 20, "a message read for each answer sent")
     finally:
         await stream.aclose()
+
+
+async def test_a_streamed_request_cancelled_before_its_answer_gives_its_place_back() -> None:
+    """Its answer will never be sent, which is when a place is otherwise given back."""
+    stream = _Stream(1)
+    await stream.room.acquire()
+    task = asyncio.create_task(asyncio.sleep(10))
+    stream.running.add(task)
+    task.add_done_callback(stream.finished)
+    task.cancel()
+    await asyncio.wait_for(stream.room.acquire(), 5)
+    assert not stream.running
 
 
 def _timed(work: Callable[[], Any]) -> float:
