@@ -6,10 +6,10 @@ came by, and a client refused here costs the server almost nothing.
 
 A request is let in when the bound has room for the whole body its head declares, and holds
 from then on the first HELD_AHEAD bytes of it (all of a smaller one), then what has arrived;
-one without a declared length holds its parts as they arrive, and one that inflates (a Content-Encoding) the
-body limit more while it inflates. Counting a body whole from its head on let sixteen clients
-that declared 64 MiB and sent a byte now and then (or reconnected every half minute) hold the
-default 1 GiB, and every other call was refused meanwhile.
+one without a declared length holds its parts as they arrive, and one that inflates (a
+Content-Encoding) the body limit more while it inflates. Counting a body whole from its head on
+let sixteen clients that declared 64 MiB and sent a byte now and then (or reconnected every half
+minute) hold the default 1 GiB, and every other call was refused meanwhile.
 """
 
 from __future__ import annotations

@@ -246,8 +246,10 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             the connection: a client sending such a head behind its own requests gets no more
             answers)."""
             if self.cycle is None or self.cycle.response_complete:
-                body = encode_error(f"the request's line and headers exceed {MAX_HEAD_BYTES} bytes" if status == 431
-                                    else f"the request's line and headers did not come whole within {HEAD_TIMEOUT_S:g} s")
+                if status == 431:
+                    body = encode_error(f"the request's line and headers exceed {MAX_HEAD_BYTES} bytes")
+                else:
+                    body = encode_error(f"the request's line and headers did not come whole within {HEAD_TIMEOUT_S:g} s")
                 self.transport.write(b"".join([
                     *_head(status, self.server_state.default_headers, body_headers(body, {}), False), body]))
             self.transport.close()
