@@ -17,7 +17,7 @@ import orjson
 
 from server.errors import InvalidInput, Unsupported
 from server.protocol.binary import BinaryCursor, reshaped, split_body, tensor_from_bytes, tensor_to_bytes
-from server.protocol.datatypes import MAX_DIMS, numpy_dtype
+from server.protocol.datatypes import MAX_DIMS, VALUES_A_CALL, numpy_dtype
 from server.protocol.shared_memory import BYTE_SIZE, NOT_TAKEN, REGION, RegionRef, Windows, region_ref
 
 
@@ -223,7 +223,7 @@ def json_tensor(data: object, datatype: str, shape: list[int], name: str) -> np.
             raise InvalidInput(f"input '{name}': BYTES data must be strings")
         array = np.empty(len(flat), dtype=object)
         array[:] = [x.encode() for x in flat]
-    elif len(data) <= _VALUES_A_CALL and not (data and isinstance(data[0], list)):  # small and flat: the common case
+    elif len(data) <= VALUES_A_CALL and not (data and isinstance(data[0], list)):  # small and flat: the common case
         try:  # _numbers_only's check, less a call on every request's path
             sum(data)
         except (TypeError, OverflowError):
@@ -260,12 +260,6 @@ def _flatten(data: list[Any]) -> list[Any]:
     return flat
 
 
-# Values one numpy conversion reads (~3 ms on this project's CI machine). Each conversion holds
-# the GIL throughout, so a big body's tensors, built off the event loop, are built in pieces
-# (_pieces): between two pieces the loop can take the GIL and answer everyone else.
-_VALUES_A_CALL = 1 << 15
-
-
 def _numbers(data: list[Any], dtype: np.dtype, datatype: str, name: str) -> np.ndarray:
     """The flat array of numeric JSON data, checked against its datatype. Big data is converted
     a piece at a time (_pieces), and the pieces are joined as numpy joins mixed values (bools and
@@ -282,8 +276,7 @@ def _numbers(data: list[Any], dtype: np.dtype, datatype: str, name: str) -> np.n
         if row_shape is None:
             row_shape = array.shape[1:]
         elif array.shape[1:] != row_shape:
-            raise InvalidInput(f"input '{name}': data is not a regular array: rows of shapes "
-                               f"{list(row_shape)} and {list(array.shape[1:])}")
+            raise _irregular(name, f"rows of shapes {list(row_shape)} and {list(array.shape[1:])}")
         parts.append(array.reshape(-1))
     return _cast(np.concatenate(parts), dtype, datatype, name, data)
 
@@ -306,33 +299,32 @@ def _numbers_only(rows: list[Any], datatype: str, name: str) -> None:
         if nested:  # rows of rows, or a row that does not hold numbers alone: each row on its own
             for row in values:
                 if not isinstance(row, list):
-                    raise InvalidInput(f"input '{name}': data is not a regular array: a list beside a value")
+                    raise _irregular(name, "a list beside a value")
                 pending.append(row)
         else:
             for value in values:
                 if isinstance(value, list):
-                    raise InvalidInput(f"input '{name}': data is not a regular array: a list beside a value")
+                    raise _irregular(name, "a list beside a value")
                 if not isinstance(value, (int, float)):  # bool is an int
                     raise _wrong_kind(datatype, name)
 
 
 def _pieces(data: list[Any], name: str) -> list[list[Any]]:
-    """The lists of at most about _VALUES_A_CALL values that data is converted in, in order: a
+    """The lists of at most about VALUES_A_CALL values that data is converted in, in order: a
     slice of its rows; where a row holds more, a slice of the rows of its rows (a batch of one,
     an image's channels), and so on down; a row of values over a slice, cut. Each level split
     up is checked to be regular, as numpy's whole conversion would check it."""
     rows = data
-    while rows and isinstance(rows[0], list) and _values_in(rows[0]) > _VALUES_A_CALL:
+    while rows and isinstance(rows[0], list) and _values_in(rows[0]) > VALUES_A_CALL:
         length = len(rows[0])
         for row in rows:
             if not isinstance(row, list) or len(row) != length:
                 beside = f"of {len(row)}" if isinstance(row, list) else "that is a value, not a list"
-                raise InvalidInput(f"input '{name}': data is not a regular array: "
-                                   f"a row of {length} elements beside one {beside}")
+                raise _irregular(name, f"a row of {length} elements beside one {beside}")
         if not isinstance(rows[0][0], list):  # rows of values: each cut, never flattened into one list
-            return [row[start:start + _VALUES_A_CALL] for row in rows for start in range(0, length, _VALUES_A_CALL)]
+            return [row[start:start + VALUES_A_CALL] for row in rows for start in range(0, length, VALUES_A_CALL)]
         rows = [inner for row in rows for inner in row]
-    step = max(1, _VALUES_A_CALL // _values_in(rows[0])) if rows else 1
+    step = max(1, VALUES_A_CALL // _values_in(rows[0])) if rows else 1
     return [rows[start:start + step] for start in range(0, len(rows), step)] if step < len(rows) else [rows]
 
 
@@ -352,9 +344,9 @@ def _regular(data: list[Any], name: str) -> np.ndarray:
         raise _irregular(name, exc) from exc
 
 
-def _irregular(name: str, exc: ValueError) -> InvalidInput:
-    """numpy's refusal of ragged nesting, as the client's error."""
-    return InvalidInput(f"input '{name}': data is not a regular array: {exc}")
+def _irregular(name: str, why: object) -> InvalidInput:
+    """The refusal of ragged nesting (numpy's ValueError, or what the pieces found)."""
+    return InvalidInput(f"input '{name}': data is not a regular array: {why}")
 
 
 def _cast(array: np.ndarray, dtype: np.dtype, datatype: str, name: str, data: list[Any]) -> np.ndarray:

@@ -89,7 +89,7 @@ def test_big_typed_contents_are_read_a_piece_at_a_time_with_the_same_result(
         reads.append(count)
         return fromiter(values, dtype=dtype, count=count)  # type: ignore[call-overload]
 
-    monkeypatch.setattr(codec, "_VALUES_A_CALL", 4)
+    monkeypatch.setattr(codec, "VALUES_A_CALL", 4)
     monkeypatch.setattr(codec.np, "fromiter", counted)
     decoded = codec.decode_inputs(request)["x"][1]
     assert decoded.dtype == whole.dtype and decoded.shape == whole.shape == (5, 3)

@@ -204,7 +204,7 @@ def test_big_json_data_is_read_in_slices_with_the_same_result(
         return array
 
     regular = v2._regular
-    monkeypatch.setattr(v2, "_VALUES_A_CALL", 4)
+    monkeypatch.setattr(v2, "VALUES_A_CALL", 4)
     monkeypatch.setattr(v2, "_regular", counted)
     assert_same(json_tensor(data, datatype, shape, "x"), whole)
     assert len(conversions) > 1 and max(conversions) <= 4
@@ -228,7 +228,7 @@ def test_a_late_slice_of_bad_data_is_refused_as_the_whole_would_be(
 ) -> None:
     with pytest.raises(InvalidInput, match=refusal):
         json_tensor(data, datatype, [10], "x")
-    monkeypatch.setattr(v2, "_VALUES_A_CALL", 4)
+    monkeypatch.setattr(v2, "VALUES_A_CALL", 4)
     with pytest.raises(InvalidInput, match=refusal):
         json_tensor(data, datatype, [10], "x")
 
