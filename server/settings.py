@@ -99,8 +99,8 @@ class ServerSettings(RepositorySettings):
         default=False,
         description="let clients register system shared-memory regions and pass tensors through them (Triton's "
         "--allow-client-shm): same-host clients then skip copying tensors through HTTP or gRPC, and any client "
-        "that may infer can make the server read and write the shared-memory objects (/dev/shm) it can open, "
-        "and end it by shrinking a registered object: allow only trusted clients")
+        "that may infer can make the server read and write the shared-memory objects (/dev/shm) it can open: "
+        "allow only trusted clients")
     model_control: bool = Field(
         default=False,
         description="allow POST /v2/repository/models/NAME/load and /unload (Triton's --model-control-mode=explicit); "

@@ -23,7 +23,15 @@ from server.errors import InvalidInput, Unsupported
 from server.grpc.protos import grpc_service_pb2 as pb
 from server.protocol.binary import reshaped, tensor_from_bytes, tensor_to_bytes
 from server.protocol.datatypes import BYTES, MAX_DIMS, VALUES_A_CALL, numpy_dtype
-from server.protocol.shared_memory import BYTE_SIZE, NOT_TAKEN, REGION, RegionRef, Windows, region_ref
+from server.protocol.shared_memory import (
+    BYTE_SIZE,
+    COPIED_PER_WALKED,
+    NOT_TAKEN,
+    REGION,
+    InputReader,
+    RegionRef,
+    region_ref,
+)
 
 Output = tuple[str, str, np.ndarray]  # name, datatype, array
 
@@ -52,7 +60,7 @@ class DeclaredRequest:
     declared: dict[str, tuple[str, list[int]]]  # name -> (datatype, shape)
     parameters: dict[str, Any]
     outputs: list[str] | None  # None: every output
-    decode_cost: int  # elements of typed contents plus bytes of raw BYTES: what decoding walks
+    decode_cost: int  # elements of typed contents, bytes of raw BYTES, a share of bytes copied: what decoding costs
     in_shared_memory: dict[str, RegionRef] = field(default_factory=dict)  # inputs read from shared memory
     to_shared_memory: dict[str, RegionRef] = field(default_factory=dict)  # outputs written there
 
@@ -136,7 +144,7 @@ def declare(request: pb.ModelInferRequest) -> DeclaredRequest:
         if name in regions:
             if has_contents:
                 raise InvalidInput(f"input '{name}' is in shared memory: give it no contents")
-            cost += regions[name].byte_size if tensor.datatype == BYTES else 0
+            cost += regions[name].byte_size // (1 if tensor.datatype == BYTES else COPIED_PER_WALKED)
         elif raw and has_contents:
             raise InvalidInput(f"input '{name}' has both contents and raw_input_contents")
         elif raw:
@@ -165,10 +173,10 @@ def declare(request: pb.ModelInferRequest) -> DeclaredRequest:
 
 def decode_inputs(
     request: pb.ModelInferRequest, in_shared_memory: Mapping[str, RegionRef] | None = None,
-    windows: Windows | None = None,
+    read_input: InputReader | None = None,
 ) -> dict[str, tuple[str, np.ndarray]]:
     """The input arrays, shaped as declared (call `declare` first: it checked how the parts fit);
-    those `in_shared_memory` read through `windows`."""
+    those `in_shared_memory` read through `read_input`."""
     raw = request.raw_input_contents
     raw_index = 0
     inputs: dict[str, tuple[str, np.ndarray]] = {}
@@ -176,9 +184,9 @@ def decode_inputs(
         shape = list(tensor.shape)
         ref = in_shared_memory.get(tensor.name) if in_shared_memory else None
         if ref is not None:
-            if windows is None:
+            if read_input is None:
                 raise Unsupported(NOT_TAKEN)
-            array = tensor_from_bytes(windows(ref, f"input '{tensor.name}'"), tensor.datatype, shape, tensor.name)
+            array = tensor_from_bytes(read_input(ref, f"input '{tensor.name}'"), tensor.datatype, shape, tensor.name)
         elif raw:
             array = tensor_from_bytes(raw[raw_index], tensor.datatype, shape, tensor.name)
             raw_index += 1

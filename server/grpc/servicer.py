@@ -36,7 +36,7 @@ from server.grpc.protos import grpc_service_pb2_grpc as pb_grpc
 from server.grpc.protos import model_config_pb2
 from server.inflight import InFlight
 from server.scheduler.request import RequestRecord
-from server.shared_memory import Target, write_outputs
+from server.shared_memory import Window, write_outputs
 
 T = TypeVar("T")
 
@@ -311,9 +311,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             regions = self._plane.shared_memory
             if declared.decode_cost > INLINE_DECODE_COST:
                 inputs = await asyncio.to_thread(codec.decode_inputs, request, declared.in_shared_memory,
-                                                 regions.input_window)
+                                                 regions.read_input)
             else:
-                inputs = codec.decode_inputs(request, declared.in_shared_memory, regions.input_window)
+                inputs = codec.decode_inputs(request, declared.in_shared_memory, regions.read_input)
             targets = regions.output_targets(declared.to_shared_memory)
             outputs = await self._plane.start_call(model, inputs, parameters, declared.outputs, record, received_ns,
                                                    batch_size).answer()
@@ -406,7 +406,7 @@ class _Stream:
 
 
 def _answer(
-    model_name: str, version: int, request_id: str, outputs: list[codec.Output], targets: dict[str, Target],
+    model_name: str, version: int, request_id: str, outputs: list[codec.Output], targets: dict[str, Window],
 ) -> pb.ModelInferResponse:
     """Write the outputs asked for in shared memory there, then encode the answer."""
     written = write_outputs(outputs, targets) if targets else None

@@ -22,7 +22,7 @@ from server.link import LinkCall, LinkClient
 from server.model import ModelVersion
 from server.protocol.v2 import DecodedRequest, ParsedRequest, build_tensors, encode_response, parse_request
 from server.scheduler.request import RequestRecord
-from server.shared_memory import Target, write_outputs
+from server.shared_memory import Window, write_outputs
 
 # Measured worst cases inline (orjson, one core): 16 KiB of JSON, nested or many tiny strings,
 # ~1 ms to parse and build; 64 KiB of JSON outputs ~0.5 ms to encode; 1 MiB of binary outputs,
@@ -53,9 +53,9 @@ async def infer_v2(
     parsed = await _parsed(body, header_length)
     batch_size = _checked(plane, model, parsed, record)
     if parsed.decode_bytes > INLINE_DECODE_BYTES:
-        decoded = await asyncio.to_thread(build_tensors, parsed, plane.shared_memory.input_window)
+        decoded = await asyncio.to_thread(build_tensors, parsed, plane.shared_memory.read_input)
     else:
-        decoded = build_tensors(parsed, plane.shared_memory.input_window)
+        decoded = build_tensors(parsed, plane.shared_memory.read_input)
     del parsed  # the JSON's own lists and numbers, copied into arrays now: freed before the wait, not after
     started = _start(plane, model, decoded, record, received_ns, batch_size)
     outputs = await started.call.answer()
@@ -68,7 +68,7 @@ class Started(NamedTuple):
     call: Call
     version: int
     decoded: DecodedRequest
-    targets: dict[str, Target]  # outputs asked for in the client's shared memory
+    targets: dict[str, Window]  # outputs asked for in the client's shared memory
 
     def answer_inline(self, name: str, results: dict[str, np.ndarray]) -> tuple[bytes, int | None] | None:
         """The answer from the call's `results`, as `infer_v2` returns it; None when its outputs
@@ -102,7 +102,7 @@ def start_inline(
     if parsed.decode_bytes > INLINE_DECODE_BYTES:
         return None
     batch_size = _checked(plane, model, parsed, record)
-    decoded = build_tensors(parsed, plane.shared_memory.input_window)
+    decoded = build_tensors(parsed, plane.shared_memory.read_input)
     del parsed
     return _start(plane, model, decoded, record, received_ns, batch_size)
 
@@ -229,7 +229,7 @@ async def _parsed(body: bytes | bytearray, header_length: int | None) -> ParsedR
 
 
 async def _encoded(
-    name: str, version: int, decoded: DecodedRequest, outputs: list[Output], targets: dict[str, Target],
+    name: str, version: int, decoded: DecodedRequest, outputs: list[Output], targets: dict[str, Window],
 ) -> tuple[bytes, int | None]:
     answer = _encoded_now(name, version, decoded, outputs, targets)
     if answer is not None:
@@ -238,7 +238,7 @@ async def _encoded(
 
 
 def _encoded_now(
-    name: str, version: int, decoded: DecodedRequest, outputs: list[Output], targets: dict[str, Target],
+    name: str, version: int, decoded: DecodedRequest, outputs: list[Output], targets: dict[str, Window],
 ) -> tuple[bytes, int | None] | None:
     """The answer, encoded on the event loop; None when its outputs are too big to encode there."""
     tensors = with_binary_flags(outputs, decoded)
@@ -247,7 +247,7 @@ def _encoded_now(
     return None
 
 
-def _encodes_inline(tensors: list[tuple[str, str, np.ndarray, bool]], targets: dict[str, Target]) -> bool:
+def _encodes_inline(tensors: list[tuple[str, str, np.ndarray, bool]], targets: dict[str, Window]) -> bool:
     """Whether encoding (and writing outputs to shared memory) is short enough for the loop."""
     json_bytes = binary_bytes = 0
     for output, _, array, as_binary in tensors:
@@ -260,7 +260,7 @@ def _encodes_inline(tensors: list[tuple[str, str, np.ndarray, bool]], targets: d
 
 def _answer(
     name: str, version: int, request_id: str | None, tensors: list[tuple[str, str, np.ndarray, bool]],
-    targets: dict[str, Target],
+    targets: dict[str, Window],
 ) -> tuple[bytes, int | None]:
     """Write the outputs asked for in shared memory there, then encode the answer."""
     written = write_outputs([tensor[:3] for tensor in tensors], targets) if targets else None

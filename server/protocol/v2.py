@@ -18,7 +18,15 @@ import orjson
 from server.errors import InvalidInput, Unsupported
 from server.protocol.binary import BinaryCursor, reshaped, split_body, tensor_from_bytes, tensor_to_bytes
 from server.protocol.datatypes import MAX_DIMS, VALUES_A_CALL, numpy_dtype
-from server.protocol.shared_memory import BYTE_SIZE, NOT_TAKEN, REGION, RegionRef, Windows, region_ref
+from server.protocol.shared_memory import (
+    BYTE_SIZE,
+    COPIED_PER_WALKED,
+    NOT_TAKEN,
+    REGION,
+    InputReader,
+    RegionRef,
+    region_ref,
+)
 
 
 @dataclass
@@ -61,7 +69,7 @@ class ParsedRequest:
     inputs: list[DeclaredInput]
     outputs: list[RequestedOutput] | None
     binary_output: bool
-    decode_bytes: int  # what building the tensors walks: the JSON header and any binary BYTES data
+    decode_bytes: int  # what building the tensors walks (the JSON header, any BYTES data) and a share of what it copies
 
 
 def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequest:
@@ -99,11 +107,13 @@ def parse_request(body: bytes | bytearray, header_length: int | None = None) -> 
         if declared.name in names:
             raise InvalidInput(f"input '{declared.name}' is given more than once")
         names.add(declared.name)
-        if declared.datatype == "BYTES":  # read element by element; numbers are zero-copy
+        if declared.datatype == "BYTES":  # read element by element; numbers in the body are zero-copy
             if declared.binary is not None:
                 decode_bytes += len(declared.binary)
             elif declared.region is not None:
                 decode_bytes += declared.region.byte_size
+        elif declared.region is not None:  # numbers in shared memory are copied
+            decode_bytes += declared.region.byte_size // COPIED_PER_WALKED
         inputs.append(declared)
     if cursor is not _NO_BINARY:
         cursor.finish()
@@ -118,15 +128,15 @@ def parse_request(body: bytes | bytearray, header_length: int | None = None) -> 
     )
 
 
-def build_tensors(parsed: ParsedRequest, windows: Windows | None = None) -> DecodedRequest:
+def build_tensors(parsed: ParsedRequest, read_input: InputReader | None = None) -> DecodedRequest:
     """The numpy arrays of a parsed request: the per-element work, proportional to its data.
-    `windows` finds the bytes of inputs in shared memory (None: the server takes none)."""
+    `read_input` finds the bytes of inputs in shared memory (None: the server takes none)."""
     inputs: dict[str, tuple[str, np.ndarray]] = {}
     for declared in parsed.inputs:
         if declared.region is not None:
-            if windows is None:
+            if read_input is None:
                 raise Unsupported(NOT_TAKEN)
-            raw = windows(declared.region, f"input '{declared.name}'")
+            raw = read_input(declared.region, f"input '{declared.name}'")
             array = tensor_from_bytes(raw, declared.datatype, declared.shape, declared.name)
         elif declared.binary is not None:
             array = tensor_from_bytes(declared.binary, declared.datatype, declared.shape, declared.name)

@@ -1,11 +1,13 @@
 """System shared memory on the real server, driven by tritonclient as Triton's users drive it:
 `tritonclient.utils.shared_memory` makes and fills the regions, both clients register them, and
-inputs and outputs go through them instead of the request; a region unregistered while a queued
-request uses it still serves that request; a server started without --allow-client-shm refuses.
+inputs and outputs go through them instead of the request; an object the client makes smaller
+is refused, not touched; a region unregistered while a queued request uses it still serves that
+request; a server started without --allow-client-shm refuses.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -129,6 +131,44 @@ def test_a_reference_past_its_region_is_a_400_and_the_server_serves_on(served: S
     finally:
         http.unregister_system_shared_memory()
     assert http.get_system_shared_memory_status() == []
+
+
+def _path(handle: Any) -> str:
+    return os.path.join("/dev/shm", _key(handle).lstrip("/"))
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_an_object_made_smaller_after_registering_is_refused_and_the_server_serves_on(
+        served: Served, regions: dict[str, Any], protocol: str) -> None:
+    """The server mapped each region once: a client that shrank its object and then named it
+    ended the server (SIGBUS). Reads and writes now go through the object's file."""
+    http, grpc = _clients(served)
+    client, module = (http, th) if protocol == "http" else (grpc, tg)
+    images = IMAGES[:1]
+    inputs = _region(regions, f"{protocol}-shrunk-in", images.nbytes)
+    outputs = _region(regions, f"{protocol}-shrunk-out", 40)
+    shm.set_shared_memory_region(inputs, [images])
+    client.register_system_shared_memory(f"{protocol}-shrunk-in", _key(inputs), images.nbytes)
+    client.register_system_shared_memory(f"{protocol}-shrunk-out", _key(outputs), 40)
+    try:
+        os.truncate(_path(inputs), 0)  # the client's own mapping is not touched from here on
+        os.truncate(_path(outputs), 0)
+        from_shm = module.InferInput("image", list(images.shape), "FP32")
+        from_shm.set_shared_memory(f"{protocol}-shrunk-in", images.nbytes)
+        with pytest.raises(InferenceServerException, match="made smaller after it was registered"):
+            client.infer("digits", [from_shm])
+        plain = module.InferInput("image", list(images.shape), "FP32")
+        plain.set_data_from_numpy(images)
+        to_shm = module.InferRequestedOutput("probabilities")
+        to_shm.set_shared_memory(f"{protocol}-shrunk-out", 40)
+        with pytest.raises(InferenceServerException, match="made smaller after it was registered"):
+            client.infer("digits", [plain], outputs=[to_shm])
+        assert os.stat(_path(outputs)).st_size == 0, "the refused output is not written"
+        np.testing.assert_allclose(client.infer("digits", [plain]).as_numpy("probabilities"),
+                                   _expected(served, images), rtol=1e-6)
+    finally:
+        client.unregister_system_shared_memory(f"{protocol}-shrunk-in")
+        client.unregister_system_shared_memory(f"{protocol}-shrunk-out")
 
 
 def test_a_region_unregistered_while_a_queued_request_uses_it_still_serves_that_request(

@@ -1,5 +1,6 @@
-"""The registry of clients' shared-memory regions: what it maps, what it refuses, and that an
-unregistered region stays readable for whoever still holds it."""
+"""The registry of clients' shared-memory regions: what it opens, reads and writes, what it
+refuses (an object made smaller among it), what its copies hold, and that an unregistered region
+stays readable for whoever still holds it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from server import shared_memory
-from server.errors import InvalidInput, Unsupported
+from server.errors import InvalidInput, ServerBusy, Unsupported
 from server.protocol.shared_memory import RegionRef, region_ref
 from server.shared_memory import SystemSharedMemory, write_outputs
 
@@ -25,19 +26,23 @@ def regions(tmp_path: Path) -> SystemSharedMemory:
     return SystemSharedMemory(allowed=True, max_input_bytes=1 << 20, folder=str(tmp_path))
 
 
+def _window_bytes(folder: Path, key: str) -> bytes:
+    return (folder / key).read_bytes()
+
+
 def test_a_region_is_registered_read_written_and_unregistered(regions: SystemSharedMemory, tmp_path: Path) -> None:
     _object(tmp_path, "input0", bytes(range(64)))
     regions.register("in", "/input0", offset=16, byte_size=32)
     assert regions.status(None) == [{"name": "in", "key": "/input0", "offset": 16, "byte_size": 32}]
     assert regions.status("in") == regions.status(None)
-    assert bytes(regions.input_window(RegionRef("in", 8, offset=4), "input 'x'")) == bytes(range(20, 28))
-    window = regions.output_window(RegionRef("in", 4), "output 'y'")
-    window[:] = b"\xff\xff\xff\xff"
-    assert (tmp_path / "input0").read_bytes()[16:20] == b"\xff\xff\xff\xff"  # written into the client's object
+    assert bytes(regions.read_input(RegionRef("in", 8, offset=4), "input 'x'")) == bytes(range(20, 28))
+    targets = regions.output_targets({"y": RegionRef("in", 4)})
+    assert write_outputs([("y", "UINT8", np.full(4, 255, np.uint8))], targets) == {"y": ("in", 4)}
+    assert _window_bytes(tmp_path, "input0")[16:20] == b"\xff\xff\xff\xff"  # written into the client's object
     regions.unregister("in")
     assert regions.status(None) == []
     with pytest.raises(InvalidInput, match="no shared-memory region 'in'"):
-        regions.input_window(RegionRef("in", 4), "input 'x'")
+        regions.read_input(RegionRef("in", 4), "input 'x'")
     regions.unregister("in")  # again: not an error, as in Triton
 
 
@@ -45,10 +50,10 @@ def test_output_targets_are_the_windows_of_every_output_or_a_refusal(regions: Sy
     _object(tmp_path, "out", bytes(32))
     regions.register("r", "out", 0, 32)
     targets = regions.output_targets({"y": RegionRef("r", 16), "z": RegionRef("r", 8, offset=16)})
-    assert {name: (region, window.nbytes) for name, (region, window) in targets.items()} == {
-        "y": ("r", 16), "z": ("r", 8)}
-    targets["z"][1][:] = b"\x07" * 8
-    assert (tmp_path / "out").read_bytes() == bytes(16) + b"\x07" * 8 + bytes(8), "z's window starts at its offset"
+    assert {name: (window.region.name, window.start, window.byte_size) for name, window in targets.items()} == {
+        "y": ("r", 0, 16), "z": ("r", 16, 8)}
+    write_outputs([("z", "INT8", np.full(8, 7, np.int8))], targets)
+    assert _window_bytes(tmp_path, "out") == bytes(16) + b"\x07" * 8 + bytes(8), "z's window starts at its offset"
     assert regions.output_targets({}) == {}
     with pytest.raises(InvalidInput, match="no shared-memory region 'gone'"):
         regions.output_targets({"y": RegionRef("r", 16), "z": RegionRef("gone", 8)})
@@ -56,47 +61,111 @@ def test_output_targets_are_the_windows_of_every_output_or_a_refusal(regions: Sy
         regions.output_targets({"y": RegionRef("r", 64)})  # past the region's end
 
 
-def test_a_region_past_a_page_boundary_maps_from_its_own_offset(regions: SystemSharedMemory, tmp_path: Path) -> None:
+def test_a_region_is_read_from_its_own_offset_in_its_object(regions: SystemSharedMemory, tmp_path: Path) -> None:
     data = np.arange(5000, dtype=np.uint32).tobytes()
     _object(tmp_path, "big", data)
     regions.register("r", "big", offset=4 * 4100 + 4, byte_size=16)
-    assert np.frombuffer(regions.input_window(RegionRef("r", 16), "x"), np.uint32).tolist() == [4101, 4102, 4103, 4104]
+    assert np.frombuffer(regions.read_input(RegionRef("r", 16), "x"), np.uint32).tolist() == [4101, 4102, 4103, 4104]
 
 
-def test_unregistering_leaves_a_held_window_readable_and_writable(regions: SystemSharedMemory, tmp_path: Path) -> None:
+def test_unregistering_leaves_a_held_region_readable_and_writable(regions: SystemSharedMemory, tmp_path: Path) -> None:
     _object(tmp_path, "obj", np.arange(4, dtype=np.float32).tobytes())
     regions.register("r", "obj", 0, 16)
-    array = np.frombuffer(regions.input_window(RegionRef("r", 16), "input 'x'"), np.float32)  # a request's input
-    out = regions.output_window(RegionRef("r", 16), "output 'y'")  # a request's output target
+    array = np.frombuffer(regions.read_input(RegionRef("r", 16), "input 'x'"), np.float32)  # a request's input
+    targets = regions.output_targets({"y": RegionRef("r", 16)})  # a request's output target
     regions.unregister(None)
     assert array.tolist() == [0.0, 1.0, 2.0, 3.0]
-    assert write_outputs([("y", "FP32", np.full(4, 7, np.float32))], {"y": ("r", out)}) == {"y": ("r", 16)}
-    assert np.frombuffer((tmp_path / "obj").read_bytes(), np.float32).tolist() == [7.0] * 4
+    assert write_outputs([("y", "FP32", np.full(4, 7, np.float32))], targets) == {"y": ("r", 16)}
+    assert np.frombuffer(_window_bytes(tmp_path, "obj"), np.float32).tolist() == [7.0] * 4
     with pytest.raises(InvalidInput, match="no shared-memory region"):
-        regions.input_window(RegionRef("r", 16), "input 'x'")
+        regions.read_input(RegionRef("r", 16), "input 'x'")
 
 
-def test_an_input_is_read_only_to_the_server_and_capped_at_the_body_limit(
+def test_an_input_is_the_requests_own_copy_capped_at_the_body_limit(
         regions: SystemSharedMemory, tmp_path: Path) -> None:
     _object(tmp_path, "obj", bytes(2 << 20))
     regions.register("r", "obj", 0, 2 << 20)
-    array = np.frombuffer(regions.input_window(RegionRef("r", 16), "input 'x'"), np.float32)
-    assert not array.flags.writeable  # an engine working in place would change the client's memory
-    with pytest.raises(ValueError):
-        array[0] = 1.0
+    array = np.frombuffer(regions.read_input(RegionRef("r", 16), "input 'x'"), np.float32)
+    array[0] = 1.0  # an engine working in place changes its copy, not the client's memory
+    (tmp_path / "obj").write_bytes(b"\x01" * (2 << 20))  # nor does the client change what the request read
+    assert array.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert _window_bytes(tmp_path, "obj")[:16] == b"\x01" * 16
     with pytest.raises(InvalidInput, match="input 'x': 2097152 bytes of shared memory is over the server's limit"):
-        regions.input_window(RegionRef("r", 2 << 20), "input 'x'")
-    assert regions.output_window(RegionRef("r", 2 << 20), "output 'y'").nbytes == 2 << 20  # outputs: the region's
+        regions.read_input(RegionRef("r", 2 << 20), "input 'x'")
+    assert regions.output_targets({"y": RegionRef("r", 2 << 20)})["y"].byte_size == 2 << 20  # outputs: the region's
+
+
+def test_an_object_made_smaller_after_registering_is_refused_not_touched(
+        regions: SystemSharedMemory, tmp_path: Path) -> None:
+    """Its region was mapped once, and a read or write past the object's new end ended the
+    server (SIGBUS); reads and writes through its file are refused instead."""
+    _object(tmp_path, "obj", bytes(64))
+    regions.register("r", "obj", 0, 64)
+    targets = regions.output_targets({"y": RegionRef("r", 16, offset=32)})
+    os.truncate(tmp_path / "obj", 40)
+    with pytest.raises(InvalidInput, match="shared-memory object 'obj' no longer holds 64 bytes: it was made smaller"):
+        regions.read_input(RegionRef("r", 32, offset=32), "input 'x'")
+    with pytest.raises(InvalidInput, match="no longer holds 48 bytes"):
+        write_outputs([("y", "FP32", np.ones(4, np.float32))], targets)
+    assert (tmp_path / "obj").stat().st_size == 40, "a refused write does not grow the object"
+    assert bytes(regions.read_input(RegionRef("r", 8, offset=32), "input 'x'")) == bytes(8)  # what it still holds
+    os.truncate(tmp_path / "obj", 64)  # grown again: served again
+    assert write_outputs([("y", "FP32", np.ones(4, np.float32))], targets) == {"y": ("r", 16)}
+
+
+def test_copies_of_inputs_in_flight_are_bounded(tmp_path: Path) -> None:
+    regions = SystemSharedMemory(allowed=True, max_input_bytes=1 << 20, max_copied_bytes=100, folder=str(tmp_path))
+    _object(tmp_path, "obj", bytes(256))
+    regions.register("r", "obj", 0, 256)
+    alone = regions.read_input(RegionRef("r", 200), "input 'x'")  # over the bound, but alone: let in
+    assert regions.copied_bytes == 200
+    with pytest.raises(ServerBusy, match="inputs copied from shared memory .* hold 200 bytes"):
+        regions.read_input(RegionRef("r", 1), "input 'x'")
+    del alone  # the request's arrays are gone: so is what they held
+    held = [regions.read_input(RegionRef("r", 60), "input 'x'"),
+            np.frombuffer(regions.read_input(RegionRef("r", 40), "input 'x'"), np.float32)]
+    assert regions.copied_bytes == 100
+    with pytest.raises(ServerBusy):
+        regions.read_input(RegionRef("r", 1), "input 'x'")
+    held.pop()  # an array over a copy holds it too, until it goes
+    assert regions.copied_bytes == 60
+    assert regions.read_input(RegionRef("r", 40), "input 'x'").nbytes == 40
+
+
+def test_a_region_holds_its_objects_file_until_the_last_request_lets_go(
+        regions: SystemSharedMemory, tmp_path: Path) -> None:
+    def open_files() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_files()
+    _object(tmp_path, "obj", bytes(64))
+    regions.register("r", "obj", 0, 64)
+    assert open_files() == before + 1
+    targets = regions.output_targets({"y": RegionRef("r", 4)})
+    regions.unregister("r")
+    assert open_files() == before + 1  # a request still holds it
+    del targets
+    assert open_files() == before
+    with pytest.raises(InvalidInput, match="does not fit"):
+        regions.register("r", "obj", 60, 8)
+    assert open_files() == before  # a refused registration keeps nothing open
+
+
+def test_regions_leave_most_of_the_open_file_limit_to_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shared_memory.resource, "getrlimit", lambda _: (1024, 4096))
+    assert shared_memory.regions_allowed() == 256
+    monkeypatch.setattr(shared_memory.resource, "getrlimit", lambda _: (1 << 20, 1 << 20))
+    assert shared_memory.regions_allowed() == shared_memory.MAX_REGIONS
 
 
 def test_references_past_the_region_are_refused(regions: SystemSharedMemory, tmp_path: Path) -> None:
     _object(tmp_path, "obj", bytes(64))
     regions.register("r", "obj", 0, 32)
     with pytest.raises(InvalidInput, match="input 'x': 8 bytes at offset 28 run past the end of shared-memory region 'r'"):
-        regions.input_window(RegionRef("r", 8, offset=28), "input 'x'")
-    assert regions.input_window(RegionRef("r", 4, offset=28), "input 'x'").nbytes == 4
+        regions.read_input(RegionRef("r", 8, offset=28), "input 'x'")
+    assert regions.read_input(RegionRef("r", 4, offset=28), "input 'x'").nbytes == 4
     with pytest.raises(InvalidInput, match="output 'y': 8 bytes at offset 28 run past"):
-        regions.output_window(RegionRef("r", 8, offset=28), "output 'y'")
+        regions.output_targets({"y": RegionRef("r", 8, offset=28)})
 
 
 @pytest.mark.parametrize(
@@ -141,9 +210,8 @@ def test_a_name_is_registered_once(regions: SystemSharedMemory, tmp_path: Path) 
         regions.status("other")
 
 
-def test_the_number_of_regions_is_bounded(regions: SystemSharedMemory, tmp_path: Path,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(shared_memory, "MAX_REGIONS", 2)
+def test_the_number_of_regions_is_bounded(regions: SystemSharedMemory, tmp_path: Path) -> None:
+    regions.max_regions = 2
     _object(tmp_path, "obj", bytes(64))
     regions.register("a", "obj", 0, 8)
     regions.register("b", "obj", 8, 8)
@@ -155,34 +223,39 @@ def test_nothing_is_taken_unless_allowed(tmp_path: Path) -> None:
     _object(tmp_path, "obj", bytes(64))
     regions = SystemSharedMemory(allowed=False, folder=str(tmp_path))
     for call in (lambda: regions.register("r", "obj", 0, 8), lambda: regions.status(None),
-                 lambda: regions.unregister(None), lambda: regions.input_window(RegionRef("r", 8), "input 'x'"),
-                 lambda: regions.input_window(RegionRef("r", 1 << 30), "input 'x'"),
-                 lambda: regions.output_window(RegionRef("r", 8), "output 'y'")):
+                 lambda: regions.unregister(None), lambda: regions.read_input(RegionRef("r", 8), "input 'x'"),
+                 lambda: regions.read_input(RegionRef("r", 1 << 30), "input 'x'"),
+                 lambda: regions.output_targets({"y": RegionRef("r", 8)})):
         with pytest.raises(Unsupported, match="--allow-client-shm"):
             call()
 
 
-def test_outputs_are_written_as_binary_tensors_and_never_past_their_window() -> None:
-    target = bytearray(16)
-    window = memoryview(target)
-    assert write_outputs([("y", "BF16", np.array([[1.5, 2.5]], ml_dtypes.bfloat16))], {"y": ("r", window)}) == {
-        "y": ("r", 4)}
-    assert np.frombuffer(target[:4], ml_dtypes.bfloat16).tolist() == [1.5, 2.5]
-    assert write_outputs([("t", "BYTES", np.array([b"ab", b"c"], dtype=object))], {"t": ("r", window)}) == {
+def test_outputs_are_written_as_binary_tensors_and_never_past_their_window(
+        regions: SystemSharedMemory, tmp_path: Path) -> None:
+    _object(tmp_path, "obj", bytes(16))
+    regions.register("r", "obj", 0, 16)
+    targets = regions.output_targets({"y": RegionRef("r", 16), "t": RegionRef("r", 16), "z": RegionRef("r", 16)})
+    assert write_outputs([("y", "BF16", np.array([[1.5, 2.5]], ml_dtypes.bfloat16))], targets) == {"y": ("r", 4)}
+    assert np.frombuffer(_window_bytes(tmp_path, "obj")[:4], ml_dtypes.bfloat16).tolist() == [1.5, 2.5]
+    assert write_outputs([("t", "BYTES", np.array([b"ab", b"c"], dtype=object))], targets) == {
         "t": ("r", 4 + 2 + 4 + 1)}
-    assert bytes(target[:11]) == b"\x02\x00\x00\x00ab\x01\x00\x00\x00c"
+    assert _window_bytes(tmp_path, "obj")[:11] == b"\x02\x00\x00\x00ab\x01\x00\x00\x00c"
     written = write_outputs([("y", "INT32", np.array([3], np.int32)), ("z", "INT32", np.array([4], np.int32))],
-                            {"z": ("region", window)})
-    assert written == {"z": ("region", 4)}
-    assert bytes(target[:4]) == b"\x04\x00\x00\x00"
+                            {"z": targets["z"]})
+    assert written == {"z": ("r", 4)}
+    assert _window_bytes(tmp_path, "obj")[:4] == b"\x04\x00\x00\x00"
 
 
-def test_an_output_that_does_not_fit_leaves_every_window_as_it_was() -> None:
-    first, second = bytearray(16), bytearray(16)
+def test_an_output_that_does_not_fit_leaves_every_window_as_it_was(
+        regions: SystemSharedMemory, tmp_path: Path) -> None:
+    _object(tmp_path, "a", bytes(16))
+    _object(tmp_path, "b", bytes(16))
+    regions.register("a", "a", 0, 16)
+    regions.register("b", "b", 0, 16)
     outputs = [("y", "FP32", np.ones(4, np.float32)), ("z", "FP32", np.zeros(5, np.float32))]
     with pytest.raises(InvalidInput, match="output 'z' is 20 bytes; its shared-memory window holds 16"):
-        write_outputs(outputs, {"y": ("a", memoryview(first)), "z": ("b", memoryview(second))})
-    assert first == bytearray(16) and second == bytearray(16)  # not even the output that fitted
+        write_outputs(outputs, regions.output_targets({"y": RegionRef("a", 16), "z": RegionRef("b", 16)}))
+    assert _window_bytes(tmp_path, "a") == bytes(16)  # not even the output that fitted
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from tritonclient.grpc import service_pb2
 from server.errors import InvalidInput, Unsupported
 from server.grpc import codec
 from server.grpc.protos import grpc_service_pb2 as pb
-from server.protocol.shared_memory import RegionRef
+from server.protocol.shared_memory import COPIED_PER_WALKED, RegionRef
 
 
 def _request(*inputs: triton.InferInput, raw: bool, outputs: list[str] | None = None, **parameters: object) -> pb.ModelInferRequest:
@@ -215,7 +215,7 @@ def test_shared_memory_inputs_take_no_raw_contents_and_outputs_keep_their_index(
                                  lambda ref, what: memoryview(region)[ref.offset:ref.offset + ref.byte_size])
     assert inputs["x"][1].tolist() == ARRAYS["FP32"].tolist() and inputs["n"][1].tolist() == [3, 4]
     with pytest.raises(Unsupported):
-        codec.decode_inputs(ours, declared.in_shared_memory)  # no windows: the server takes none
+        codec.decode_inputs(ours, declared.in_shared_memory)  # no reader: the server takes none
 
     outputs = [("y", "FP32", np.ones(2, np.float32)), ("z", "INT32", np.array([7], np.int32))]
     response = codec.encode_response("m", 1, "", outputs, {"y": ("r1", 8)})
@@ -223,6 +223,17 @@ def test_shared_memory_inputs_take_no_raw_contents_and_outputs_keep_their_index(
     assert result.as_numpy("z").tolist() == [7]  # found at its own index past the output in shared memory
     shared = result.get_output("y").parameters
     assert (shared["shared_memory_region"].string_param, shared["shared_memory_byte_size"].int64_param) == ("r1", 8)
+
+
+def test_shared_memory_inputs_cost_their_decoding_a_share_of_their_bytes_or_all_of_them_as_text() -> None:
+    """Numbers are copied out of a region (cheap a byte), text is walked: what decides whether
+    a request is decoded on the event loop or on a thread."""
+    request = pb.ModelInferRequest(model_name="m")
+    for name, datatype, size in (("x", "FP32", 1 << 20), ("t", "BYTES", 1000)):
+        tensor = request.inputs.add(name=name, datatype=datatype, shape=[size // 4])
+        tensor.parameters["shared_memory_region"].string_param = "r"
+        tensor.parameters["shared_memory_byte_size"].int64_param = size
+    assert codec.declare(request).decode_cost == (1 << 20) // COPIED_PER_WALKED + 1000
 
 
 def test_the_response_is_what_tritonclient_reads() -> None:

@@ -16,7 +16,7 @@ from tritonclient.http._utils import _get_inference_request
 
 from server.errors import InvalidInput, Unsupported
 from server.protocol import v2
-from server.protocol.shared_memory import RegionRef
+from server.protocol.shared_memory import COPIED_PER_WALKED, RegionRef
 from server.protocol.v2 import (
     DecodedRequest,
     RequestedOutput,
@@ -489,8 +489,8 @@ def test_unsupported_extensions() -> None:
         decode_request(orjson.dumps(document))
 
 
-def test_client_shared_memory_tensors_are_read_through_the_servers_windows() -> None:
-    """tritonclient's shared-memory parameters name the region; the server's windows give the bytes."""
+def test_client_shared_memory_tensors_are_read_through_the_servers_regions() -> None:
+    """tritonclient's shared-memory parameters name the region; the server's regions give the bytes."""
     region = bytearray(64)
     region[16:32] = np.arange(4, dtype=np.float32).tobytes()
     tensor = triton_http.InferInput("x", [4], "FP32")
@@ -503,15 +503,26 @@ def test_client_shared_memory_tensors_are_read_through_the_servers_windows() -> 
     assert parsed.outputs is not None and parsed.outputs[0].region == RegionRef("region1", 40)
     seen: list[tuple[RegionRef, str]] = []
 
-    def windows(ref: RegionRef, what: str) -> memoryview:
+    def read_input(ref: RegionRef, what: str) -> memoryview:
         seen.append((ref, what))
         return memoryview(region)[ref.offset:ref.offset + ref.byte_size]
 
-    decoded = build_tensors(parsed, windows)
+    decoded = build_tensors(parsed, read_input)
     assert decoded.inputs["x"][1].tolist() == [0.0, 1.0, 2.0, 3.0]
     assert seen == [(RegionRef("region0", 16, 16), "input 'x'")]
     with pytest.raises(Unsupported, match="shared-memory"):
-        build_tensors(parsed)  # no windows: the server takes no shared memory
+        build_tensors(parsed)  # no reader: the server takes no shared memory
+
+
+def test_shared_memory_inputs_cost_their_decoding_a_share_of_their_bytes_or_all_of_them_as_text() -> None:
+    """Numbers are copied out of a region (cheap a byte), text is walked: what decides whether
+    a request is decoded on the event loop or on a thread."""
+    body = orjson.dumps({"inputs": [
+        {"name": "x", "datatype": "FP32", "shape": [1 << 18],
+         "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 1 << 20}},
+        {"name": "t", "datatype": "BYTES", "shape": [1],
+         "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 1000}}]})
+    assert parse_request(body, None).decode_bytes == len(body) + (1 << 20) // COPIED_PER_WALKED + 1000
 
 
 @pytest.mark.parametrize(
