@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf import json_format
@@ -198,7 +198,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         except Exception as exc:  # noqa: BLE001 (every failure is answered with its status)
             code, text = status_of(exc)
             self._log(context, "ModelInfer", call, code, started, record)
-            await context.abort(code, text, trailing_metadata=retry_after(exc))
+            await _abort(context, code, text, retry_after(exc))
         self._log(context, "ModelInfer", call, grpc.StatusCode.OK, started, record)
         return response
 
@@ -209,9 +209,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         refusal = self._gate.refusal("ModelStreamInfer", context.invocation_metadata())
         if refusal is not None:
             code, message = status_of(refusal)
-            await context.abort(code, message)
+            await _abort(context, code, message)
         if self._plane.stopping:  # a stream opened now would hold the drain to its grace period
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
+            await _abort(context, grpc.StatusCode.UNAVAILABLE,
                                 "the server is shutting down; open a stream to another replica")
         stream = _Stream(stream_share(self._flight.max_requests))
         stream.reader = asyncio.create_task(self._read_stream(request_iterator, context, stream))
@@ -339,7 +339,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return result  # type: ignore[return-value]
         except Exception as exc:
             code, message = status_of(exc)
-            await context.abort(code, message)
+            await _abort(context, code, message)
             raise  # abort raised already; this line is for the type checker
 
     def _log(self, context: grpc.aio.ServicerContext, rpc: str, call: InferCall, code: grpc.StatusCode, started: int,
@@ -431,4 +431,17 @@ def with_deadline(parameters: dict[str, Any], time_remaining: float | None) -> d
 
 
 async def _unimplemented(context: grpc.aio.ServicerContext, what: str) -> None:
-    await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{what} not supported by this server")
+    await _abort(context, grpc.StatusCode.UNIMPLEMENTED, f"{what} not supported by this server")
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, text: str,
+                 trailing_metadata: tuple[tuple[str, str], ...] = ()) -> NoReturn:
+    """End the call with `code`. A call that ended meanwhile (its deadline passed and grpc
+    answered DEADLINE_EXCEEDED itself, or its client left) is dropped as a cancelled one is:
+    grpc logs a failed abort at ERROR, with a traceback, for what is a client's race."""
+    try:
+        await context.abort(code, text, trailing_metadata=trailing_metadata)
+    except grpc.aio.AbortError:
+        raise
+    except Exception:  # noqa: BLE001 (grpc's ExecuteBatchError, not a public class: the answer could not be sent)
+        raise asyncio.CancelledError from None

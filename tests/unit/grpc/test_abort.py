@@ -1,0 +1,42 @@
+"""Ending a call with its status: a call that grpc ended meanwhile (its deadline passed, its
+client left) is dropped quietly, as a cancelled one is, where grpc logged the failed abort at
+ERROR with a traceback (nine times in 60,000 calls with deadlines near their service time)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+
+from server.grpc.servicer import _abort
+
+
+class Context:
+    """What `_abort` uses of grpc's servicer context: abort, which raises what grpc raises."""
+
+    def __init__(self, raises: BaseException) -> None:
+        self.raises = raises
+        self.aborted: list[tuple[Any, ...]] = []
+
+    async def abort(self, code: grpc.StatusCode, text: str, trailing_metadata: tuple[Any, ...] = ()) -> None:
+        self.aborted.append((code, text, trailing_metadata))
+        raise self.raises
+
+
+class ExecuteBatchError(Exception):
+    """Stands in for grpc's own (grpc._cython.cygrpc), raised when the status cannot be sent."""
+
+
+def test_an_abort_that_grpc_sends_ends_the_call_with_its_status() -> None:
+    context = Context(grpc.aio.AbortError())
+    with pytest.raises(grpc.aio.AbortError):
+        asyncio.run(_abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", (("retry-after", "1"),)))  # type: ignore[arg-type]
+    assert context.aborted == [(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", (("retry-after", "1"),))]
+
+
+def test_a_call_that_ended_meanwhile_is_dropped_as_cancelled() -> None:
+    context = Context(ExecuteBatchError('Failed "execute_batch"'))
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(_abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "too late"))  # type: ignore[arg-type]
