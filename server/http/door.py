@@ -74,6 +74,16 @@ MAX_HEAD_BYTES = 64 << 10
 # unfinished are refused (408) and the connection closed, as nginx's client_header_timeout does: a
 # client sending its head a byte now and then would otherwise hold its connection for ever.
 HEAD_TIMEOUT_S = 30.0
+# Requests a connection may have queued behind the one being answered. The parser takes a whole
+# read at once (256 KiB: thousands of small requests), and each queued request holds its state
+# (about 900 bytes): 100 connections pipelining GETs they never read held 570 MB. Past this, the
+# rest of the read is dropped, and the connection closes after the queued requests' answers; a
+# client that pipelines retries what went unanswered (RFC 9112, 9.3.2).
+MAX_PIPELINED = 64
+# After those answers the server closes its side and reads on, dropping what comes, this long at
+# most before it closes: closed with bytes unread, a connection is reset, and a reset can lose
+# answers the client has not read yet (as nginx's lingering close).
+LINGER_S = 2.0
 _EXPECT = b"expect"
 _MAX_CACHED_BODIES = 256
 
@@ -191,6 +201,7 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
         _head_bytes = 0  # read of the unfinished request since its last piece of body: head, or trailers
         _idle_since: float | None = None  # when the last answer completed with nothing read since (loop time)
         _head_timed = 0  # the request (by `_begun`) whose unfinished head the idle timer found last
+        _dropping = False  # MAX_PIPELINED were queued: what follows them is dropped, and the connection closed
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's
             """uvicorn's, and the idle timer armed: a connection that sends no request is closed
@@ -236,7 +247,19 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             self._in_message = True
             super().on_message_begin()
 
+        def on_headers_complete(self) -> None:
+            """uvicorn's: the request's cycle, started or queued; none past MAX_PIPELINED queued,
+            and none after (reading stays paused while requests are queued)."""
+            if self._dropping:
+                return
+            if len(self.pipeline) >= MAX_PIPELINED:
+                self._dropping = True
+                return
+            super().on_headers_complete()
+
         def on_body(self, body: bytes) -> None:
+            if self._dropping:
+                return
             self._bodies += 1
             super().on_body(body)
 
@@ -296,6 +319,8 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             its queued call ran. A pipelined request waiting its turn keeps reading paused, as
             uvicorn has it. An inline call waiting for its body is answered now."""
             self._in_message = False
+            if self._dropping:
+                return
             super().on_message_complete()
             if not self.pipeline:
                 self.flow.resume_reading()
@@ -359,14 +384,26 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             self._idle_since = None
             if self.pipeline:
                 cycle, app = self.pipeline.pop()
-                if not self.pipeline:  # the last queued: its body may still be coming (and its client leaving)
-                    self.flow.resume_reading()
+                if not self.pipeline and not self._dropping:  # the last queued: its body may still be coming
+                    self.flow.resume_reading()  # (and its client leaving)
                 self._start_asgi_task(cycle, app)
                 return  # with more queued, reading stays paused, as uvicorn paused it for them
+            if self._dropping:  # the queued are answered: what came after them was not, nor will be
+                self._linger()
+                return
             self.flow.resume_reading()
             self._idle_since = self.loop.time()
             if self.timeout_keep_alive_task is None:
                 self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_due)
+
+        def _linger(self) -> None:
+            """End the connection without a reset: the server's side closed (the client reads its
+            answers, then the end), what still comes read and dropped, then closed."""
+            self._stop_idle_timer()
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.flow.resume_reading()
+            self.loop.call_later(LINGER_S, self.transport.close)
 
         def _keep_alive_due(self) -> None:
             """Close a connection idle for the keep-alive timeout; one idle for less waits the

@@ -18,6 +18,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from server.asgi import body
 from server.dataplane import DataPlane
+from server.http import door
 from server.http.app import create_app
 from server.http.auth import AccessPolicy
 from server.http.door import Admitted, Door, Refused
@@ -399,9 +400,12 @@ async def test_a_client_that_leaves_after_sending_a_large_body_has_its_queued_ca
         await frontend.drain()
 
 
-async def test_a_head_past_its_limit_is_refused_and_requests_pipelined_in_one_read_are_not(plane: DataPlane) -> None:
+async def test_a_head_past_its_limit_is_refused_and_requests_pipelined_in_one_read_are_not(
+    plane: DataPlane, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A header of megabytes took the parser quadratic time to join, on the event loop; many
     small requests in one read are not one large head."""
+    monkeypatch.setattr(door, "MAX_PIPELINED", 5000)  # all of them queued, as a head would be read
     plane.start([])
     frontend, port = await started(create_app(plane))
     try:
@@ -467,8 +471,42 @@ async def test_a_client_that_pipelines_and_reads_no_answers_is_not_read_ahead_of
         for _ in range(150):
             await asyncio.sleep(0.01)
             deepest = max(deepest, *(len(protocol.pipeline) for protocol in protocols))
-        assert 0 < deepest < 10_000, deepest  # a read's worth at most (256 KiB: about 6,000 of these)
+        assert 0 < deepest <= door.MAX_PIPELINED, deepest
         writer.close()
         assert (await exchange(port, get("/v2/health/live")))[0] == 200
+    finally:
+        await frontend.drain()
+
+
+async def test_requests_pipelined_past_the_bound_are_dropped_and_the_connection_ends_after_the_rest(
+    plane: DataPlane, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The parser took a whole read (256 KiB: about 6,000 small requests) and queued every
+    request in it with its state: 100 connections that pipelined GETs and read nothing held 570
+    MB. Past MAX_PIPELINED queued, the rest is dropped; the queued are answered, then the
+    server's side closes (an end the client reads after its answers, not a reset), what still
+    comes is read and dropped, and the connection is closed LINGER_S later."""
+    protocols: list[HttpToolsProtocol] = []
+    init = HttpToolsProtocol.__init__
+
+    def recorded(self: HttpToolsProtocol, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        protocols.append(self)
+
+    monkeypatch.setattr(HttpToolsProtocol, "__init__", recorded)
+    monkeypatch.setattr(door, "LINGER_S", 0.5)
+    plane.start([])
+    frontend, port = await started(create_app(plane))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(get("/v2/health/live") * 1000)  # one read: the first runs, the rest would queue
+        await writer.drain()
+        statuses = [(await read_response(reader))[0] for _ in range(1 + door.MAX_PIPELINED)]
+        assert statuses == [200] * (1 + door.MAX_PIPELINED)
+        assert await asyncio.wait_for(reader.read(), ANSWER_WITHIN_S) == b"", "the end, after the answers"
+        writer.write(get("/v2/health/live") * 10)  # read and dropped, unanswered
+        await eventually(lambda: protocols[0].transport.is_closing(), "the connection is closed after its linger")
+        writer.close()
+        assert (await exchange(port, get("/v2/health/live")))[0] == 200  # other connections are served
     finally:
         await frontend.drain()
