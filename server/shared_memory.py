@@ -139,7 +139,9 @@ class SystemSharedMemory:
         self.max_regions = regions_allowed()
         self._folder = folder
         self._regions: dict[str, Region] = {}
-        self._lock = threading.Lock()
+        # Reentrant: a copy freed by a garbage collection gives its bytes back (_copy_freed) in
+        # whichever thread collects, which may be one that holds the lock already.
+        self._lock = threading.RLock()
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         self._require_allowed()

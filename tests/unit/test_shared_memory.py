@@ -4,8 +4,11 @@ stays readable for whoever still holds it."""
 
 from __future__ import annotations
 
+import gc
 import os
+import threading
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -130,6 +133,27 @@ def test_copies_of_inputs_in_flight_are_bounded(tmp_path: Path) -> None:
     held.pop()  # an array over a copy holds it too, until it goes
     assert regions.copied_bytes == 60
     assert regions.read_input(RegionRef("r", 40), "input 'x'").nbytes == 40
+
+
+def test_a_copy_freed_by_a_collection_in_a_thread_that_holds_the_registry_gives_its_bytes_back(
+        regions: SystemSharedMemory, tmp_path: Path) -> None:
+    """A request's arrays in a reference cycle are freed by a garbage collection, which may run
+    in any thread at any allocation, one holding the registry's lock among them."""
+    _object(tmp_path, "obj", bytes(64))
+    regions.register("r", "obj", 0, 64)
+    cycle: list[Any] = [regions.read_input(RegionRef("r", 64), "input 'x'")]
+    cycle.append(cycle)
+    del cycle
+    collected = threading.Event()
+
+    def collect() -> None:
+        with regions._lock:  # as a registration refused under it allocates, and a collection can run there
+            gc.collect()
+        collected.set()
+
+    threading.Thread(target=collect, daemon=True).start()
+    assert collected.wait(5), "the collection waited for the lock its own thread held"
+    assert regions.copied_bytes == 0
 
 
 def test_a_region_holds_its_objects_file_until_the_last_request_lets_go(
