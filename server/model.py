@@ -420,6 +420,7 @@ class ModelVersion:
             shape_key=admitted.shape_key,
             longest=admitted.longest,
             length=admitted.length,
+            padded=admitted.padded,
             priority=admitted.priority,
             deadline_ns=admitted.deadline_ns,
             received_ns=received_ns,

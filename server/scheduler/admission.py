@@ -34,6 +34,7 @@ class Admitted:
     length: int  # its longest text in tokens (0: not a text model)
     priority: int
     deadline_ns: int | None
+    padded: tuple[tuple[int, ...], ...] = ()  # each padded input's dims past the batch dim (the padding bound's)
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,7 @@ class Admission:
     ) -> Admitted:
         feed: dict[str, np.ndarray] = {}
         key: list[tuple[str, tuple[int, ...]]] = []
+        padded: list[tuple[int, ...]] = []
         for name, source_name, keys in self._feeds:
             if name == self._text_input:
                 assert tokens is not None
@@ -273,6 +275,8 @@ class Admission:
             feed[source_name] = array
             if keys:
                 key.append((name, array.shape[1:] if self._batched else array.shape))
+            else:
+                padded.append(array.shape[1:])
         longest = length = 0
         if tokens:
             assert self._config.tokenize is not None
@@ -280,7 +284,7 @@ class Admission:
             longest = self._config.tokenize.bucket(length)
             if self._bucketed:  # only texts of the same length bucket share a batch
                 key.append(("sequence", (longest,)))
-        return Admitted(feed, batch_size, tuple(key), longest, length, priority, deadline_ns)
+        return Admitted(feed, batch_size, tuple(key), longest, length, priority, deadline_ns, tuple(padded))
 
     def _options(self, parameters: dict[str, Any], received_ns: int | None) -> tuple[int, int | None]:
         """Priority level and deadline from the request's `priority` and `timeout` (microseconds)."""

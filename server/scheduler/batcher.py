@@ -2,9 +2,10 @@
 
 It runs on the event loop only, so its state needs no locks. Requests wait in one FIFO per
 priority level; a batch is formed from the oldest request of the highest level and every
-compatible request behind it (same shape key, within the size cap and token budget), and the
-policy (`policy.py`) says whether it goes now. While every instance is busy the queue fills,
-so the next batch is ready the moment one frees: batch k+1 forms while batch k runs.
+compatible request behind it (same shape key, within the size cap, the token budget and the
+padding bound), and the policy (`policy.py`) says whether it goes now. While every instance is
+busy the queue fills, so the next batch is ready the moment one frees: batch k+1 forms while
+batch k runs.
 
 Admission is honest: a full queue refuses at once, a request whose deadline passes while
 queued is answered with DeadlineExceeded and never runs, and so is one whose deadline would
@@ -44,7 +45,7 @@ from server.errors import (
     QueueFull,
     Unavailable,
 )
-from server.scheduler.policy import BatchPolicy, DispatchReason
+from server.scheduler.policy import BatchPolicy, DispatchReason, PaddedBatch
 from server.scheduler.request import InferenceRequest, RequestState
 from server.stats import ModelStatistics
 from server.workers.result import BatchResult
@@ -292,11 +293,17 @@ class Batcher:
             window = itertools.islice(candidates, LENGTH_WINDOW * policy.max_batch_size)
             candidates = sorted(window, key=lambda found: (found[0], abs(found[1].length - head.length)))
         blocked = False
+        padded = PaddedBatch.of(head.padded, head.batch_size) if head.padded else None
         for _, candidate in candidates:
             grown = max(longest, candidate.longest)
             if not policy.fits(items + candidate.batch_size, grown):
                 blocked = True
                 break
+            if padded is not None:
+                joined = padded.joined(candidate.padded, candidate.batch_size)
+                if joined is None:  # it would pad this batch past the bound: it goes in another
+                    continue
+                padded = joined
             batch.append(candidate)
             items += candidate.batch_size
             longest = grown

@@ -37,7 +37,9 @@ class InferenceRequest:
     `shape_key` says which requests may share a batch; `longest` is a text request's sequence
     bucket (0 for other models), for the token budget: what it pads to on a compiled engine, at
     least what it pads to on any other (a batch's longest text, within the bucket); `length` its
-    longest text in tokens (0 for other models), which the batcher groups by.
+    longest text in tokens (0 for other models), which the batcher groups by; `padded` the dims
+    past the batch dim of each input with a pad_value (none for other models), for the padding
+    bound (policy.py).
     """
 
     feed: dict[str, np.ndarray]
@@ -46,6 +48,7 @@ class InferenceRequest:
     shape_key: Hashable = ()
     longest: int = 0
     length: int = 0
+    padded: tuple[tuple[int, ...], ...] = ()
     priority: int = 1
     deadline_ns: int | None = None
     arrival_ns: int = field(default_factory=time.perf_counter_ns)  # queued: the queue's clock starts

@@ -17,7 +17,7 @@ from server.errors import EngineError, InvalidInput
 from server.gpu import cuda_visible
 from server.http.errors import STATUS_BY_ERROR, status_of
 from server.model import ModelVersion
-from server.scheduler.admission import validate_inputs
+from server.scheduler.admission import Admission, Admitted, validate_inputs
 
 
 def model(max_batch_size: int = 4, tokenize: bool = False, **changes: Any) -> ModelConfig:
@@ -337,3 +337,14 @@ def test_cuda_visible_devices_narrows_the_gpus_instances_may_use() -> None:
     assert cuda_visible(1, "0,1,2") == 1  # never more than are present
     assert cuda_visible(8, "-1") == 0  # the usual way to hide every GPU
     assert cuda_visible(8, "2,bogus,3") == 1  # CUDA stops at the first entry it cannot read
+
+
+def test_a_padded_input_leaves_the_shape_key_and_gives_its_dims_to_the_padding_bound() -> None:
+    config = model(inputs=[
+        {"name": "image", "datatype": "FP32", "dims": [2, 3]},
+        {"name": "mask", "datatype": "INT64", "dims": [-1], "pad_value": 0},
+    ])
+    admitted = Admission(config, None).admit_or_offload(batch(2, mask_len=7), {})
+    assert isinstance(admitted, Admitted)
+    assert admitted.shape_key == (("image", (2, 3)),)  # any mask length joins the batch
+    assert admitted.padded == ((7,),)  # so the batcher bounds what it pads to

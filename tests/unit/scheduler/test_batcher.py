@@ -60,11 +60,12 @@ class FakeInstance:
         return [[len(f["x"]) for f in batch] for batch in self.batches]
 
 
-def request(values: list[float], *, key="a", longest=0, length=0, priority=1, deadline_ns=None) -> InferenceRequest:
+def request(values: list[float], *, key="a", longest=0, length=0, priority=1, deadline_ns=None,
+            padded=()) -> InferenceRequest:
     x = np.array(values, dtype=np.float32).reshape(-1, 1)
     return InferenceRequest(
         {"x": x}, len(values), asyncio.get_running_loop().create_future(),
-        shape_key=key, longest=longest, length=length, priority=priority, deadline_ns=deadline_ns,
+        shape_key=key, longest=longest, length=length, priority=priority, deadline_ns=deadline_ns, padded=padded,
     )
 
 
@@ -434,6 +435,27 @@ async def test_the_token_budget_caps_a_text_batch() -> None:
     await settle()
     assert fake.sizes()[1] == [1, 1, 1]  # 3 x 30 tokens fit; a 4th would make 120
     assert stats.dispatch_reasons["full"] == 1
+
+
+async def test_a_request_that_would_pad_the_batch_past_the_bound_waits_for_one_of_its_own() -> None:
+    """A padded input of a million values beside requests of four: each row beside it would be
+    padded to a million (the padding bound, policy.py); the others batch on without it, and it
+    goes in its turn, the oldest first as always."""
+    fake = FakeInstance()
+    b, _ = batcher([fake], max_batch=8)
+    b.submit(request([9.0]))  # holds the instance
+    await settle()
+    b.submit(request([0.0], padded=((4,),)))
+    b.submit(request([0.5], padded=((4,),)))
+    b.submit(request([1.0], padded=((1 << 20,),)))  # with two rows of four: three rows of a million
+    for value in (2.0, 3.0, 4.0):
+        b.submit(request([value], padded=((4,),)))
+    fake.release(0)
+    await settle()
+    assert [[float(f["x"][0, 0]) for f in batch] for batch in fake.batches[1:]] == [[0.0, 0.5, 2.0, 3.0, 4.0]]
+    fake.release(1)
+    await settle()
+    assert [float(f["x"][0, 0]) for f in fake.batches[2]] == [1.0]  # its turn: alone
 
 
 async def test_texts_join_the_oldest_nearest_its_length_first() -> None:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from server.scheduler.policy import BatchPolicy, Decision, DispatchReason
+from server.scheduler.policy import (
+    MAX_PADDING,
+    PADDED_FREELY,
+    BatchPolicy,
+    Decision,
+    DispatchReason,
+    PaddedBatch,
+)
 
 MS = 1_000_000
 
@@ -62,3 +69,34 @@ def test_fits_checks_size_and_token_budget(items: int, longest: int, fits: bool)
 
 def test_without_a_budget_only_size_counts() -> None:
     assert BatchPolicy(max_batch_size=8).fits(8, 10_000)
+
+
+def test_a_padded_batch_grows_while_padding_stays_within_the_bound() -> None:
+    batch = PaddedBatch.of(((100, 3),), rows=2)
+    assert batch.brought == 600
+    joined = batch.joined(((120, 2),), rows=1)
+    assert joined == PaddedBatch(((120, 3),), 3, 840)  # each dim to the longest; values as brought
+
+
+def test_a_request_that_would_pad_past_the_bound_does_not_join() -> None:
+    """One long request pads every row beside it to its length: past PADDED_FREELY values, a
+    batch may pad to at most MAX_PADDING times what its requests brought."""
+    big = PADDED_FREELY  # values in one row of the big request
+    alone = PaddedBatch.of(((big,),), rows=1)
+    with_one = alone.joined(((4,),), rows=1)
+    assert with_one is not None and with_one.rows == 2  # 2 x big padded, against big + 4 brought
+    assert with_one.joined(((4,),), rows=1) is None  # 3 x big padded: past MAX_PADDING times
+    assert PaddedBatch.of(((4,),), rows=63).joined(((big,),), rows=1) is None  # nor the other way round
+    assert MAX_PADDING == 2
+
+
+def test_inputs_long_in_different_dims_do_not_share_a_batch() -> None:
+    """5,000 x 1 and 1 x 5,000 pad to 5,000 x 5,000 each: 25 million values from 10,000."""
+    assert PaddedBatch.of(((5000, 1),), rows=1).joined(((1, 5000),), rows=1) is None
+    assert PaddedBatch.of(((50, 1),), rows=1).joined(((1, 50),), rows=1) is not None  # small: pads freely
+
+
+def test_every_padded_input_counts() -> None:
+    batch = PaddedBatch.of(((10,), (1000,)), rows=3)
+    assert batch.joined(((10,), (PADDED_FREELY,)), rows=1) is None
+    assert batch.joined(((20,), (1000,)), rows=1) == PaddedBatch(((20,), (1000,)), 4, 4050)
