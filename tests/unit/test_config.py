@@ -440,6 +440,17 @@ def test_priority_levels_and_instances_in_all_are_bounded(tmp_path: Path) -> Non
         dynamic_batching={"priority_levels": 100}, instance_group=[{"count": 64}] * 2), "fine")).levels == 100
 
 
+def test_engine_threads_are_bounded(tmp_path: Path) -> None:
+    """A load asking for 5,000 intra-op threads took 85 s and left the server 5,016 threads;
+    100,000 crashed it."""
+    for field, options in (("onnxruntime.intra_op_num_threads", {"onnxruntime": {"intra_op_num_threads": 5000}}),
+                           ("onnxruntime.inter_op_num_threads", {"onnxruntime": {"inter_op_num_threads": 257}}),
+                           ("torch.num_threads", {"torch": {"num_threads": 100_000}})):
+        assert_rejected(write_config(tmp_path, config_with(**options), field), f"field '{field}'")
+    fine = load_model_config(write_config(tmp_path, config_with(onnxruntime={"intra_op_num_threads": 256}), "fine"))
+    assert fine.onnxruntime.intra_op_num_threads == 256
+
+
 def test_a_number_field_refuses_true_and_false(tmp_path: Path) -> None:
     """`max_batch_size: true` (or YAML's `yes`) was read as 1."""
     assert_rejected(write_config(tmp_path, "name: toy\n" + yaml.safe_dump({**BASE, "max_batch_size": True})),
