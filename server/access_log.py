@@ -26,6 +26,17 @@ _TEXT_ESCAPES = {c: f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}" for c in _BREA
 }
 
 
+# A client-controlled string is logged up to this many characters, then how long it was: a
+# request id of 60 MB made each of its lines 60 MB.
+MAX_LOGGED_CHARS = 256
+
+
+def _clipped(value: str) -> str:
+    if len(value) <= MAX_LOGGED_CHARS:
+        return value
+    return f"{value[:MAX_LOGGED_CHARS]}...({len(value)} characters)"
+
+
 def _escaped(value: object) -> str:
     return str(value).translate(_TEXT_ESCAPES)
 
@@ -51,6 +62,8 @@ class AccessLog:
         """One line; over gRPC `method` is "GRPC", `path` the RPC's and `status` its status code."""
         duration_ms = (time.perf_counter_ns() - started_ns) / 1e6
         queue_ms, compute_ms = record.queue_ns / 1e6, record.compute_ns / 1e6
+        path, model = _clipped(path), _clipped(model)
+        request_id = None if record.request_id is None else _clipped(record.request_id)
         if self.format == "json":
             line = {
                 "time": time.time(),
@@ -60,7 +73,7 @@ class AccessLog:
                 "model": model,
                 "version": record.model_version,
                 "status": status,
-                "request_id": record.request_id,
+                "request_id": request_id,
                 "duration_ms": round(duration_ms, 3),
                 "queue_ms": round(queue_ms, 3),
                 "compute_ms": round(compute_ms, 3),
@@ -70,5 +83,5 @@ class AccessLog:
             logger.info(
                 '%s "%s %s" %d %.2fms queue=%.2fms compute=%.2fms model=%s version=%s id=%s',
                 _escaped(client), method, _escaped(path), status, duration_ms, queue_ms, compute_ms, _escaped(model),
-                record.model_version, _escaped(record.request_id),
+                record.model_version, _escaped(request_id),
             )

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
-from server.access_log import AccessLog, AccessLogFormat
+from server.access_log import MAX_LOGGED_CHARS, AccessLog, AccessLogFormat
 from server.dataplane import DataPlane
 from server.http.infer import FastInferApp, InferEndpoint
 from tests.unit.http.conftest import HOLD, Exchange, Gate, infer_body
@@ -103,6 +103,24 @@ async def test_json_has_the_documented_fields_for_success_and_error(
     assert isinstance(ok["time"], float)
     assert bad["status"] == 400 and bad["request_id"] == "bad-two" and bad["version"] == 1
     assert bad["compute_ms"] == 0 and bad["queue_ms"] == 0
+
+
+async def test_what_the_client_controls_is_logged_up_to_a_bound(
+    plane: DataPlane, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A request id of 60 MB made each of its lines 60 MB: what the client sent is logged up to
+    MAX_LOGGED_CHARS, then its length. The answer still carries the id whole."""
+    caplog.set_level(logging.INFO, logger=ACCESS.name)
+    path = "/v2/models/" + "m" * 5000 + "/infer"
+    assert (await call(app_with(plane, "text"), Exchange.of(infer_body(1.0), path=path))).status == 404
+    (text,) = [r.getMessage() for r in caplog.records if r.name == ACCESS.name]
+    assert len(text) < 3 * MAX_LOGGED_CHARS and "...(5017 characters)" in text
+    long_id = "i" * 100_000
+    body = orjson.dumps({"id": long_id, "inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [1]}]})
+    answered = await call(app_with(plane, "json"), Exchange.of(body))  # json: the logger's own handler
+    assert answered.status == 200 and answered.json()["id"] == long_id
+    (line,) = json_lines(capsys.readouterr().err)
+    assert line["request_id"] == "i" * MAX_LOGGED_CHARS + "...(100000 characters)"
 
 
 async def test_json_logs_errors_the_edge_answers_itself(plane: DataPlane, capsys: pytest.CaptureFixture[str]) -> None:
