@@ -216,6 +216,9 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
             from idle counts whole; one where a piece of body came, or a request began after
             others (pipelined in the same read), counts from the next read on: a request's
             body, and requests that follow each other, never add up."""
+            if self._dropping:  # past MAX_PIPELINED: nothing more is parsed on this connection
+                self._unset_keepalive_if_required()
+                return
             idle = not self._in_message
             begun, bodies = self._begun, self._bodies
             super().data_received(data)
@@ -230,7 +233,7 @@ def door_protocol(door: Door) -> type[HttpToolsProtocol]:
                     self._start_task(cycle, call)
                 else:
                     self._refuse(cycle, refused)
-            if not self._in_message or self.transport.is_closing():
+            if not self._in_message or self.transport.is_closing() or self._dropping:
                 return
             began = self._begun - begun
             if self._bodies != bodies or began > 1 or (began == 1 and not idle):
