@@ -336,13 +336,15 @@ class ModelVersion:
     def _policy(self) -> BatchPolicy:
         batching = self.config.dynamic_batching
         cap = max(self.stats.batch_cap, 1)
+        buckets = tuple(self.config.batch_buckets or ())
         if batching is None:
-            return BatchPolicy(max_batch_size=cap)
+            return BatchPolicy(max_batch_size=cap, batch_buckets=buckets)
         return BatchPolicy(
             max_batch_size=cap,
             preferred=tuple(sorted(p for p in batching.preferred_batch_size if p <= cap)),
             max_delay_ns=batching.max_queue_delay_microseconds * 1000,
             max_batch_tokens=batching.max_batch_tokens,
+            batch_buckets=buckets,
         )
 
     def _queue_settings(self) -> QueueSettings:

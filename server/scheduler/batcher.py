@@ -300,9 +300,10 @@ class Batcher:
                 blocked = True
                 break
             if padded is not None:
-                joined = padded.joined(candidate.padded, candidate.batch_size)
-                if joined is None:  # it would pad this batch past the bound: it goes in another
-                    continue
+                joined = padded.joined(candidate.padded, candidate.batch_size, policy)
+                if joined is None:  # it would pad this batch past the bound: it heads another
+                    blocked = True
+                    break
                 padded = joined
             batch.append(candidate)
             items += candidate.batch_size

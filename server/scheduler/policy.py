@@ -46,6 +46,11 @@ class BatchPolicy:
     preferred: tuple[int, ...] = ()
     max_delay_ns: int = 0
     max_batch_tokens: int | None = None
+    batch_buckets: tuple[int, ...] = ()  # the row counts a batch is padded up to (a compiled engine's)
+
+    def rows(self, items: int) -> int:
+        """The rows a batch of `items` runs as: the smallest bucket that holds it, else itself."""
+        return next((b for b in self.batch_buckets if b >= items), items)
 
     def fits(self, items: int, longest: int) -> bool:
         """Whether a batch of `items` padded to `longest` tokens stays within both caps."""
@@ -83,13 +88,16 @@ class PaddedBatch:
     def of(cls, dims: Dims, rows: int) -> PaddedBatch:
         return cls(dims, rows, rows * sum(math.prod(d) for d in dims))
 
-    def joined(self, dims: Dims, rows: int) -> PaddedBatch | None:
+    def joined(self, dims: Dims, rows: int, policy: BatchPolicy) -> PaddedBatch | None:
         """This batch with a request of `rows` rows whose padded inputs have `dims`; None when
-        the batch would then pad past the bound (MAX_PADDING, PADDED_FREELY)."""
+        the batch would then pad past the bound (MAX_PADDING, PADDED_FREELY), its rows counted
+        up to their batch bucket, whose rows are padded too. (A text model on an engine compiled
+        per shape also rounds the first variable dim up to a sequence bucket, not counted here:
+        at most its largest bucket.)"""
         longest = tuple(tuple(map(max, mine, theirs)) for mine, theirs in zip(self.longest, dims, strict=True))
         total = self.rows + rows
         brought = self.brought + rows * sum(math.prod(d) for d in dims)
-        padded = total * sum(math.prod(d) for d in longest)
+        padded = policy.rows(total) * sum(math.prod(d) for d in longest)
         if padded > PADDED_FREELY and padded > MAX_PADDING * brought:
             return None
         return PaddedBatch(longest, total, brought)

@@ -76,6 +76,11 @@ def test_the_token_budget_of_a_text_model_reaches_the_policy() -> None:
     assert model._policy().max_batch_tokens == 4096
 
 
+def test_the_batch_buckets_reach_the_policy_for_the_padding_bound() -> None:
+    assert version(64, dynamic_batching={}, batch_buckets=[1, 8, 64])._policy().batch_buckets == (1, 8, 64)
+    assert version(64, dynamic_batching={})._policy().batch_buckets == ()
+
+
 @pytest.mark.parametrize("cap", [0, 1])
 def test_an_unbatched_model_runs_one_request_at_a_time(cap: int) -> None:
     model = version(cap, max_batch_size=0)

@@ -437,12 +437,12 @@ async def test_the_token_budget_caps_a_text_batch() -> None:
     assert stats.dispatch_reasons["full"] == 1
 
 
-async def test_a_request_that_would_pad_the_batch_past_the_bound_waits_for_one_of_its_own() -> None:
-    """A padded input of a million values beside requests of four: each row beside it would be
-    padded to a million (the padding bound, policy.py); the others batch on without it, and it
-    goes in its turn, the oldest first as always."""
+async def test_a_request_that_would_pad_the_batch_past_the_bound_heads_the_next_one() -> None:
+    """A padded input of a million values behind requests of four: each row beside it would be
+    padded to a million (the padding bound, policy.py). The batch before it goes at once, as a
+    full one does, without waiting for its window; it heads the next, with what fits beside it."""
     fake = FakeInstance()
-    b, _ = batcher([fake], max_batch=8)
+    b, _ = batcher([fake], max_batch=8, delay_ms=10_000)
     b.submit(request([9.0]))  # holds the instance
     await settle()
     b.submit(request([0.0], padded=((4,),)))
@@ -452,10 +452,13 @@ async def test_a_request_that_would_pad_the_batch_past_the_bound_waits_for_one_o
         b.submit(request([value], padded=((4,),)))
     fake.release(0)
     await settle()
-    assert [[float(f["x"][0, 0]) for f in batch] for batch in fake.batches[1:]] == [[0.0, 0.5, 2.0, 3.0, 4.0]]
+    assert [float(f["x"][0, 0]) for f in fake.batches[1]] == [0.0, 0.5]  # went at once, not in 10 s
     fake.release(1)
     await settle()
-    assert [float(f["x"][0, 0]) for f in fake.batches[2]] == [1.0]  # its turn: alone
+    assert [float(f["x"][0, 0]) for f in fake.batches[2]] == [1.0, 2.0]  # two rows: within twice what they brought
+    fake.release(2)
+    await settle()
+    assert [float(f["x"][0, 0]) for f in fake.batches[3]] == [3.0, 4.0]
 
 
 async def test_texts_join_the_oldest_nearest_its_length_first() -> None:

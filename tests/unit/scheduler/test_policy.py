@@ -71,10 +71,13 @@ def test_without_a_budget_only_size_counts() -> None:
     assert BatchPolicy(max_batch_size=8).fits(8, 10_000)
 
 
+FREE = BatchPolicy(max_batch_size=64)
+
+
 def test_a_padded_batch_grows_while_padding_stays_within_the_bound() -> None:
     batch = PaddedBatch.of(((100, 3),), rows=2)
     assert batch.brought == 600
-    joined = batch.joined(((120, 2),), rows=1)
+    joined = batch.joined(((120, 2),), rows=1, policy=FREE)
     assert joined == PaddedBatch(((120, 3),), 3, 840)  # each dim to the longest; values as brought
 
 
@@ -83,20 +86,29 @@ def test_a_request_that_would_pad_past_the_bound_does_not_join() -> None:
     batch may pad to at most MAX_PADDING times what its requests brought."""
     big = PADDED_FREELY  # values in one row of the big request
     alone = PaddedBatch.of(((big,),), rows=1)
-    with_one = alone.joined(((4,),), rows=1)
+    with_one = alone.joined(((4,),), rows=1, policy=FREE)
     assert with_one is not None and with_one.rows == 2  # 2 x big padded, against big + 4 brought
-    assert with_one.joined(((4,),), rows=1) is None  # 3 x big padded: past MAX_PADDING times
-    assert PaddedBatch.of(((4,),), rows=63).joined(((big,),), rows=1) is None  # nor the other way round
+    assert with_one.joined(((4,),), rows=1, policy=FREE) is None  # 3 x big padded: past MAX_PADDING times
+    assert PaddedBatch.of(((4,),), rows=63).joined(((big,),), rows=1, policy=FREE) is None  # nor the other way round
     assert MAX_PADDING == 2
 
 
 def test_inputs_long_in_different_dims_do_not_share_a_batch() -> None:
     """5,000 x 1 and 1 x 5,000 pad to 5,000 x 5,000 each: 25 million values from 10,000."""
-    assert PaddedBatch.of(((5000, 1),), rows=1).joined(((1, 5000),), rows=1) is None
-    assert PaddedBatch.of(((50, 1),), rows=1).joined(((1, 50),), rows=1) is not None  # small: pads freely
+    assert PaddedBatch.of(((5000, 1),), rows=1).joined(((1, 5000),), rows=1, policy=FREE) is None
+    assert PaddedBatch.of(((50, 1),), rows=1).joined(((1, 50),), rows=1, policy=FREE) is not None  # small: pads freely
 
 
 def test_every_padded_input_counts() -> None:
     batch = PaddedBatch.of(((10,), (1000,)), rows=3)
-    assert batch.joined(((10,), (PADDED_FREELY,)), rows=1) is None
-    assert batch.joined(((20,), (1000,)), rows=1) == PaddedBatch(((20,), (1000,)), 4, 4050)
+    assert batch.joined(((10,), (PADDED_FREELY,)), rows=1, policy=FREE) is None
+    assert batch.joined(((20,), (1000,)), rows=1, policy=FREE) == PaddedBatch(((20,), (1000,)), 4, 4050)
+
+
+def test_rows_padded_up_to_a_batch_bucket_count_as_padding() -> None:
+    """A batch of 2 on an engine built for 1 and 64 runs as 64 rows, each padded to the longest."""
+    buckets = BatchPolicy(max_batch_size=64, batch_buckets=(1, 64))
+    assert (buckets.rows(2), buckets.rows(1), FREE.rows(2)) == (64, 1, 2)
+    alone = PaddedBatch.of(((PADDED_FREELY,),), rows=1)
+    assert alone.joined(((4,),), rows=1, policy=FREE) is not None
+    assert alone.joined(((4,),), rows=1, policy=buckets) is None
