@@ -412,7 +412,7 @@ def _answered_after_parse() -> Iterator[None]:
         served = plane.admit(name, version)
         parsed = parse_request(body, header_length)
         plane.check_inputs(served, {d.name: (d.datatype, d.shape) for d in parsed.inputs})
-        build_tensors(parsed, plane.shared_memory.read_input)
+        build_tensors(parsed, plane.shared_memory.read_inputs)
         return constant, None
 
     class Answered:
@@ -437,7 +437,7 @@ def _answered_after_parse() -> Iterator[None]:
         served = plane.admit(name, version)
         parsed = parse_request(body, header_length)
         plane.check_inputs(served, {d.name: (d.datatype, d.shape) for d in parsed.inputs})
-        build_tensors(parsed, plane.shared_memory.read_input)
+        build_tensors(parsed, plane.shared_memory.read_inputs)
         return Answered()
 
     real, real_inline = v2_infer.infer_v2, v2_infer.start_inline

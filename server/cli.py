@@ -17,11 +17,15 @@ from server import __version__
 from server.model_import import add_import_parser
 from server.port_file import write_port_file
 from server.quantize.cli import add_build_parser
-from server.settings import add_setting_flags, settings_from
+from server.settings import InvalidSettings, add_setting_flags, settings_from
 
 
 def _serve(args: argparse.Namespace) -> int:
-    settings = settings_from(args)
+    try:
+        settings = settings_from(args)
+    except InvalidSettings as exc:
+        print(f"batchline serve: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin, overload
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from server.config import MAX_ENGINE_THREADS
 
 ENV_PREFIX = "BATCHLINE_"
 Settings = TypeVar("Settings", bound=BaseSettings)
@@ -71,9 +73,9 @@ class ServerSettings(RepositorySettings):
         default=None,
         description="load only this model at start (repeatable; as a variable, a JSON list; default: every model)")
     engine_threads: Annotated[int | None, Flag(metavar="N")] = Field(
-        default=None, gt=0,
-        description="threads per engine instance for every model, overriding the configs (e.g. 1 when pinned to "
-        "one core)")
+        default=None, gt=0, le=MAX_ENGINE_THREADS,
+        description=f"threads per engine instance for every model, overriding the configs (e.g. 1 when pinned to "
+        f"one core; at most {MAX_ENGINE_THREADS})")
     access_log: Literal["off", "text", "json"] = Field(
         default="off", description="a line per infer request with id, model, status, queue and compute times")
     device_price_per_hour: Annotated[float | None, Flag(metavar="USD")] = Field(
@@ -94,7 +96,8 @@ class ServerSettings(RepositorySettings):
         "more while it inflates), over every front end together (with "
         "--http-workers N, each HTTP front end takes 1/N of it); past it 429 + Retry-After, before the body is read "
         "where its declared Content-Length finds no room, else by the part that finds none; request memory stays "
-        "near 3x this")
+        "near 3x this. Inputs copied from clients' shared memory (--allow-client-shm) have a bound of this size "
+        "of their own")
     allow_client_shm: bool = Field(
         default=False,
         description="let clients register system shared-memory regions and pass tensors through them (Triton's "
@@ -170,9 +173,23 @@ def settings_from(args: argparse.Namespace) -> ServerSettings: ...
 @overload
 def settings_from(args: argparse.Namespace, settings: type[Settings]) -> Settings: ...
 def settings_from(args: argparse.Namespace, settings: type[BaseSettings] = ServerSettings) -> BaseSettings:
-    """The environment (BATCHLINE_*) first, the flags given over it."""
+    """The environment (BATCHLINE_*) first, the flags given over it; InvalidSettings names
+    each flag (and its variable) whose value is refused."""
     given = {name: getattr(args, name) for name in settings.model_fields if getattr(args, name, None) is not None}
-    return settings(**given)
+    try:
+        return settings(**given)
+    except ValidationError as exc:
+        fields = settings.model_fields
+        lines = []
+        for error in exc.errors():
+            name = str(error["loc"][0]) if error["loc"] else ""
+            where = f"{flag_name(name, fields[name])} ({env_variable(name)})" if name in fields else name
+            lines.append(f"{where}: {error['msg']}")
+        raise InvalidSettings("; ".join(lines)) from None
+
+
+class InvalidSettings(ValueError):
+    """A setting's value, from its flag or its variable, is refused: the message says which."""
 
 
 def _plain_type(annotation: Any) -> Any:

@@ -21,6 +21,7 @@ find it.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import resource
@@ -70,7 +71,10 @@ class SharedObject:
         view = buffer.data.cast("B")
         done = 0
         while done < view.nbytes:
-            count = os.preadv(self.fd, [view[done:]], start + done)
+            try:
+                count = os.preadv(self.fd, [view[done:]], start + done)
+            except OSError as exc:
+                raise self.failed("read", exc) from None
             if count == 0:
                 raise self.shrunk(start + view.nbytes)
             done += count
@@ -79,12 +83,18 @@ class SharedObject:
         view = data.data.cast("B")
         done = 0
         while done < view.nbytes:
-            done += os.pwrite(self.fd, view[done:], start + done)
+            try:
+                done += os.pwrite(self.fd, view[done:], start + done)
+            except OSError as exc:  # e.g. /dev/shm full under an object with holes
+                raise self.failed("write", exc) from None
 
     def check_reaches(self, end: int) -> None:
         """InvalidInput if the object is now shorter than `end` bytes: a write would grow it."""
         if os.fstat(self.fd).st_size < end:
             raise self.shrunk(end)
+
+    def failed(self, doing: str, exc: OSError) -> InvalidInput:
+        return InvalidInput(f"cannot {doing} shared-memory object '{self.key}': {exc.strerror}")
 
     def shrunk(self, end: int) -> InvalidInput:
         return InvalidInput(f"shared-memory object '{self.key}' no longer holds {end} bytes: it was made smaller "
@@ -203,18 +213,25 @@ class SystemSharedMemory:
                 return [region.status() for region in self._regions.values()]
             return [self._get(name).status()]
 
-    def read_input(self, ref: RegionRef, what: str) -> memoryview:
-        """A copy of the bytes an input's reference names, bounds-checked: the request's own,
-        whatever the client does with its object meanwhile. ServerBusy when the copies of the
-        requests in flight hold the bound already."""
-        if ref.byte_size > self.max_input_bytes:
-            self._require_allowed()
-            raise InvalidInput(f"{what}: {ref.byte_size} bytes of shared memory is over the server's limit of "
-                               f"{self.max_input_bytes} bytes for one input (--max-body-bytes)")
-        window = self._window(ref, what)
-        copy = self._copy_buffer(window.byte_size)
-        window.region.shared.read_into(copy, window.start)
-        return copy.data
+    def read_inputs(self, refs: list[tuple[RegionRef, str]]) -> list[memoryview]:
+        """A copy of the bytes each of a request's input references names (with what to call
+        it in a refusal), bounds-checked: the request's own, whatever the client does with its
+        objects meanwhile. One buffer for the request, counted once: ServerBusy when the copies
+        of the requests in flight hold the bound already (a request alone is let in)."""
+        for ref, what in refs:
+            if ref.byte_size > self.max_input_bytes:
+                self._require_allowed()
+                raise InvalidInput(f"{what}: {ref.byte_size} bytes of shared memory is over the server's limit of "
+                                   f"{self.max_input_bytes} bytes for one input (--max-body-bytes)")
+        windows = [self._window(ref, what) for ref, what in refs]
+        starts = list(itertools.accumulate((_aligned(w.byte_size) for w in windows[:-1]), initial=0))
+        buffer = self._copy_buffer(starts[-1] + windows[-1].byte_size if windows else 0)
+        copies = []
+        for window, start in zip(windows, starts, strict=True):
+            part = buffer[start:start + window.byte_size]
+            window.region.shared.read_into(part, window.start)
+            copies.append(part.data)
+        return copies
 
     def _copy_buffer(self, nbytes: int) -> np.ndarray:
         """An empty buffer of `nbytes`, counted against the bound until it is freed."""
@@ -252,6 +269,12 @@ class SystemSharedMemory:
     def _require_allowed(self) -> None:
         if not self.allowed:
             raise Unsupported(NOT_ALLOWED)
+
+
+def _aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to 16: each input of a request starts as aligned in its buffer as
+    numpy aligns its own arrays (an engine may copy one that is not)."""
+    return -(-nbytes // 16) * 16
 
 
 def write_outputs(outputs: Iterable[tuple[str, str, np.ndarray]], targets: Mapping[str, Window]) -> dict[str, tuple[str, int]]:

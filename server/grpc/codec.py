@@ -26,10 +26,10 @@ from server.protocol.datatypes import BYTES, MAX_DIMS, VALUES_A_CALL, numpy_dtyp
 from server.protocol.shared_memory import (
     BYTE_SIZE,
     COPIED_PER_WALKED,
-    NOT_TAKEN,
     REGION,
     InputReader,
     RegionRef,
+    read_all,
     region_ref,
 )
 
@@ -173,20 +173,19 @@ def declare(request: pb.ModelInferRequest) -> DeclaredRequest:
 
 def decode_inputs(
     request: pb.ModelInferRequest, in_shared_memory: Mapping[str, RegionRef] | None = None,
-    read_input: InputReader | None = None,
+    read_inputs: InputReader | None = None,
 ) -> dict[str, tuple[str, np.ndarray]]:
     """The input arrays, shaped as declared (call `declare` first: it checked how the parts fit);
-    those `in_shared_memory` read through `read_input`."""
+    those `in_shared_memory` copied by `read_inputs`."""
     raw = request.raw_input_contents
     raw_index = 0
     inputs: dict[str, tuple[str, np.ndarray]] = {}
+    shared = in_shared_memory or {}
+    copies = read_all([(ref, f"input '{name}'") for name, ref in shared.items()], read_inputs)
     for tensor in request.inputs:
         shape = list(tensor.shape)
-        ref = in_shared_memory.get(tensor.name) if in_shared_memory else None
-        if ref is not None:
-            if read_input is None:
-                raise Unsupported(NOT_TAKEN)
-            array = tensor_from_bytes(read_input(ref, f"input '{tensor.name}'"), tensor.datatype, shape, tensor.name)
+        if tensor.name in shared:
+            array = tensor_from_bytes(next(copies), tensor.datatype, shape, tensor.name)
         elif raw:
             array = tensor_from_bytes(raw[raw_index], tensor.datatype, shape, tensor.name)
             raw_index += 1

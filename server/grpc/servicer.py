@@ -24,6 +24,7 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf import json_format
+from grpc._cython import cygrpc  # type: ignore[attr-defined]  # ExecuteBatchError: grpc has no public name for it
 
 from server.access_log import AccessLog
 from server.dataplane import DataPlane
@@ -311,9 +312,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             regions = self._plane.shared_memory
             if declared.decode_cost > INLINE_DECODE_COST:
                 inputs = await asyncio.to_thread(codec.decode_inputs, request, declared.in_shared_memory,
-                                                 regions.read_input)
+                                                 regions.read_inputs)
             else:
-                inputs = codec.decode_inputs(request, declared.in_shared_memory, regions.read_input)
+                inputs = codec.decode_inputs(request, declared.in_shared_memory, regions.read_inputs)
             targets = regions.output_targets(declared.to_shared_memory)
             outputs = await self._plane.start_call(model, inputs, parameters, declared.outputs, record, received_ns,
                                                    batch_size).answer()
@@ -441,7 +442,5 @@ async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, text:
     grpc logs a failed abort at ERROR, with a traceback, for what is a client's race."""
     try:
         await context.abort(code, text, trailing_metadata=trailing_metadata)
-    except grpc.aio.AbortError:
-        raise
-    except Exception:  # noqa: BLE001 (grpc's ExecuteBatchError, not a public class: the answer could not be sent)
+    except cygrpc.ExecuteBatchError:  # the status could not be sent: the call is over
         raise asyncio.CancelledError from None

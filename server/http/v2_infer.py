@@ -53,9 +53,9 @@ async def infer_v2(
     parsed = await _parsed(body, header_length)
     batch_size = _checked(plane, model, parsed, record)
     if parsed.decode_bytes > INLINE_DECODE_BYTES:
-        decoded = await asyncio.to_thread(build_tensors, parsed, plane.shared_memory.read_input)
+        decoded = await asyncio.to_thread(build_tensors, parsed, plane.shared_memory.read_inputs)
     else:
-        decoded = build_tensors(parsed, plane.shared_memory.read_input)
+        decoded = build_tensors(parsed, plane.shared_memory.read_inputs)
     del parsed  # the JSON's own lists and numbers, copied into arrays now: freed before the wait, not after
     started = _start(plane, model, decoded, record, received_ns, batch_size)
     outputs = await started.call.answer()
@@ -102,7 +102,7 @@ def start_inline(
     if parsed.decode_bytes > INLINE_DECODE_BYTES:
         return None
     batch_size = _checked(plane, model, parsed, record)
-    decoded = build_tensors(parsed, plane.shared_memory.read_input)
+    decoded = build_tensors(parsed, plane.shared_memory.read_inputs)
     del parsed
     return _start(plane, model, decoded, record, received_ns, batch_size)
 

@@ -3,11 +3,11 @@ shared-memory extension), read the same way from HTTP's JSON and gRPC's paramete
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from server.errors import InvalidInput
+from server.errors import InvalidInput, Unsupported
 
 NOT_TAKEN = "this caller takes no shared-memory tensors"
 REGION = "shared_memory_region"
@@ -29,7 +29,19 @@ class RegionRef:
     offset: int = 0
 
 
-InputReader = Callable[[RegionRef, str], memoryview]  # a reference -> a copy of its bytes, bounds-checked
+# A request's inputs in shared memory (each reference, and what to call it in a refusal) -> a copy
+# of each one's bytes, bounds-checked, read at once.
+InputReader = Callable[[list[tuple[RegionRef, str]]], list[memoryview]]
+
+
+def read_all(refs: list[tuple[RegionRef, str]], read_inputs: InputReader | None) -> Iterator[memoryview]:
+    """The copies of a request's inputs in shared memory, in order; Unsupported when it names
+    some and the server takes none (`read_inputs` None)."""
+    if not refs:
+        return iter(())
+    if read_inputs is None:
+        raise Unsupported(NOT_TAKEN)
+    return iter(read_inputs(refs))
 
 
 def region_ref(parameters: dict[str, Any], where: str) -> RegionRef | None:

@@ -21,10 +21,10 @@ from server.protocol.datatypes import MAX_DIMS, VALUES_A_CALL, numpy_dtype
 from server.protocol.shared_memory import (
     BYTE_SIZE,
     COPIED_PER_WALKED,
-    NOT_TAKEN,
     REGION,
     InputReader,
     RegionRef,
+    read_all,
     region_ref,
 )
 
@@ -128,16 +128,14 @@ def parse_request(body: bytes | bytearray, header_length: int | None = None) -> 
     )
 
 
-def build_tensors(parsed: ParsedRequest, read_input: InputReader | None = None) -> DecodedRequest:
+def build_tensors(parsed: ParsedRequest, read_inputs: InputReader | None = None) -> DecodedRequest:
     """The numpy arrays of a parsed request: the per-element work, proportional to its data.
-    `read_input` finds the bytes of inputs in shared memory (None: the server takes none)."""
+    `read_inputs` copies the bytes of inputs in shared memory (None: the server takes none)."""
     inputs: dict[str, tuple[str, np.ndarray]] = {}
+    copies = read_all([(d.region, f"input '{d.name}'") for d in parsed.inputs if d.region is not None], read_inputs)
     for declared in parsed.inputs:
         if declared.region is not None:
-            if read_input is None:
-                raise Unsupported(NOT_TAKEN)
-            raw = read_input(declared.region, f"input '{declared.name}'")
-            array = tensor_from_bytes(raw, declared.datatype, declared.shape, declared.name)
+            array = tensor_from_bytes(next(copies), declared.datatype, declared.shape, declared.name)
         elif declared.binary is not None:
             array = tensor_from_bytes(declared.binary, declared.datatype, declared.shape, declared.name)
         else:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from server.cli import build_parser
+from server.cli import build_parser, main
 from server.settings import (
     RepositorySettings,
     ServerSettings,
@@ -104,6 +104,16 @@ def test_a_bad_value_is_refused_by_the_same_rule_from_a_flag_or_a_variable(monke
     monkeypatch.setenv("BATCHLINE_HTTP_PORT", "70000")
     with pytest.raises(ValueError, match="65535"):
         ServerSettings()
+
+
+def test_serve_refuses_a_bad_value_by_its_flag_and_variable_without_a_traceback(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("BATCHLINE_MAX_IN_FLIGHT", "0")
+    assert main(["serve", "--engine-threads", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("batchline serve: --engine-threads (BATCHLINE_ENGINE_THREADS): ") and "256" in err
+    assert "--max-in-flight (BATCHLINE_MAX_IN_FLIGHT): Input should be greater than 0" in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("field", SECRETS)

@@ -4,6 +4,8 @@ stays readable for whoever still holds it."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import gc
 import os
 import threading
@@ -29,6 +31,11 @@ def regions(tmp_path: Path) -> SystemSharedMemory:
     return SystemSharedMemory(allowed=True, max_input_bytes=1 << 20, folder=str(tmp_path))
 
 
+def _read(regions: SystemSharedMemory, ref: RegionRef, what: str = "input 'x'") -> memoryview:
+    """One input's copy, as a request of one input in shared memory reads it."""
+    return regions.read_inputs([(ref, what)])[0]
+
+
 def _window_bytes(folder: Path, key: str) -> bytes:
     return (folder / key).read_bytes()
 
@@ -38,14 +45,14 @@ def test_a_region_is_registered_read_written_and_unregistered(regions: SystemSha
     regions.register("in", "/input0", offset=16, byte_size=32)
     assert regions.status(None) == [{"name": "in", "key": "/input0", "offset": 16, "byte_size": 32}]
     assert regions.status("in") == regions.status(None)
-    assert bytes(regions.read_input(RegionRef("in", 8, offset=4), "input 'x'")) == bytes(range(20, 28))
+    assert bytes(_read(regions, RegionRef("in", 8, offset=4), "input 'x'")) == bytes(range(20, 28))
     targets = regions.output_targets({"y": RegionRef("in", 4)})
     assert write_outputs([("y", "UINT8", np.full(4, 255, np.uint8))], targets) == {"y": ("in", 4)}
     assert _window_bytes(tmp_path, "input0")[16:20] == b"\xff\xff\xff\xff"  # written into the client's object
     regions.unregister("in")
     assert regions.status(None) == []
     with pytest.raises(InvalidInput, match="no shared-memory region 'in'"):
-        regions.read_input(RegionRef("in", 4), "input 'x'")
+        _read(regions, RegionRef("in", 4), "input 'x'")
     regions.unregister("in")  # again: not an error, as in Triton
 
 
@@ -68,33 +75,33 @@ def test_a_region_is_read_from_its_own_offset_in_its_object(regions: SystemShare
     data = np.arange(5000, dtype=np.uint32).tobytes()
     _object(tmp_path, "big", data)
     regions.register("r", "big", offset=4 * 4100 + 4, byte_size=16)
-    assert np.frombuffer(regions.read_input(RegionRef("r", 16), "x"), np.uint32).tolist() == [4101, 4102, 4103, 4104]
+    assert np.frombuffer(_read(regions, RegionRef("r", 16), "x"), np.uint32).tolist() == [4101, 4102, 4103, 4104]
 
 
 def test_unregistering_leaves_a_held_region_readable_and_writable(regions: SystemSharedMemory, tmp_path: Path) -> None:
     _object(tmp_path, "obj", np.arange(4, dtype=np.float32).tobytes())
     regions.register("r", "obj", 0, 16)
-    array = np.frombuffer(regions.read_input(RegionRef("r", 16), "input 'x'"), np.float32)  # a request's input
+    array = np.frombuffer(_read(regions, RegionRef("r", 16), "input 'x'"), np.float32)  # a request's input
     targets = regions.output_targets({"y": RegionRef("r", 16)})  # a request's output target
     regions.unregister(None)
     assert array.tolist() == [0.0, 1.0, 2.0, 3.0]
     assert write_outputs([("y", "FP32", np.full(4, 7, np.float32))], targets) == {"y": ("r", 16)}
     assert np.frombuffer(_window_bytes(tmp_path, "obj"), np.float32).tolist() == [7.0] * 4
     with pytest.raises(InvalidInput, match="no shared-memory region"):
-        regions.read_input(RegionRef("r", 16), "input 'x'")
+        _read(regions, RegionRef("r", 16), "input 'x'")
 
 
 def test_an_input_is_the_requests_own_copy_capped_at_the_body_limit(
         regions: SystemSharedMemory, tmp_path: Path) -> None:
     _object(tmp_path, "obj", bytes(2 << 20))
     regions.register("r", "obj", 0, 2 << 20)
-    array = np.frombuffer(regions.read_input(RegionRef("r", 16), "input 'x'"), np.float32)
+    array = np.frombuffer(_read(regions, RegionRef("r", 16), "input 'x'"), np.float32)
     array[0] = 1.0  # an engine working in place changes its copy, not the client's memory
     (tmp_path / "obj").write_bytes(b"\x01" * (2 << 20))  # nor does the client change what the request read
     assert array.tolist() == [1.0, 0.0, 0.0, 0.0]
     assert _window_bytes(tmp_path, "obj")[:16] == b"\x01" * 16
     with pytest.raises(InvalidInput, match="input 'x': 2097152 bytes of shared memory is over the server's limit"):
-        regions.read_input(RegionRef("r", 2 << 20), "input 'x'")
+        _read(regions, RegionRef("r", 2 << 20), "input 'x'")
     assert regions.output_targets({"y": RegionRef("r", 2 << 20)})["y"].byte_size == 2 << 20  # outputs: the region's
 
 
@@ -107,32 +114,37 @@ def test_an_object_made_smaller_after_registering_is_refused_not_touched(
     targets = regions.output_targets({"y": RegionRef("r", 16, offset=32)})
     os.truncate(tmp_path / "obj", 40)
     with pytest.raises(InvalidInput, match="shared-memory object 'obj' no longer holds 64 bytes: it was made smaller"):
-        regions.read_input(RegionRef("r", 32, offset=32), "input 'x'")
+        _read(regions, RegionRef("r", 32, offset=32), "input 'x'")
     with pytest.raises(InvalidInput, match="no longer holds 48 bytes"):
         write_outputs([("y", "FP32", np.ones(4, np.float32))], targets)
     assert (tmp_path / "obj").stat().st_size == 40, "a refused write does not grow the object"
-    assert bytes(regions.read_input(RegionRef("r", 8, offset=32), "input 'x'")) == bytes(8)  # what it still holds
+    assert bytes(_read(regions, RegionRef("r", 8, offset=32), "input 'x'")) == bytes(8)  # what it still holds
     os.truncate(tmp_path / "obj", 64)  # grown again: served again
     assert write_outputs([("y", "FP32", np.ones(4, np.float32))], targets) == {"y": ("r", 16)}
 
 
 def test_copies_of_inputs_in_flight_are_bounded(tmp_path: Path) -> None:
     regions = SystemSharedMemory(allowed=True, max_input_bytes=1 << 20, max_copied_bytes=100, folder=str(tmp_path))
-    _object(tmp_path, "obj", bytes(256))
+    _object(tmp_path, "obj", bytes(range(256)))
     regions.register("r", "obj", 0, 256)
-    alone = regions.read_input(RegionRef("r", 200), "input 'x'")  # over the bound, but alone: let in
+    alone = _read(regions, RegionRef("r", 200), "input 'x'")  # over the bound, but alone: let in
     assert regions.copied_bytes == 200
     with pytest.raises(ServerBusy, match="inputs copied from shared memory .* hold 200 bytes"):
-        regions.read_input(RegionRef("r", 1), "input 'x'")
+        _read(regions, RegionRef("r", 1), "input 'x'")
     del alone  # the request's arrays are gone: so is what they held
-    held = [regions.read_input(RegionRef("r", 60), "input 'x'"),
-            np.frombuffer(regions.read_input(RegionRef("r", 40), "input 'x'"), np.float32)]
+    both = regions.read_inputs([(RegionRef("r", 60), "input 'x'"), (RegionRef("r", 60, offset=60), "input 'y'")])
+    assert [len(copy) for copy in both] == [60, 60] and regions.copied_bytes == 64 + 60  # one request: let in
+    assert bytes(both[1]) == bytes(range(60, 120))
+    assert np.frombuffer(both[1], np.uint8).ctypes.data % 16 == 0  # aligned as numpy aligns its arrays
+    del both
+    held = [_read(regions, RegionRef("r", 60), "input 'x'"),
+            np.frombuffer(_read(regions, RegionRef("r", 40), "input 'x'"), np.float32)]
     assert regions.copied_bytes == 100
     with pytest.raises(ServerBusy):
-        regions.read_input(RegionRef("r", 1), "input 'x'")
+        _read(regions, RegionRef("r", 1), "input 'x'")
     held.pop()  # an array over a copy holds it too, until it goes
     assert regions.copied_bytes == 60
-    assert regions.read_input(RegionRef("r", 40), "input 'x'").nbytes == 40
+    assert _read(regions, RegionRef("r", 40), "input 'x'").nbytes == 40
 
 
 def test_a_copy_freed_by_a_collection_in_a_thread_that_holds_the_registry_gives_its_bytes_back(
@@ -141,7 +153,7 @@ def test_a_copy_freed_by_a_collection_in_a_thread_that_holds_the_registry_gives_
     in any thread at any allocation, one holding the registry's lock among them."""
     _object(tmp_path, "obj", bytes(64))
     regions.register("r", "obj", 0, 64)
-    cycle: list[Any] = [regions.read_input(RegionRef("r", 64), "input 'x'")]
+    cycle: list[Any] = [_read(regions, RegionRef("r", 64), "input 'x'")]
     cycle.append(cycle)
     del cycle
     collected = threading.Event()
@@ -158,21 +170,43 @@ def test_a_copy_freed_by_a_collection_in_a_thread_that_holds_the_registry_gives_
 
 def test_a_region_holds_its_objects_file_until_the_last_request_lets_go(
         regions: SystemSharedMemory, tmp_path: Path) -> None:
-    def open_files() -> int:
-        return len(os.listdir("/proc/self/fd"))
+    def files_open_on(path: Path) -> int:
+        """This process's descriptors of `path` (others' opened meanwhile do not count)."""
+        found = 0
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                found += os.readlink(f"/proc/self/fd/{fd}") == str(path)
+        return found
 
-    before = open_files()
+    obj = tmp_path / "obj"
     _object(tmp_path, "obj", bytes(64))
     regions.register("r", "obj", 0, 64)
-    assert open_files() == before + 1
+    assert files_open_on(obj) == 1
     targets = regions.output_targets({"y": RegionRef("r", 4)})
     regions.unregister("r")
-    assert open_files() == before + 1  # a request still holds it
+    assert files_open_on(obj) == 1  # a request still holds it
     del targets
-    assert open_files() == before
+    assert files_open_on(obj) == 0
     with pytest.raises(InvalidInput, match="does not fit"):
         regions.register("r", "obj", 60, 8)
-    assert open_files() == before  # a refused registration keeps nothing open
+    assert files_open_on(obj) == 0  # a refused registration keeps nothing open
+
+
+def test_a_file_error_is_a_refusal_that_names_the_object(
+        regions: SystemSharedMemory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _object(tmp_path, "obj", bytes(64))
+    regions.register("r", "obj", 0, 64)
+    targets = regions.output_targets({"y": RegionRef("r", 4)})
+
+    def failing(*_: Any) -> int:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(shared_memory.os, "preadv", failing)
+    monkeypatch.setattr(shared_memory.os, "pwrite", failing)
+    with pytest.raises(InvalidInput, match="cannot read shared-memory object 'obj': Input/output error"):
+        _read(regions, RegionRef("r", 8))
+    with pytest.raises(InvalidInput, match="cannot write shared-memory object 'obj'"):
+        write_outputs([("y", "FP32", np.ones(1, np.float32))], targets)
 
 
 def test_regions_leave_most_of_the_open_file_limit_to_connections(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -186,8 +220,8 @@ def test_references_past_the_region_are_refused(regions: SystemSharedMemory, tmp
     _object(tmp_path, "obj", bytes(64))
     regions.register("r", "obj", 0, 32)
     with pytest.raises(InvalidInput, match="input 'x': 8 bytes at offset 28 run past the end of shared-memory region 'r'"):
-        regions.read_input(RegionRef("r", 8, offset=28), "input 'x'")
-    assert regions.read_input(RegionRef("r", 4, offset=28), "input 'x'").nbytes == 4
+        _read(regions, RegionRef("r", 8, offset=28), "input 'x'")
+    assert _read(regions, RegionRef("r", 4, offset=28), "input 'x'").nbytes == 4
     with pytest.raises(InvalidInput, match="output 'y': 8 bytes at offset 28 run past"):
         regions.output_targets({"y": RegionRef("r", 8, offset=28)})
 
@@ -247,8 +281,8 @@ def test_nothing_is_taken_unless_allowed(tmp_path: Path) -> None:
     _object(tmp_path, "obj", bytes(64))
     regions = SystemSharedMemory(allowed=False, folder=str(tmp_path))
     for call in (lambda: regions.register("r", "obj", 0, 8), lambda: regions.status(None),
-                 lambda: regions.unregister(None), lambda: regions.read_input(RegionRef("r", 8), "input 'x'"),
-                 lambda: regions.read_input(RegionRef("r", 1 << 30), "input 'x'"),
+                 lambda: regions.unregister(None), lambda: _read(regions, RegionRef("r", 8), "input 'x'"),
+                 lambda: _read(regions, RegionRef("r", 1 << 30), "input 'x'"),
                  lambda: regions.output_targets({"y": RegionRef("r", 8)})):
         with pytest.raises(Unsupported, match="--allow-client-shm"):
             call()

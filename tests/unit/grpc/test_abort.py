@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc._cython import cygrpc  # type: ignore[attr-defined]
 
 from server.grpc.servicer import _abort
 
@@ -25,10 +26,6 @@ class Context:
         raise self.raises
 
 
-class ExecuteBatchError(Exception):
-    """Stands in for grpc's own (grpc._cython.cygrpc), raised when the status cannot be sent."""
-
-
 def test_an_abort_that_grpc_sends_ends_the_call_with_its_status() -> None:
     context = Context(grpc.aio.AbortError())
     with pytest.raises(grpc.aio.AbortError):
@@ -37,6 +34,12 @@ def test_an_abort_that_grpc_sends_ends_the_call_with_its_status() -> None:
 
 
 def test_a_call_that_ended_meanwhile_is_dropped_as_cancelled() -> None:
-    context = Context(ExecuteBatchError('Failed "execute_batch"'))
+    context = Context(cygrpc.ExecuteBatchError('Failed "execute_batch"'))  # grpc's own, when a status cannot go
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(_abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "too late"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("error", [cygrpc.UsageError("Abort was already called"), TypeError("bad metadata")])
+def test_any_other_failure_of_an_abort_is_not_hidden(error: Exception) -> None:
+    with pytest.raises(type(error)):
+        asyncio.run(_abort(Context(error), grpc.StatusCode.INTERNAL, "x"))  # type: ignore[arg-type]

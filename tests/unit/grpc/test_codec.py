@@ -212,7 +212,7 @@ def test_shared_memory_inputs_take_no_raw_contents_and_outputs_keep_their_index(
     assert declared.in_shared_memory == {"x": RegionRef("r0", ARRAYS["FP32"].nbytes, 8)}
     assert declared.to_shared_memory == {"y": RegionRef("r1", 64)}
     inputs = codec.decode_inputs(ours, declared.in_shared_memory,
-                                 lambda ref, what: memoryview(region)[ref.offset:ref.offset + ref.byte_size])
+                                 lambda refs: [memoryview(region)[r.offset:r.offset + r.byte_size] for r, _ in refs])
     assert inputs["x"][1].tolist() == ARRAYS["FP32"].tolist() and inputs["n"][1].tolist() == [3, 4]
     with pytest.raises(Unsupported):
         codec.decode_inputs(ours, declared.in_shared_memory)  # no reader: the server takes none

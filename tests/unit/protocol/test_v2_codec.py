@@ -503,11 +503,11 @@ def test_client_shared_memory_tensors_are_read_through_the_servers_regions() -> 
     assert parsed.outputs is not None and parsed.outputs[0].region == RegionRef("region1", 40)
     seen: list[tuple[RegionRef, str]] = []
 
-    def read_input(ref: RegionRef, what: str) -> memoryview:
-        seen.append((ref, what))
-        return memoryview(region)[ref.offset:ref.offset + ref.byte_size]
+    def read_inputs(refs: list[tuple[RegionRef, str]]) -> list[memoryview]:
+        seen.extend(refs)
+        return [memoryview(region)[ref.offset:ref.offset + ref.byte_size] for ref, _ in refs]
 
-    decoded = build_tensors(parsed, read_input)
+    decoded = build_tensors(parsed, read_inputs)
     assert decoded.inputs["x"][1].tolist() == [0.0, 1.0, 2.0, 3.0]
     assert seen == [(RegionRef("region0", 16, 16), "input 'x'")]
     with pytest.raises(Unsupported, match="shared-memory"):
