@@ -28,6 +28,14 @@ logger = logging.getLogger(__name__)
 
 GRACE_S = 30.0
 DRAIN_POLL_S = 0.02
+# Calls open at once: one waiting for its message, or a stream between its requests, costs about
+# 25 KB and none of the in-flight bound (which counts requests once their message is in). A client
+# opening streams and sending nothing held 57,000 on one connection (1.6 GB), growing without end.
+# Past CALLS_PER_REQUEST x --max-in-flight open calls a new one gets RESOURCE_EXHAUSTED at once; a
+# connection may open at most STREAMS_PER_CONNECTION at a time (HTTP/2's own limit: a client
+# waits for one to finish before it opens more).
+CALLS_PER_REQUEST = 4
+STREAMS_PER_CONNECTION = 256
 
 
 class GrpcFrontEnd:
@@ -51,7 +59,9 @@ class GrpcFrontEnd:
             ("grpc.max_receive_message_length", max_message_bytes),  # past it: RESOURCE_EXHAUSTED, unread
             ("grpc.max_send_message_length", -1),  # answers are bounded by the model; clients set their own
             ("grpc.so_reuseport", 0),  # a port in use is an error, never shared with another server
+            ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
         ]
+        self.max_calls = CALLS_PER_REQUEST * (flight.max_requests if flight is not None else InFlight().max_requests)
         self.servicer = InferenceServicer(plane, policy, access_log, flight)
         self._on_bound = on_bound
         self._grace_s = grace_s
@@ -61,7 +71,7 @@ class GrpcFrontEnd:
         self.port: int | None = None
 
     async def start(self) -> None:
-        server = grpc.aio.server(options=self._options)
+        server = grpc.aio.server(options=self._options, maximum_concurrent_rpcs=self.max_calls)
         _serve_infer_unparsed(self.servicer, server)
         try:
             port = server.add_insecure_port(self._address)

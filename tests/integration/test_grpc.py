@@ -16,6 +16,7 @@ import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,10 +32,11 @@ import tritonclient.grpc.aio as tg_aio
 import tritonclient.http as th
 import yaml
 from google.protobuf import json_format
-from tritonclient.grpc import model_config_pb2, service_pb2
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from loadtest.localserver import ROOT, bound_port, stop
+from server.grpc.frontend import CALLS_PER_REQUEST
 from tests.integration.conftest import linked_repository, running_server
 from tests.integration.test_lifecycle import SLOW, WAIT_S, Call, gauge, stats, wait_until
 from tests.unit.http.tiny_models import spin_config, write_spin_model
@@ -476,3 +478,39 @@ def test_grpc_can_be_turned_off(tmp_path: Path) -> None:
         with th.InferenceServerClient(url.removeprefix("http://")) as http:
             assert http.is_server_ready()
         assert not grpc_port_file.exists()
+
+
+def test_calls_open_at_once_are_bounded_and_a_connections_streams_too(tmp_path: Path) -> None:
+    """A client that opened streams and sent nothing held 57,000 of them on one connection (1.6
+    GB), the in-flight bound never asked: it counts requests once their message is in. Past
+    CALLS_PER_REQUEST x --max-in-flight open calls, a new one is refused at once; when they end,
+    calls are served again."""
+    root = linked_repository(tmp_path / "models", ("digits",))
+    with serving(root, "--max-in-flight", "2") as server:  # 8 calls open at once
+        released = threading.Event()
+
+        def nothing_to_send() -> Iterator[service_pb2.ModelInferRequest]:
+            released.wait(WAIT_S)
+            return
+            yield  # a generator that sends no request
+
+        channels = [grpc.insecure_channel(server.target) for _ in range(2)]
+        streams = [service_pb2_grpc.GRPCInferenceServiceStub(channels[i % 2]).ModelStreamInfer(nothing_to_send())
+                   for i in range(CALLS_PER_REQUEST * 2)]
+        live = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(server.target)).ServerLive
+
+        def refused() -> bool:
+            try:
+                live(service_pb2.ServerLiveRequest(), timeout=WAIT_S)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                return True
+            return False
+
+        wait_until(refused, "a call past the bound is refused")
+        released.set()
+        for stream in streams:
+            assert list(stream) == []
+        wait_until(lambda: not refused(), "calls are served once the open ones end")
+        for channel in channels:
+            channel.close()
