@@ -435,11 +435,20 @@ async def _unimplemented(context: grpc.aio.ServicerContext, what: str) -> None:
     await _abort(context, grpc.StatusCode.UNIMPLEMENTED, f"{what} not supported by this server")
 
 
+# A status's text travels in a trailer (grpc-message), which clients refuse past 8 KiB or 16 KiB
+# of metadata: a 4 MiB model name echoed in "model ... not found" failed the client's read of
+# the answer itself. Texts past this many characters are cut, saying how long they were.
+MAX_STATUS_CHARS = 1024
+
+
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, text: str,
                  trailing_metadata: tuple[tuple[str, str], ...] = ()) -> NoReturn:
-    """End the call with `code`. A call that ended meanwhile (its deadline passed and grpc
-    answered DEADLINE_EXCEEDED itself, or its client left) is dropped as a cancelled one is:
-    grpc logs a failed abort at ERROR, with a traceback, for what is a client's race."""
+    """End the call with `code`, its text cut to MAX_STATUS_CHARS. A call that ended meanwhile
+    (its deadline passed and grpc answered DEADLINE_EXCEEDED itself, or its client left) is
+    dropped as a cancelled one is: grpc logs a failed abort at ERROR, with a traceback, for what
+    is a client's race."""
+    if len(text) > MAX_STATUS_CHARS:
+        text = f"{text[:MAX_STATUS_CHARS]}...({len(text)} characters)"
     try:
         await context.abort(code, text, trailing_metadata=trailing_metadata)
     except cygrpc.ExecuteBatchError:  # the status could not be sent: the call is over

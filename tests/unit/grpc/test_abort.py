@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc._cython import cygrpc  # type: ignore[attr-defined]
 
-from server.grpc.servicer import _abort
+from server.grpc.servicer import MAX_STATUS_CHARS, _abort
 
 
 class Context:
@@ -43,3 +43,12 @@ def test_a_call_that_ended_meanwhile_is_dropped_as_cancelled() -> None:
 def test_any_other_failure_of_an_abort_is_not_hidden(error: Exception) -> None:
     with pytest.raises(type(error)):
         asyncio.run(_abort(Context(error), grpc.StatusCode.INTERNAL, "x"))  # type: ignore[arg-type]
+
+
+def test_a_long_text_is_cut_so_the_client_can_read_its_status() -> None:
+    """A 4 MiB model name echoed in the status's text failed the client's read of the answer
+    (its trailers past grpc's metadata limit)."""
+    context = Context(grpc.aio.AbortError())
+    with pytest.raises(grpc.aio.AbortError):
+        asyncio.run(_abort(context, grpc.StatusCode.NOT_FOUND, "x" * 100_000))  # type: ignore[arg-type]
+    assert context.aborted[0][1] == "x" * MAX_STATUS_CHARS + "...(100000 characters)"
