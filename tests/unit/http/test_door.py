@@ -448,21 +448,27 @@ async def test_a_head_past_its_limit_is_refused_and_requests_pipelined_in_one_re
         await frontend.drain()
 
 
+@pytest.fixture
+def protocols(monkeypatch: pytest.MonkeyPatch) -> list[HttpToolsProtocol]:
+    """Every connection's protocol the server makes from now on."""
+    made: list[HttpToolsProtocol] = []
+    init = HttpToolsProtocol.__init__
+
+    def recorded(self: HttpToolsProtocol, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(HttpToolsProtocol, "__init__", recorded)
+    return made
+
+
 async def test_a_client_that_pipelines_and_reads_no_answers_is_not_read_ahead_of_them(
-    plane: DataPlane, monkeypatch: pytest.MonkeyPatch,
+    plane: DataPlane, protocols: list[HttpToolsProtocol],
 ) -> None:
     """uvicorn reads on after each answer, though requests are queued behind it: a client that
     pipelined and read nothing had the server read a read's worth of requests (thousands of small
     ones) for every answer, each queued with its state, and its memory grew by a gigabyte in
     seconds. Reading stays paused until the queued requests are answered."""
-    protocols: list[HttpToolsProtocol] = []
-    init = HttpToolsProtocol.__init__
-
-    def recorded(self: HttpToolsProtocol, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        protocols.append(self)
-
-    monkeypatch.setattr(HttpToolsProtocol, "__init__", recorded)
     plane.start([])
     frontend, port = await started(create_app(plane))
     try:
@@ -480,21 +486,13 @@ async def test_a_client_that_pipelines_and_reads_no_answers_is_not_read_ahead_of
 
 
 async def test_requests_pipelined_past_the_bound_are_dropped_and_the_connection_ends_after_the_rest(
-    plane: DataPlane, monkeypatch: pytest.MonkeyPatch,
+    plane: DataPlane, protocols: list[HttpToolsProtocol], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The parser took a whole read (256 KiB: about 6,000 small requests) and queued every
     request in it with its state: 100 connections that pipelined GETs and read nothing held 570
     MB. Past MAX_PIPELINED queued, the rest is dropped; the queued are answered, then the
     server's side closes (an end the client reads after its answers, not a reset), what still
     comes is read and dropped, and the connection is closed LINGER_S later."""
-    protocols: list[HttpToolsProtocol] = []
-    init = HttpToolsProtocol.__init__
-
-    def recorded(self: HttpToolsProtocol, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        protocols.append(self)
-
-    monkeypatch.setattr(HttpToolsProtocol, "__init__", recorded)
     monkeypatch.setattr(door, "LINGER_S", 0.5)
     plane.start([])
     frontend, port = await started(create_app(plane))
