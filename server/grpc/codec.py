@@ -25,10 +25,10 @@ from server.protocol.binary import reshaped, tensor_from_bytes, tensor_to_bytes
 from server.protocol.datatypes import BYTES, MAX_DIMS, VALUES_A_CALL, numpy_dtype
 from server.protocol.shared_memory import (
     BYTE_SIZE,
-    COPIED_PER_WALKED,
     REGION,
     InputReader,
     RegionRef,
+    decoding_cost,
     read_all,
     region_ref,
 )
@@ -144,7 +144,7 @@ def declare(request: pb.ModelInferRequest) -> DeclaredRequest:
         if name in regions:
             if has_contents:
                 raise InvalidInput(f"input '{name}' is in shared memory: give it no contents")
-            cost += regions[name].byte_size // (1 if tensor.datatype == BYTES else COPIED_PER_WALKED)
+            cost += decoding_cost(regions[name], tensor.datatype)
         elif raw and has_contents:
             raise InvalidInput(f"input '{name}' has both contents and raw_input_contents")
         elif raw:
@@ -181,7 +181,7 @@ def decode_inputs(
     raw_index = 0
     inputs: dict[str, tuple[str, np.ndarray]] = {}
     shared = in_shared_memory or {}
-    copies = read_all([(ref, f"input '{name}'") for name, ref in shared.items()], read_inputs)
+    copies = read_all([(ref, f"input '{name}'") for name, ref in shared.items()], read_inputs) if shared else iter(())
     for tensor in request.inputs:
         shape = list(tensor.shape)
         if tensor.name in shared:

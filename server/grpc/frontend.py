@@ -61,7 +61,8 @@ class GrpcFrontEnd:
             ("grpc.so_reuseport", 0),  # a port in use is an error, never shared with another server
             ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
         ]
-        self.max_calls = CALLS_PER_REQUEST * (flight.max_requests if flight is not None else InFlight().max_requests)
+        flight = flight or InFlight()
+        self.max_calls = CALLS_PER_REQUEST * flight.max_requests
         self.servicer = InferenceServicer(plane, policy, access_log, flight)
         self._on_bound = on_bound
         self._grace_s = grace_s

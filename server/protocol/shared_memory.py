@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.errors import InvalidInput, Unsupported
+from server.protocol.datatypes import BYTES
 
 NOT_TAKEN = "this caller takes no shared-memory tensors"
 REGION = "shared_memory_region"
@@ -32,6 +33,12 @@ class RegionRef:
 # A request's inputs in shared memory (each reference, and what to call it in a refusal) -> a copy
 # of each one's bytes, bounds-checked, read at once.
 InputReader = Callable[[list[tuple[RegionRef, str]]], list[memoryview]]
+
+
+def decoding_cost(ref: RegionRef, datatype: str) -> int:
+    """What decoding an input in shared memory costs, in bytes walked: text is walked whole,
+    numbers are copied (a 1/COPIED_PER_WALKED share)."""
+    return ref.byte_size if datatype == BYTES else ref.byte_size // COPIED_PER_WALKED
 
 
 def read_all(refs: list[tuple[RegionRef, str]], read_inputs: InputReader | None) -> Iterator[memoryview]:

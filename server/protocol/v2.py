@@ -7,7 +7,7 @@ flat or nested; Triton's binary tensor extension is read and written here too.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +20,10 @@ from server.protocol.binary import BinaryCursor, reshaped, split_body, tensor_fr
 from server.protocol.datatypes import MAX_DIMS, VALUES_A_CALL, numpy_dtype
 from server.protocol.shared_memory import (
     BYTE_SIZE,
-    COPIED_PER_WALKED,
     REGION,
     InputReader,
     RegionRef,
+    decoding_cost,
     read_all,
     region_ref,
 )
@@ -107,13 +107,10 @@ def parse_request(body: bytes | bytearray, header_length: int | None = None) -> 
         if declared.name in names:
             raise InvalidInput(f"input '{declared.name}' is given more than once")
         names.add(declared.name)
-        if declared.datatype == "BYTES":  # read element by element; numbers in the body are zero-copy
-            if declared.binary is not None:
-                decode_bytes += len(declared.binary)
-            elif declared.region is not None:
-                decode_bytes += declared.region.byte_size
-        elif declared.region is not None:  # numbers in shared memory are copied
-            decode_bytes += declared.region.byte_size // COPIED_PER_WALKED
+        if declared.region is not None:
+            decode_bytes += decoding_cost(declared.region, declared.datatype)
+        elif declared.datatype == "BYTES" and declared.binary is not None:  # read element by element;
+            decode_bytes += len(declared.binary)  # numbers in the body are zero-copy
         inputs.append(declared)
     if cursor is not _NO_BINARY:
         cursor.finish()
@@ -132,9 +129,12 @@ def build_tensors(parsed: ParsedRequest, read_inputs: InputReader | None = None)
     """The numpy arrays of a parsed request: the per-element work, proportional to its data.
     `read_inputs` copies the bytes of inputs in shared memory (None: the server takes none)."""
     inputs: dict[str, tuple[str, np.ndarray]] = {}
-    copies = read_all([(d.region, f"input '{d.name}'") for d in parsed.inputs if d.region is not None], read_inputs)
+    copies: Iterator[memoryview] | None = None  # read at the first input in shared memory, all at once
     for declared in parsed.inputs:
         if declared.region is not None:
+            if copies is None:
+                copies = read_all([(d.region, f"input '{d.name}'") for d in parsed.inputs if d.region is not None],
+                                  read_inputs)
             array = tensor_from_bytes(next(copies), declared.datatype, declared.shape, declared.name)
         elif declared.binary is not None:
             array = tensor_from_bytes(declared.binary, declared.datatype, declared.shape, declared.name)

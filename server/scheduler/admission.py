@@ -185,6 +185,7 @@ class Admission:
         self._text_input = config.tokenize.input if config.tokenize else None
         self._bucketed = bool(config.tokenize and config.tokenize.sequence_buckets)
         self._padded = {t.name for t in config.inputs if t.pad_value is not None}
+        self._padded_in_order = [t.name for t in config.inputs if t.pad_value is not None]  # the padding bound's
         self._numbers_only = all(t.datatype != "BYTES" for t in config.inputs)  # nothing to decode or tokenize
         self._batched = config.batched
         # Each input in config order: its name, the engine's name for it, whether it keys the batch
@@ -265,7 +266,6 @@ class Admission:
     ) -> Admitted:
         feed: dict[str, np.ndarray] = {}
         key: list[tuple[str, tuple[int, ...]]] = []
-        padded: list[tuple[int, ...]] = []
         for name, source_name, keys in self._feeds:
             if name == self._text_input:
                 assert tokens is not None
@@ -275,8 +275,6 @@ class Admission:
             feed[source_name] = array
             if keys:
                 key.append((name, array.shape[1:] if self._batched else array.shape))
-            else:
-                padded.append(array.shape[1:])
         longest = length = 0
         if tokens:
             assert self._config.tokenize is not None
@@ -284,7 +282,8 @@ class Admission:
             longest = self._config.tokenize.bucket(length)
             if self._bucketed:  # only texts of the same length bucket share a batch
                 key.append(("sequence", (longest,)))
-        return Admitted(feed, batch_size, tuple(key), longest, length, priority, deadline_ns, tuple(padded))
+        padded = tuple(arrays[name].shape[1:] for name in self._padded_in_order) if self._padded_in_order else ()
+        return Admitted(feed, batch_size, tuple(key), longest, length, priority, deadline_ns, padded)
 
     def _options(self, parameters: dict[str, Any], received_ns: int | None) -> tuple[int, int | None]:
         """Priority level and deadline from the request's `priority` and `timeout` (microseconds)."""
