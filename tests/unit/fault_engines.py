@@ -31,6 +31,8 @@ class Faults:
         self.max_rows: int | None = None  # batches of more rows run out of memory (MemoryError)
         self.refuse_load: Callable[[Path], BaseException | None] = lambda _: None
         self.created = 0
+        self.builds_held = False  # set: each engine build waits in its thread until `release`
+        self.building = threading.Event()  # a held build has begun
         self._lock = threading.Lock()
         self._runs: list[tuple[str, int, list[float]]] = []  # (version folder, engine serial, x values)
 
@@ -84,7 +86,7 @@ class FaultyEngine:
 
 def injected_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[Faults]:
     """For a test's `faults` fixture: every engine the model layer creates during the test is a
-    FaultyEngine; hung batches are released at the end."""
+    FaultyEngine; hung batches and held builds are released at the end."""
     shared = Faults()
     real = server.model.create_engine
 
@@ -92,6 +94,9 @@ def injected_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[Faults]:
         refusal = shared.refuse_load(version_dir)
         if refusal is not None:
             raise refusal
+        if shared.builds_held:
+            shared.building.set()
+            shared.release.wait(HANG_LIMIT_S)
         shared.created += 1
         return FaultyEngine(real(config, version_dir, device), shared, version_dir.name, shared.created)
 

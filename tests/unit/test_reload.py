@@ -287,11 +287,13 @@ async def test_a_load_whose_caller_gives_up_while_it_builds_is_kept(tmp_path: Pa
     """Cancelled while its engine builds: the version built is served, not left unowned."""
     repository = ModelRepository(tmp_path)
     write_model(tmp_path, "double", {**DOUBLING_CONFIG, "dynamic_batching": {}}, doubling)
+    faults.builds_held = True
     load = asyncio.create_task(repository.load("double"))
-    await eventually(lambda: faults.created >= 1, "an engine is being built")
+    await eventually(faults.building.is_set, "an engine is being built")
     load.cancel()
     with pytest.raises(asyncio.CancelledError):
         await load
+    faults.release.set()
     await eventually(lambda: bool(repository.loaded()), "the load ends")
     assert (await repository.get("double").start_request({"x": rows(1.0)}))["y"].tolist() == [[2.0, 2.0]]
     await repository.unload_all()
@@ -302,10 +304,15 @@ async def test_unloading_everything_waits_for_the_loads_in_progress(tmp_path: Pa
     no version comes up after the server said its models were unloaded."""
     repository = ModelRepository(tmp_path)
     write_model(tmp_path, "double", {**DOUBLING_CONFIG, "dynamic_batching": {}}, doubling)
+    faults.builds_held = True
     startup = asyncio.create_task(repository.load_all())
-    await eventually(lambda: faults.created >= 1, "an engine is being built")
+    await eventually(faults.building.is_set, "an engine is being built")
     startup.cancel()
-    await asyncio.wait_for(repository.unload_all(), 10)
+    unloading = asyncio.create_task(repository.unload_all())
+    await asyncio.sleep(0.05)
+    assert not unloading.done()  # it waits for the load held in its build
+    faults.release.set()
+    await asyncio.wait_for(unloading, 10)
     await asyncio.sleep(0.5)  # time for a load left running to end (it took about 0.1 s here)
     assert repository.loaded() == []
     assert not [t for t in threading.enumerate() if t.name.startswith("double-1-")]  # its instance closed
