@@ -10,6 +10,7 @@ any route runs.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import orjson
@@ -30,6 +31,7 @@ from server.http.openapi import openapi_document
 from server.http.shared_memory import shared_memory_router
 from server.inflight import InFlight
 from server.metrics import CONTENT_TYPE, exposition
+from server.paced import PacedRender
 from server.protocol.v2 import json_object
 
 _EMPTY_JSON = b"{}"
@@ -132,10 +134,11 @@ def create_app(
         app.include_router(extension.router(plane, max_body_bytes, access_log or AccessLog(), flight))
 
     if metrics is not None:
+        scrape = PacedRender(partial(exposition, metrics))  # scrapes back to back share the loop
 
         @app.get("/metrics", summary="Prometheus metrics", tags=["metrics"], response_class=PlainTextResponse)
         async def prometheus_metrics() -> Response:
-            return Response(exposition(metrics), media_type=CONTENT_TYPE)
+            return Response(await scrape(), media_type=CONTENT_TYPE)
 
     app.openapi = lambda: _cached_openapi(app)  # type: ignore[method-assign]
     routes = FastInferApp(app, InferEndpoint(plane, max_body_bytes, access_log, flight),

@@ -1,0 +1,143 @@
+"""Paced renders (/metrics): callers waiting at once share one render that began after each of
+them asked, and renders back to back take at most their share of the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from server.dataplane import DataPlane
+from server.http.app import create_app
+from server.paced import PacedRender
+from server.repository import ModelRepository
+
+
+class Busy:
+    """A render that holds the loop `seconds` (as a scrape does) and counts itself."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.renders: list[tuple[float, float]] = []  # (began, ended), perf_counter
+
+    def __call__(self) -> int:
+        began = time.perf_counter()
+        while time.perf_counter() - began < self.seconds:
+            pass
+        self.renders.append((began, time.perf_counter()))
+        return len(self.renders)
+
+
+async def test_a_lone_caller_is_rendered_at_once() -> None:
+    busy = Busy(0)
+    paced = PacedRender(busy)
+    assert await paced() == 1
+    assert len(busy.renders) == 1
+
+
+async def test_callers_waiting_at_once_share_one_render_that_began_after_each_asked() -> None:
+    busy = Busy(0.005)
+    paced = PacedRender(busy, loop_share=0.1)
+    assert await paced() == 1  # the loop is now owed 45 ms before the next render
+    asked: list[float] = []
+
+    async def caller() -> int:
+        asked.append(time.perf_counter())
+        return await paced()
+
+    results = await asyncio.gather(*(caller() for _ in range(20)))
+    assert results == [2] * 20
+    began_second = busy.renders[1][0]
+    assert max(asked) < began_second  # no caller got figures from before it asked
+
+
+async def test_renders_back_to_back_take_at_most_their_share_of_the_loop() -> None:
+    busy = Busy(0.005)
+    paced = PacedRender(busy, loop_share=0.1)
+    for _ in range(4):
+        await paced()
+    for (_, ended), (began, _) in zip(busy.renders, busy.renders[1:]):
+        assert began - ended >= 9 * 0.005 * 0.99  # 5 ms of rendering, then 45 ms for everyone else
+
+
+async def test_a_caller_that_gives_up_does_not_cancel_the_render_others_wait_for() -> None:
+    busy = Busy(0.002)
+    paced = PacedRender(busy)
+    await paced()
+    leaving = asyncio.create_task(paced())
+    staying = asyncio.create_task(paced())
+    await asyncio.sleep(0)
+    leaving.cancel()
+    assert await staying == 2
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+
+
+async def test_a_failed_render_reaches_every_caller_and_the_next_one_renders_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    outcomes: Iterator[int | Exception] = iter([1, RuntimeError("the collector failed"), RuntimeError("the collector failed"), 4])
+
+    def render() -> int:
+        time.sleep(0.002)
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    paced = PacedRender(render)
+    assert await paced() == 1
+    waiting = [asyncio.create_task(paced()) for _ in range(3)]
+    for task in waiting:
+        with pytest.raises(RuntimeError, match="the collector failed"):
+            await task
+    abandoned = asyncio.create_task(paced())  # the render it waits for fails after it left
+    await asyncio.sleep(0)
+    abandoned.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await abandoned
+    await asyncio.sleep(0.05)  # that render has run (and failed) by now
+    del abandoned
+    gc.collect()
+    assert "never retrieved" not in caplog.text
+    assert await paced() == 4
+
+
+def test_a_share_outside_0_to_1_is_refused() -> None:
+    for share in (0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="loop_share"):
+            PacedRender(lambda: None, loop_share=share)
+
+
+class CountedCollector(Collector):
+    """A collector that costs the loop 20 ms a scrape, and counts the scrapes."""
+
+    def __init__(self) -> None:
+        self.collects = 0
+
+    def collect(self) -> list[Metric]:
+        self.collects += 1
+        time.sleep(0.02)
+        gauge = GaugeMetricFamily("batchline_test_collects", "Scrapes rendered.")
+        gauge.add_metric([], self.collects)
+        return [gauge]
+
+
+async def test_scrapes_of_the_real_app_at_once_share_renders(tmp_path: Path) -> None:
+    """Sixteen clients scraping /metrics together: each gets the metrics, in two renders, not sixteen."""
+    registry = CollectorRegistry()
+    counted = CountedCollector()
+    registry.register(counted)
+    app = create_app(DataPlane(ModelRepository(tmp_path)), metrics=registry)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://batchline.test") as client:
+        responses = await asyncio.gather(*(client.get("/metrics") for _ in range(16)))
+    assert all(r.status_code == 200 and "batchline_test_collects" in r.text for r in responses)
+    assert counted.collects <= 3  # the first alone, the rest together (on a slow machine, a third)
