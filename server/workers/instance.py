@@ -17,12 +17,13 @@ Faults stay within the batch that met them:
   such an item do not count (one huge request must not shrink every later batch).
 - Any other engine error on a batch of several requests: halves of its requests run again, and
   halves of a half that fails, so one request whose values the engine cannot take (text that
-  does not parse, an id out of range) fails alone and the others are answered: about log2(N)
-  more runs.
-  After one more failed run in a row than finding one such request may take (log2(N) + 3,
-  rounded down), what is left fails unrun: an engine that fails everything costs a batch that
-  many runs, not one a request. A run that succeeds starts the count again, so several such
-  requests in one batch each fail alone and every other request is answered.
+  does not parse, an id out of range) fails alone, with the engine's words, and the others are
+  answered: about log2(N) more runs. Several such requests each fail alone.
+  Once as many requests as log2(N) + 2 (rounded down) are found at fault with no run between
+  them that succeeded, the engine seems to fail everything: what is left fails unrun, with
+  Unavailable (retry), never with another request's error, which may quote that request's
+  values. An engine that fails everything costs a batch about twice that many runs, not two a
+  request; a run that succeeds starts the count again.
 """
 
 from __future__ import annotations
@@ -118,11 +119,11 @@ class ModelInstance:
         failed: dict[int, BatchlineError] = {}
         ran_out: list[tuple[int, set[int]]] = []  # (rows, requests) of each group that ran out of memory
         total = BatchResult([])
-        # finding one request at fault, by halves of requests, fails the batch and a part a level
-        # (1 + log2(N) runs), with one more to spare; a run that succeeds shows the engine works,
-        # and the count of failed runs in a row starts again
-        search_runs = len(pieces).bit_length() + 2
-        failures = 0
+        # requests found at fault since a run last succeeded: past `at_fault_bound` of them the
+        # engine seems to fail everything, and the search ends
+        at_fault_bound = len(pieces).bit_length() + 2
+        at_fault = 0
+        warned = False
         while work:
             group = [p for p in work.popleft() if p.request not in failed]
             if not group:
@@ -134,25 +135,30 @@ class ModelInstance:
             except Exception as exc:
                 rows = sum(p.rows for p in group)
                 if not is_out_of_memory(exc):
-                    failures += 1
-                    if len(group) > 1 and failures < search_runs:  # whose values failed it? its halves run again to say
-                        if failures == 1:  # said once a batch
+                    if whole and len(group) == 1:  # one request dispatched alone: its error as is
+                        raise
+                    if len(group) > 1:  # whose values failed it? its halves run again to say
+                        if not warned:
+                            warned = True
                             logger.warning("%d requests of a batch failed on %s (%s); halves of them run again to "
                                            "find the request at fault", len(group), self.label, _reason(exc))
                         middle = len(group) // 2  # by requests, not rows: one request is found in log2(N) steps
                         work.extendleft([group[middle:], group[:middle]])
                         whole = False
                         continue
-                    if whole:
-                        raise
-                    logger.error("part of a batch (%d items) failed on %s", rows, self.label, exc_info=exc)
-                    error = exc if isinstance(exc, BatchlineError) else EngineError(f"{type(exc).__name__}: {exc}")
-                    failed.update((p.request, error) for p in group)
-                    if failures >= search_runs and work:  # not one request's values, it seems: the rest fails unrun
+                    logger.error("a request of a batch (%d items) failed on %s", rows, self.label, exc_info=exc)
+                    failed[group[0].request] = (
+                        exc if isinstance(exc, BatchlineError) else EngineError(f"{type(exc).__name__}: {exc}")
+                    )
+                    at_fault += 1
+                    if at_fault >= at_fault_bound and work:  # not one request's values, it seems
                         unrun = {p.request for rest in work for p in rest} - failed.keys()
-                        logger.error("%d more requests of the batch fail unrun on %s: its engine failed %d times in a row",
-                                     len(unrun), self.label, failures)
-                        failed.update((request, error) for request in unrun)
+                        logger.error("%d more requests of the batch fail unrun on %s: %d requests in a row failed "
+                                     "alone", len(unrun), self.label, at_fault)
+                        failed.update((request, Unavailable(
+                            f"not run: the engine of {self.label} failed {at_fault} requests of its batch in a "
+                            "row, this one's values untried; retry"
+                        )) for request in unrun)
                         work.clear()
                 elif rows == 1:
                     failed[group[0].request] = OutOfMemory(
@@ -166,7 +172,7 @@ class ModelInstance:
                 whole = False
                 continue
             whole = False
-            failures = 0
+            at_fault = 0
             total.compute_input_ns += result.compute_input_ns
             total.compute_infer_ns += result.compute_infer_ns
             total.compute_output_ns += result.compute_output_ns

@@ -175,24 +175,40 @@ async def test_the_request_at_fault_is_found_among_requests_of_uneven_rows(fault
 
 
 async def test_several_requests_the_engine_cannot_take_each_fail_alone(faults: Faults) -> None:
-    """Four of eight: the failed runs add up past the search's bound, but a run that succeeds
-    in between starts the count again, so every good request is answered (they failed unrun)."""
+    """Four of eight, scattered: each fails alone with the engine's words, every good request is
+    answered."""
     worker = instance(faults)
     values = [RAISE, 1.0, 2.0, RAISE, 4.0, RAISE, RAISE, 8.0]
     result = await worker.run([feed(v) for v in values])
     assert sorted(result.failed) == [0, 3, 5, 6]
+    assert all("the engine failed on purpose" in result.failed[i].message for i in result.failed)
     assert {i: doubled(o) for i, o in enumerate(result.outputs) if i not in result.failed} == {
         1: [2.0], 2: [4.0], 4: [8.0], 7: [16.0]}
     worker.close()
 
 
+async def test_requests_the_engine_cannot_take_at_the_head_of_a_batch_fail_alone(faults: Faults) -> None:
+    """Four in a row at the head of eight: the search used to count every failed run in a row,
+    found three, and failed the four good requests with the last bad one's error (which may
+    quote its values). Each request found at fault starts the search again."""
+    worker = instance(faults)
+    result = await worker.run([feed(RAISE) for _ in range(4)] + [feed(v) for v in (1.0, 2.0, 3.0, 4.0)])
+    assert sorted(result.failed) == [0, 1, 2, 3]
+    assert [doubled(o) for o in result.outputs[4:]] == [[2.0], [4.0], [6.0], [8.0]]
+    worker.close()
+
+
 async def test_an_engine_that_fails_everything_costs_a_batch_a_few_runs_not_one_a_request(faults: Faults) -> None:
-    """After one more failed run than finding one bad request may take (8 requests: 6), the rest
-    fails unrun."""
+    """Once as many requests as log2(N) + 2 (8 requests: 6) failed alone with no run between
+    that succeeded, the rest fails unrun: Unavailable (retry), not another request's error."""
     worker = instance(faults)
     result = await worker.run([feed(RAISE) for _ in range(8)])
     assert sorted(result.failed) == list(range(8))
-    assert [len(run) for run in faults.runs()] == [8, 4, 2, 1, 1, 2]
+    assert [len(run) for run in faults.runs()] == [8, 4, 2, 1, 1, 2, 1, 1, 4, 2, 1, 1]
+    assert all(isinstance(result.failed[i], EngineError) for i in range(6))
+    for unrun in (6, 7):
+        error = result.failed[unrun]
+        assert isinstance(error, Unavailable) and "the engine failed on purpose" not in error.message, error
     worker.close()
 
 
