@@ -139,15 +139,25 @@ class DataPlane:
         override = override or None  # "": config.yaml
         if override is not None and len(override) > MAX_CONFIG_OVERRIDE_CHARS:
             raise InvalidInput(f"the 'config' parameter is over {MAX_CONFIG_OVERRIDE_CHARS} characters")
+        changes = self.repository.changes
         try:
             await self.repository.load(name, override)
         finally:
-            self._settle()  # a reload's old versions, or a failed load's remains, are freed now
+            self._settle_after(changes)  # a reload's old versions, or a failed load's remains, are freed now
 
     async def unload(self, name: str) -> None:
+        changes = self.repository.changes
         try:
             await self.repository.unload(name)
         finally:
+            self._settle_after(changes)
+
+    def _settle_after(self, changes: int) -> None:
+        """Settle the heap if models were built or dropped since `changes`. A full collection
+        holds the event loop for hundreds of milliseconds: a client asking again and again to
+        load a model that is not there, or with a config that does not parse, cut another's
+        inference from ~1,900 requests a second to ~4."""
+        if self.repository.changes != changes:
             self._settle()
 
     def refuse_when_stopping(self) -> None:

@@ -52,6 +52,7 @@ class ModelRepository:
         self._changing: set[asyncio.Task[None]] = set()  # loads and unloads whose callers may have left
         self._not_names: set[str] = set()  # folders left out for a name that is not UTF-8, said in the log
         self._loading: set[str] = set()  # models loading with no version serving: LOADING in the index
+        self.changes = 0  # loads and unloads that built or dropped something: the heap has garbage to free
 
     def names_on_disk(self) -> list[str]:
         """The model folders; one whose name is not UTF-8 is left out (said once in the log):
@@ -133,6 +134,7 @@ class ModelRepository:
             else:
                 config = self._with_overrides(override_config(path, config_override))
             if config.build is not None:  # a variant built from another model: build or reuse
+                self.changes += 1
                 await run_load(_built, self.root, name, config)
                 # the build publishes the config it serves under (a torch INT8 program takes FP32)
                 config = self._with_overrides(load_model_config(config_path(path)))
@@ -144,6 +146,7 @@ class ModelRepository:
         except EngineError as exc:
             raise self._failed(name, exc.message, serving, Unavailable) from exc
         fresh = {v: ModelVersion(config, v, found_version_dir(path, v)) for v in selected}
+        self.changes += 1
         await asyncio.gather(*(m.load() for m in fresh.values()))
         failed = [m for m in fresh.values() if not m.ready]
         # a config that misdescribes its model is the caller's to fix (400); anything else, 503
@@ -194,6 +197,7 @@ class ModelRepository:
         async with self._locks.setdefault(name, asyncio.Lock()):
             versions = self._versions.pop(name, {})
             self._failures.pop(name, None)
+            self.changes += bool(versions)
             await asyncio.gather(*(m.unload() for m in versions.values()))
             self._unloaded.add(name)
 

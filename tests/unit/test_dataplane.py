@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from pathlib import Path
 from typing import get_args
 
 import numpy as np
@@ -12,8 +13,9 @@ import pytest
 
 from server.config import EngineName, ModelConfig
 from server.dataplane import DataPlane
-from server.errors import InvalidInput, Unavailable
+from server.errors import InvalidInput, ModelNotFound, Unavailable
 from server.http import v2_infer
+from server.repository import ModelRepository
 
 CONFIG = ModelConfig.model_validate(
     {
@@ -151,19 +153,23 @@ class CountingHeap:
 
 
 class LoadingRepository(StubRepository):
+    """Builds something on every load and unload (`changes`), then fails the load if asked."""
+
     def __init__(self, fail: bool = False) -> None:
         super().__init__()
         self.fail = fail
+        self.changes = 0
 
     async def load_all(self, names: list[str] | None) -> None:
         pass
 
     async def load(self, name: str, config_override: str | None = None) -> None:
+        self.changes += 1
         if self.fail:
-            raise InvalidInput("bad config")
+            raise Unavailable("the engine failed to load")
 
     async def unload(self, name: str) -> None:
-        pass
+        self.changes += 1
 
 
 async def test_the_heap_settles_after_models_load_or_unload_failed_or_not() -> None:
@@ -177,6 +183,24 @@ async def test_the_heap_settles_after_models_load_or_unload_failed_or_not() -> N
     await plane.unload("double")
     assert heap.settled == 3
     failing = DataPlane(LoadingRepository(fail=True), heap)  # type: ignore[arg-type]
-    with pytest.raises(InvalidInput):
+    with pytest.raises(Unavailable):
         await failing.load("double", {})
     assert heap.settled == 4, "a failed load leaves remains to free too"
+
+
+async def test_a_load_or_unload_refused_before_anything_was_built_does_not_settle_the_heap(tmp_path: Path) -> None:
+    """A full collection holds the event loop for hundreds of milliseconds: a client asking again
+    and again for a model that is not there, or with a config that does not parse, stalled every
+    other client."""
+    heap = CountingHeap()
+    (tmp_path / "double").mkdir()
+    (tmp_path / "double" / "config.yaml").write_text("name: double\nengine: onnxruntime\n")
+    plane = DataPlane(ModelRepository(tmp_path), heap)
+    with pytest.raises(ModelNotFound):
+        await plane.load("absent", {})
+    with pytest.raises(ModelNotFound):
+        await plane.unload("absent")
+    with pytest.raises(InvalidInput):
+        await plane.load("double", {"config": "{not json"})
+    await plane.unload("double")  # known, never loaded: nothing to drop
+    assert heap.settled == 0
