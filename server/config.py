@@ -270,6 +270,10 @@ class OpenAIServing(_Strict):
 
 
 WarmupValue = bool | int | float | str
+# A batch profile must end: a load holds its model (reload, unload) and other models' profiles
+# until it does, and a server told to stop waits for it. A billion repeats once held a load (and
+# a core) for good, and SIGTERM with it. The passes also stop after 30 s (server/model.py).
+MAX_PROFILE_REPEATS = 100
 
 
 class Warmup(_Strict):
@@ -291,7 +295,10 @@ class Warmup(_Strict):
         default_factory=dict, description="Input name -> the value every element of that input holds."
     )
     profile: bool = False
-    profile_repeats: int = Field(default=5, ge=1)
+    profile_repeats: int = Field(
+        default=5, ge=1, le=MAX_PROFILE_REPEATS,
+        description="Timed passes over the batch ladder; passes stop early once 30 s have gone.",
+    )
     tolerance: float = Field(default=0.05, ge=0, lt=1)
     batch_cap: int | None = Field(default=None, gt=0, description="Fix the cap instead of measuring it.")
 

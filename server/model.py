@@ -49,6 +49,9 @@ from server.workers.pipeline import ModelPipeline, paddable_inputs
 
 logger = logging.getLogger(__name__)
 
+# A batch profile's timed passes stop after this long (at least one is timed): a load holds its
+# model, other models' profiles and a server's stop until it ends (profile_repeats is bounded too).
+PROFILE_BUDGET_S = 30.0
 
 class ModelState(enum.StrEnum):
     LOADING = "LOADING"
@@ -302,12 +305,17 @@ class ModelVersion:
         # Each repeat times every size in turn: a machine that slows down (or speeds up) while the
         # ladder is timed weighs on every size alike. Timed one size after another, the sizes
         # timed in a fast spell won, and the cap followed the machine's drift, not the model.
-        for _ in range(warmup.profile_repeats):
+        began = time.perf_counter()
+        for repeat in range(1, warmup.profile_repeats + 1):
             for size, feed in feeds.items():
                 start = time.perf_counter()
                 pipeline.run_batch([feed])
                 # the least disturbed run: other work on the machine only adds time
                 fastest[size] = min(fastest[size], time.perf_counter() - start)
+            if repeat < warmup.profile_repeats and time.perf_counter() - began > PROFILE_BUDGET_S:
+                logger.warning("model %s: the batch profile stopped after %d of %d passes, past %.0f s",
+                               self.label, repeat, warmup.profile_repeats, PROFILE_BUDGET_S)
+                break
         profile = [{"batch_size": size, "seconds": seconds, "items_per_second": size / seconds}
                    for size, seconds in fastest.items()]
         self.stats.batch_profile = profile

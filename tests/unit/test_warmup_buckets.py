@@ -173,6 +173,29 @@ def test_the_batch_cap_is_the_models_not_the_machines_drift(
     assert version.stats.batch_cap == 8
 
 
+def test_a_batch_profile_ends_within_its_time_budget(
+    plain_engines: list[RecordingEngine], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A profile of a billion repeats once held its load for good: the model could not be
+    reloaded or unloaded, other models' profiles waited, and a stop never ended. Repeats are
+    bounded, and passes stop once the budget has gone (one pass of sizes 1, 2, 4, 8: 4 s)."""
+    clock = [0.0]
+    monkeypatch.setattr(server.model, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    recorded = RecordingEngine.run
+
+    def run(engine: RecordingEngine, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        clock[0] += 1.0
+        return recorded(engine, inputs)
+
+    monkeypatch.setattr(RecordingEngine, "run", run)
+    with pytest.raises(ValueError, match="profile_repeats"):
+        ModelConfig.model_validate(vector_model(warmup={"profile": True, "profile_repeats": 1_000_000_000}))
+    version = built(vector_model(max_batch_size=8, warmup={"profile": True, "profile_repeats": 100}), tmp_path)
+    passes = (len(plain_engines[0].runs) - 1 - 4) / 4  # less the warm-up run and the untimed pass
+    assert passes == server.model.PROFILE_BUDGET_S // 4 + 1
+    assert version.stats.batch_cap == 8  # every size took 1 s: the largest gives most
+
+
 def test_every_instance_is_warmed_up_at_every_bucket(engines: list[RecordingEngine], tmp_path: Path) -> None:
     built(vector_model(batch_buckets=[4, 6], instance_group=[{"count": 2, "kind": "CPU"}]), tmp_path)
     assert len(engines) == 2
