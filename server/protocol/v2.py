@@ -155,7 +155,10 @@ def json_object(raw: bytes | bytearray) -> dict[str, Any]:
     try:
         document = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise InvalidInput(f"the request body is not valid JSON: {exc}") from exc
+        hint = ""
+        if b"NaN" in raw or b"Infinity" in raw:  # Triton's parser takes them; this one does not
+            hint = " (NaN and Infinity are not taken in JSON here: send that tensor as binary data)"
+        raise InvalidInput(f"the request body is not valid JSON: {exc}{hint}") from exc
     if not isinstance(document, dict):
         raise InvalidInput("the request body must be a JSON object")
     return document
@@ -457,6 +460,8 @@ def encode_response(
         document["id"] = request_id
     document["outputs"] = tensors
     header = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
+    if b"null" in header and _non_finite_written(tensors):  # orjson writes null for NaN and infinities
+        header = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
     if not blobs:
         return header, None
     return b"".join([header, *blobs]), len(header)
@@ -474,6 +479,36 @@ def _json_data(array: np.ndarray, datatype: str, name: str) -> object:
     if flat.dtype == ml_dtypes.bfloat16 or flat.dtype == np.float16:
         flat = flat.astype(np.float32)
     return np.ascontiguousarray(flat)
+
+
+NON_FINITE = {"nan": b"NaN", "inf": b"Infinity", "-inf": b"-Infinity"}
+
+
+def _non_finite_written(tensors: list[dict[str, Any]]) -> bool:
+    """Give each JSON output that holds NaN or an infinity its values as Triton writes them;
+    whether any did. Asked only once a response holds `null`: a check of every output's values
+    would cost every response a microsecond."""
+    found = False
+    for tensor in tensors:
+        data = tensor.get("data")
+        if isinstance(data, np.ndarray) and data.dtype.kind == "f" and not np.isfinite(data).all():
+            tensor["data"] = _with_non_finite(data)
+            found = True
+    return found
+
+
+def _with_non_finite(flat: np.ndarray) -> orjson.Fragment:
+    """The values as JSON with NaN, Infinity and -Infinity written as Triton writes them (and
+    Python's json, tritonclient and rapidjson read them): orjson writes null, and a client
+    read an infinity back as NaN. orjson writes null only where a value is not finite, so the
+    nulls are those values in order."""
+    text = orjson.dumps(np.ascontiguousarray(flat), option=orjson.OPT_SERIALIZE_NUMPY)
+    pieces = text.split(b"null")
+    tokens = [NON_FINITE[str(value)] for value in flat[~np.isfinite(flat)].astype(np.float64)]
+    joined = [pieces[0]]
+    for token, piece in zip(tokens, pieces[1:]):
+        joined += (token, piece)
+    return orjson.Fragment(b"".join(joined))
 
 
 def encode_error(message: str) -> bytes:

@@ -16,6 +16,7 @@ from tritonclient.http._utils import _get_inference_request
 
 from server.errors import InvalidInput, Unsupported
 from server.protocol import v2
+from server.protocol.datatypes import numpy_dtype
 from server.protocol.shared_memory import COPIED_PER_WALKED, RegionRef
 from server.protocol.v2 import (
     DecodedRequest,
@@ -609,6 +610,24 @@ def test_json_fp16_bf16_are_plain_floats() -> None:
     result = parse(body, None)
     assert_same(result.as_numpy("h"), fp16)
     assert_same(result.as_numpy("b"), bf16)
+
+
+@pytest.mark.parametrize("datatype", ["FP16", "BF16", "FP32", "FP64"])
+def test_json_nan_and_infinities_come_back_as_triton_writes_them(datatype: str) -> None:
+    """orjson wrote null for each: a client read an infinity back as NaN, or got None. Triton
+    writes NaN, Infinity and -Infinity (rapidjson's flag), which tritonclient and Python's json
+    read back."""
+    array = np.array([[0.5, np.nan, np.inf], [-np.inf, -2.0, np.nan]], np.float32).astype(numpy_dtype(datatype))
+    body, _ = encode_response("m", 1, None, [("y", datatype, array, False)])
+    assert b"[0.5,NaN,Infinity,-Infinity,-2.0,NaN]" in body
+    result = parse(body, None).as_numpy("y")
+    assert result.shape == (2, 3)
+    np.testing.assert_array_equal(result.astype(np.float64), array.astype(np.float64))
+
+
+def test_a_body_with_nan_says_to_send_it_as_binary() -> None:
+    with pytest.raises(InvalidInput, match="NaN and Infinity are not taken in JSON here"):
+        v2.json_object(b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [NaN]}]}')
 
 
 def test_json_bytes_output_round_trips() -> None:
