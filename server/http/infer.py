@@ -47,6 +47,7 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 _HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode()
 _BINARY = b"application/octet-stream"
 CLIENT_CLOSED = 499  # nginx's status for a client that left first: logged, never sent
+CONTROL_CUT_OFF = "the server stopped before this call ended (its grace period for calls in flight ran out)"
 BUSY = 429
 # The refusal under overload is a constant: no encoding, no allocation per refused request.
 BUSY_BODY = encode_error(BUSY_MESSAGE)
@@ -568,7 +569,25 @@ class FastInferApp:
                 raise PayloadTooLarge(_control_too_large(limit))
             return message
 
-        await self.app(scope, counted, send)
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, watched)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            # uvicorn's graceful stop ran out of time for a load still building or warming up
+            # (the load goes on to its end): the client, still waiting, is told 503 in the
+            # protocol's shape, where uvicorn answered a plain-text 500 and logged a traceback
+            task = asyncio.current_task()
+            assert task is not None
+            task.uncancel()
+            await _send(scope, send, *error_parts(Unavailable(CONTROL_CUT_OFF)))
 
 
 def _control_too_large(limit: int) -> str:

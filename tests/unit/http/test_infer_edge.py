@@ -23,6 +23,7 @@ from server.dataplane import DataPlane
 from server.errors import InvalidInput
 from server.http import infer, v2_infer
 from server.http.app import create_app
+from server.http.auth import AccessPolicy
 from server.http.infer import MAX_GZIP_MEMBERS, FastInferApp, InferEndpoint, _decompressed
 from server.metrics import build_registry, exposition
 from tests.unit.http.conftest import HOLD, Exchange, Gate, infer_body
@@ -384,6 +385,35 @@ async def test_a_request_cut_off_by_the_end_of_the_grace_period_is_told_503_not_
     await asyncio.wait({task}, timeout=10)
     assert task.done() and not task.cancelled() and task.exception() is None
     assert_error(exchange, 503, "stopped before this request was answered")
+
+
+class LoadsForever:
+    """A repository whose load is still warming up when the server's grace period runs out."""
+
+    changes = 0
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+
+    async def load(self, name: str, config_override: str | None = None) -> None:
+        self.entered.set()
+        await asyncio.Event().wait()
+
+
+async def test_a_load_cut_off_by_the_end_of_the_grace_period_is_told_503_not_500() -> None:
+    """It was answered a plain-text 500 by uvicorn, with 'Exception in ASGI application' and a
+    traceback in the log."""
+    repository = LoadsForever()
+    plane = DataPlane(repository)  # type: ignore[arg-type]
+    exchange = Exchange.of(b"{}", {"content-type": "application/json", "host": "127.0.0.1"},
+                           path="/v2/repository/models/m/load")
+    app = FastInferApp(create_app(plane, access=AccessPolicy(model_control=True)), InferEndpoint(plane, LIMIT))
+    task = asyncio.create_task(app(exchange.scope, exchange.receive, exchange.send))
+    await asyncio.wait_for(repository.entered.wait(), 10)
+    task.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")  # as uvicorn does
+    await asyncio.wait({task}, timeout=10)
+    assert task.done() and not task.cancelled() and task.exception() is None
+    assert_error(exchange, 503, "the server stopped before this call ended")
 
 
 @pytest.mark.parametrize("path", ["/v2/repository/index", "/v2/systemsharedmemory/region/r/register"])
