@@ -61,7 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
     repository = ModelRepository(settings.model_repository.resolve(), settings.engine_threads)
     heap = HeapPolicy().install()
     regions = SystemSharedMemory(settings.allow_client_shm, settings.max_body_bytes, settings.max_in_flight_bytes)
-    plane = DataPlane(repository, heap, regions)
+    plane = DataPlane(repository, heap, regions, settings.max_output_bytes)
     metrics = build_registry(repository, settings.device_price_per_hour, heap=heap)
     flight = InFlight(settings.max_in_flight, settings.max_in_flight_bytes)  # every front end's
     app = create_app(plane, settings.max_body_bytes, metrics, AccessLog(settings.access_log), access, flight)

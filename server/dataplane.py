@@ -23,6 +23,7 @@ from server.model import ModelVersion
 from server.repository import ModelRepository
 from server.scheduler.admission import check_declared
 from server.scheduler.request import RequestRecord
+from server.settings import MAX_OUTPUT_BYTES
 from server.shared_memory import SystemSharedMemory
 from server.triton_config import triton_model_config
 
@@ -43,9 +44,10 @@ SHARED_MEMORY_EXTENSION = "system_shared_memory"  # listed when clients may regi
 class DataPlane:
     def __init__(
         self, repository: ModelRepository, heap: HeapPolicy | None = None,
-        shared_memory: SystemSharedMemory | None = None,
+        shared_memory: SystemSharedMemory | None = None, max_output_bytes: int = MAX_OUTPUT_BYTES,
     ) -> None:
         self.repository = repository
+        self.max_output_bytes = max_output_bytes  # an answer's tensors, together
         self.shared_memory = shared_memory or SystemSharedMemory()  # clients' regions, off unless allowed
         self._heap = heap  # settled after models load or unload; None: the collector is left as it is
         self._startup: asyncio.Task[None] | None = None
@@ -222,7 +224,8 @@ class DataPlane:
         if not model.ready:
             model, checked_batch_size = self._serving_now(model), None
         selection = model.every_output if outputs is None else output_tensors(model.config, outputs)
-        return Call(model.start_request(inputs, parameters, record, received_ns, checked_batch_size), selection, model)
+        return Call(model.start_request(inputs, parameters, record, received_ns, checked_batch_size), selection, model,
+                    self.max_output_bytes)
 
 
 class Call(NamedTuple):
@@ -231,9 +234,20 @@ class Call(NamedTuple):
     future: asyncio.Future[dict[str, np.ndarray]]
     selection: Sequence[tuple[str, str]]  # (name, datatype), in the order asked for
     model: ModelVersion
+    max_bytes: int = MAX_OUTPUT_BYTES  # of the outputs asked for, together
 
     def outputs(self, results: dict[str, np.ndarray]) -> list[Output]:
-        return [(name, datatype, results[name]) for name, datatype in self.selection]
+        """The outputs asked for; InvalidInput (400) past `max_bytes`: encoding a gigabyte of
+        outputs held every other client for seconds, and gRPC's message took five times its
+        size in memory. (A BYTES output counts its pointers, not its strings.)"""
+        outputs = [(name, datatype, results[name]) for name, datatype in self.selection]
+        size = sum(array.nbytes for _, _, array in outputs)
+        if size > self.max_bytes:
+            raise InvalidInput(
+                f"the outputs of this request hold {size} bytes, over the server's limit of {self.max_bytes} "
+                "(--max-output-bytes): send fewer items at once, or ask for fewer outputs"
+            )
+        return outputs
 
     async def answer(self) -> list[Output]:
         """The outputs asked for, once computed (the call's error, raised). Raised from here,

@@ -21,6 +21,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from server.config import MAX_ENGINE_THREADS
 
 ENV_PREFIX = "BATCHLINE_"
+MAX_OUTPUT_BYTES = 256 << 20  # an infer answer's tensors, together
 Settings = TypeVar("Settings", bound=BaseSettings)
 
 
@@ -85,6 +86,10 @@ class ServerSettings(RepositorySettings):
         default=64 << 20, gt=0,
         description="largest infer request body accepted (413 past it), and the most one input may take from a "
         "client's shared-memory region (400 past it)")
+    max_output_bytes: Annotated[int, Flag(metavar="BYTES")] = Field(
+        default=MAX_OUTPUT_BYTES, gt=0,
+        description="most bytes the tensors of one infer answer may hold together, before encoding (400 past it): "
+        "a model whose outputs grow with its inputs cannot hold every other client while it encodes gigabytes")
     max_in_flight: Annotated[int, Flag(metavar="N")] = Field(
         default=512, gt=0,
         description="infer requests served at once, over every front end together (with --http-workers N, each HTTP "

@@ -77,6 +77,19 @@ async def test_outputs_come_back_named_in_the_order_asked() -> None:
     assert [o[0] for o in await plane.start_call(model, {"x": x}, {}, ["y"]).answer()] == ["y"]  # type: ignore[arg-type]
 
 
+async def test_outputs_past_the_limit_are_refused_before_any_is_encoded() -> None:
+    """A model whose outputs grow with its inputs: encoding a gigabyte held every other client
+    for seconds. The limit counts the outputs asked for, together."""
+    plane = DataPlane(StubRepository(), max_output_bytes=16)  # type: ignore[arg-type]
+    model = plane.admit("double", None)
+    within = ("FP32", np.ones((1, 4), np.float32))  # 16 bytes out
+    ((_, _, array),) = await plane.start_call(model, {"x": within}, {}).answer()  # type: ignore[arg-type]
+    assert array.nbytes == 16
+    past = ("FP32", np.ones((1, 5), np.float32))
+    with pytest.raises(InvalidInput, match=r"hold 20 bytes, over the server's limit of 16 \(--max-output-bytes\)"):
+        await plane.start_call(model, {"x": past}, {}).answer()  # type: ignore[arg-type]
+
+
 async def test_a_stopping_server_admits_nothing() -> None:
     plane = DataPlane(StubRepository())  # type: ignore[arg-type]
     plane.begin_stop()
