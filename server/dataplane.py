@@ -20,6 +20,7 @@ from server.engines.registry import ENGINES
 from server.errors import InvalidInput, QueueFull, Unavailable
 from server.heap import HeapPolicy
 from server.model import ModelVersion
+from server.paced import PacedRender
 from server.repository import ModelRepository
 from server.scheduler.admission import check_declared
 from server.scheduler.request import RequestRecord
@@ -50,6 +51,7 @@ class DataPlane:
         self.max_output_bytes = max_output_bytes  # an answer's tensors, together
         self.shared_memory = shared_memory or SystemSharedMemory()  # clients' regions, off unless allowed
         self._heap = heap  # settled after models load or unload; None: the collector is left as it is
+        self._index = PacedRender(lambda: self.repository.index())  # shared by HTTP and gRPC
         self._startup: asyncio.Task[None] | None = None
         self.stopping = False  # a stop was asked for: not ready, no new inference; what is in flight finishes
         self.accepting = True  # False while the Server starts its front ends: not ready until all accept
@@ -126,8 +128,12 @@ class DataPlane:
                 self.repository.get(name)  # raises the reason
         return {"model_stats": [m.stats.as_dict(m.config.name, m.version) for m in models]}
 
-    def repository_index(self, ready_only: bool) -> list[dict[str, str]]:
-        entries = [e.as_dict() for e in self.repository.index()]
+    async def repository_index(self, ready_only: bool) -> list[dict[str, str]]:
+        """Every model and its state. The index reads the repository's folder on the event loop
+        (5,000 model folders: about 30 ms), so calls waiting at once share one read, begun after
+        each asked, and reads take at most a tenth of the loop: one client polling the index of
+        5,000 folders cut others' inference from ~1,950 requests a second to ~60."""
+        entries = [e.as_dict() for e in await self._index()]
         return [e for e in entries if e["state"] == "READY"] if ready_only else entries
 
     async def load(self, name: str, parameters: dict[str, Any]) -> None:
@@ -238,7 +244,7 @@ class Call(NamedTuple):
 
     def outputs(self, results: dict[str, np.ndarray]) -> list[Output]:
         """The outputs asked for; InvalidInput (400) past `max_bytes`: encoding a gigabyte of
-        outputs held every other client for seconds, and gRPC's message took five times its
+        outputs held every other client for seconds, and gRPC's answer took six times its
         size in memory. (A BYTES output counts its pointers, not its strings.)"""
         outputs = [(name, datatype, results[name]) for name, datatype in self.selection]
         size = sum(array.nbytes for _, _, array in outputs)

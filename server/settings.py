@@ -21,7 +21,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from server.config import MAX_ENGINE_THREADS
 
 ENV_PREFIX = "BATCHLINE_"
-MAX_OUTPUT_BYTES = 256 << 20  # an infer answer's tensors, together
+MAX_OUTPUT_BYTES = 64 << 20  # an infer answer's tensors, together
 Settings = TypeVar("Settings", bound=BaseSettings)
 
 

@@ -112,8 +112,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     # -- repository ------------------------------------------------------------------------------
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: grpc.aio.ServicerContext) -> Any:
-        def index() -> pb.RepositoryIndexResponse:
-            entries = self._plane.repository_index(request.ready)
+        async def index() -> pb.RepositoryIndexResponse:
+            entries = await self._plane.repository_index(request.ready)
             return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**e) for e in entries])
 
         return await self._call(context, "RepositoryIndex", index)

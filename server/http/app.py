@@ -111,7 +111,7 @@ def create_app(
         ready = (await _json_object(request)).get("ready", False)
         if not isinstance(ready, bool):  # bool("false") is True
             raise InvalidInput("'ready' must be true or false")
-        return _json(plane.repository_index(ready))
+        return _json(await plane.repository_index(ready))
 
     @v2.post("/repository/models/{model}/load", summary="Load or reload a model", tags=["repository"])
     async def load(request: Request, model: str) -> Response:

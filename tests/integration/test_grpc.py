@@ -534,19 +534,19 @@ def test_calls_open_at_once_are_bounded_and_a_connections_streams_too(tmp_path: 
 def test_outputs_past_the_limit_are_400_and_invalid_argument_and_the_server_serves_on(tmp_path: Path) -> None:
     """digits answers 40 bytes an image: with --max-output-bytes 200, five images are answered
     and six are refused, before any output is encoded, on both protocols."""
+    def probabilities(client: Any, module: Any, images: int) -> np.ndarray:
+        sent = module.InferInput("image", [images, 1, 8, 8], "FP32")
+        sent.set_data_from_numpy(np.ones((images, 1, 8, 8), np.float32))
+        return client.infer("digits", [sent]).as_numpy("probabilities")
+
     root = linked_repository(tmp_path / "models", ("digits",))
     with serving(root, "--max-output-bytes", "200") as server:
         for client, module in ((th.InferenceServerClient(server.url.removeprefix("http://")), th),
                                (tg.InferenceServerClient(server.target), tg)):
-            def probabilities(images: int) -> np.ndarray:
-                sent = module.InferInput("image", [images, 1, 8, 8], "FP32")
-                sent.set_data_from_numpy(np.ones((images, 1, 8, 8), np.float32))
-                return client.infer("digits", [sent]).as_numpy("probabilities")
-
-            assert probabilities(5).shape == (5, 10)
+            assert probabilities(client, module, 5).shape == (5, 10)
             with pytest.raises(InferenceServerException) as refused:
-                probabilities(6)
+                probabilities(client, module, 6)
             assert refused.value.status() in ("400", "StatusCode.INVALID_ARGUMENT"), refused.value
             assert "hold 240 bytes, over the server's limit of 200 (--max-output-bytes)" in refused.value.message()
-            assert probabilities(1).shape == (1, 10)
+            assert probabilities(client, module, 1).shape == (1, 10)
             client.close()

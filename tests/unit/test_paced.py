@@ -1,4 +1,4 @@
-"""Paced renders (/metrics): callers waiting at once share one render that began after each of
+"""Paced renders (/metrics, the repository index): callers waiting at once share one render that began after each of
 them asked, and renders back to back take at most their share of the event loop."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from server.dataplane import DataPlane
 from server.http.app import create_app
 from server.paced import PacedRender
-from server.repository import ModelRepository
+from server.repository import IndexEntry, ModelRepository
 
 
 class Busy:
@@ -141,3 +141,28 @@ async def test_scrapes_of_the_real_app_at_once_share_renders(tmp_path: Path) -> 
         responses = await asyncio.gather(*(client.get("/metrics") for _ in range(16)))
     assert all(r.status_code == 200 and "batchline_test_collects" in r.text for r in responses)
     assert counted.collects <= 3  # the first alone, the rest together (on a slow machine, a third)
+
+
+class CountedIndex(ModelRepository):
+    """A repository whose index counts its reads."""
+
+    reads = 0
+
+    def index(self) -> list[IndexEntry]:
+        self.reads += 1
+        time.sleep(0.002)  # a folder of thousands of models takes tens of milliseconds
+        return super().index()
+
+
+async def test_index_calls_of_the_real_app_at_once_share_reads(tmp_path: Path) -> None:
+    """Sixteen clients asking for the repository index together, over HTTP and gRPC's shared
+    data plane: each gets it, from two reads of the folder, not sixteen (one client polling the
+    index of 5,000 models held everyone else's inference to ~60 requests a second)."""
+    (tmp_path / "double").mkdir()
+    (tmp_path / "double" / "config.yaml").write_text("name: double\n")
+    repository = CountedIndex(tmp_path)
+    app = create_app(DataPlane(repository))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://batchline.test") as client:
+        responses = await asyncio.gather(*(client.post("/v2/repository/index", json={}) for _ in range(16)))
+    assert all(r.status_code == 200 and r.json() == [{"name": "double", "state": "", "reason": ""}] for r in responses)
+    assert repository.reads <= 3  # the first alone, the rest together (on a slow machine, a third)

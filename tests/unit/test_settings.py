@@ -36,6 +36,7 @@ SAMPLES: dict[str, tuple[list[str], Any]] = {
     "access_log": (["json"], "json"),
     "device_price_per_hour": (["3.5"], 3.5),
     "max_body_bytes": (["1024"], 1024),
+    "max_output_bytes": (["2048"], 2048),
     "max_in_flight": (["8"], 8),
     "max_in_flight_bytes": (["4096"], 4096),
     "allow_client_shm": ([], True),
