@@ -19,11 +19,12 @@ Faults stay within the batch that met them:
   halves of a half that fails, so one request whose values the engine cannot take (text that
   does not parse, an id out of range) fails alone, with the engine's words, and the others are
   answered: about log2(N) more runs. Several such requests each fail alone.
-  Once as many requests as log2(N) + 2 (rounded down) are found at fault with no run between
-  them that succeeded, the engine seems to fail everything: what is left fails unrun, with
-  Unavailable (retry), never with another request's error, which may quote that request's
-  values. An engine that fails everything costs a batch about twice that many runs, not two a
-  request; a run that succeeds starts the count again.
+  Once log2(N) + 3 (rounded down) requests are found at fault with no run between them that
+  succeeded, what is left runs once as one: a burst of bad requests at the head of a batch
+  leaves the rest answered. If that fails too, the engine seems to fail everything: the rest
+  fails with Unavailable (retry), never with another request's error, which may quote that
+  request's values. An engine that fails everything costs a batch about twice that many runs,
+  not two a request; a run that succeeds starts the count again.
 """
 
 from __future__ import annotations
@@ -119,10 +120,12 @@ class ModelInstance:
         failed: dict[int, BatchlineError] = {}
         ran_out: list[tuple[int, set[int]]] = []  # (rows, requests) of each group that ran out of memory
         total = BatchResult([])
-        # requests found at fault since a run last succeeded: past `at_fault_bound` of them the
-        # engine seems to fail everything, and the search ends
+        # requests found at fault since a run last succeeded: at `at_fault_bound` of them, what is
+        # left runs once as one (`last_chance`); if that fails too, the engine seems to fail
+        # everything, and the search ends
         at_fault_bound = len(pieces).bit_length() + 2
         at_fault = 0
+        last_chance = False
         warned = False
         while work:
             group = [p for p in work.popleft() if p.request not in failed]
@@ -137,6 +140,10 @@ class ModelInstance:
                 if not is_out_of_memory(exc):
                     if whole and len(group) == 1:  # one request dispatched alone: its error as is
                         raise
+                    if last_chance and len(group) > 1:
+                        self._fail_unrun(failed, [group, *work], at_fault)
+                        work.clear()
+                        continue
                     if len(group) > 1:  # whose values failed it? its halves run again to say
                         if not warned:
                             warned = True
@@ -151,15 +158,12 @@ class ModelInstance:
                         exc if isinstance(exc, BatchlineError) else EngineError(f"{type(exc).__name__}: {exc}")
                     )
                     at_fault += 1
-                    if at_fault >= at_fault_bound and work:  # not one request's values, it seems
-                        unrun = {p.request for rest in work for p in rest} - failed.keys()
-                        logger.error("%d more requests of the batch fail unrun on %s: %d requests in a row failed "
-                                     "alone", len(unrun), self.label, at_fault)
-                        failed.update((request, Unavailable(
-                            f"not run: the engine of {self.label} failed {at_fault} requests of its batch in a "
-                            "row, this one's values untried; retry"
-                        )) for request in unrun)
+                    if at_fault >= at_fault_bound and not last_chance:  # not one request's values, it seems
+                        rest = [p for pending in work for p in pending if p.request not in failed]
                         work.clear()
+                        if rest:  # unless all of the rest works: a burst of bad requests at the head
+                            work.append(rest)
+                            last_chance = True
                 elif rows == 1:
                     failed[group[0].request] = OutOfMemory(
                         f"instance {self.label} ran out of memory on a single item: {_reason(exc)}"
@@ -173,6 +177,7 @@ class ModelInstance:
                 continue
             whole = False
             at_fault = 0
+            last_chance = False
             total.compute_input_ns += result.compute_input_ns
             total.compute_infer_ns += result.compute_infer_ns
             total.compute_output_ns += result.compute_output_ns
@@ -186,6 +191,16 @@ class ModelInstance:
         total.failed = failed
         total.batch_cap = self.batch_cap
         return total
+
+    def _fail_unrun(self, failed: dict[int, BatchlineError], groups: list[list[_Piece]], at_fault: int) -> None:
+        """Fail the requests of `groups` not failed yet with Unavailable (retry): never with
+        another request's error, which may quote that request's values."""
+        unrun = {p.request for group in groups for p in group} - failed.keys()
+        logger.error("%d more requests of the batch fail unrun on %s: %d requests in a row failed alone, then the "
+                     "rest together", len(unrun), self.label, at_fault)
+        error = Unavailable(f"not run alone: the engine of {self.label} failed {at_fault} requests of its batch in "
+                            "a row, then the rest of it together; retry")
+        failed.update((request, error) for request in unrun)
 
     def _lower_cap(self, rows: int) -> None:
         cap = (rows + 1) // 2  # the larger half of the smallest batch that did not fit

@@ -198,13 +198,28 @@ async def test_requests_the_engine_cannot_take_at_the_head_of_a_batch_fail_alone
     worker.close()
 
 
-async def test_an_engine_that_fails_everything_costs_a_batch_a_few_runs_not_one_a_request(faults: Faults) -> None:
-    """Once as many requests as log2(N) + 2 (8 requests: 6) failed alone with no run between
-    that succeeded, the rest fails unrun: Unavailable (retry), not another request's error."""
+async def test_a_burst_of_bad_requests_past_the_bound_leaves_the_rest_answered(faults: Faults) -> None:
+    """Six at the head of eight reach the bound (log2(8) + 3 = 6 found at fault in a row): the
+    rest runs once as one, and is answered."""
     worker = instance(faults)
-    result = await worker.run([feed(RAISE) for _ in range(8)])
+    result = await worker.run([feed(RAISE) for _ in range(6)] + [feed(1.0), feed(2.0)])
+    assert sorted(result.failed) == list(range(6))
+    assert [doubled(o) for o in result.outputs[6:]] == [[2.0], [4.0]]
+    assert [len(run) for run in faults.runs()] == [8, 4, 2, 1, 1, 2, 1, 1, 4, 2, 1, 1, 2]
+    worker.close()
+
+
+@pytest.mark.parametrize("rest", [[RAISE, RAISE], [RAISE, 1.0]])
+async def test_an_engine_that_fails_everything_costs_a_batch_a_few_runs_not_one_a_request(
+    faults: Faults, rest: list[float],
+) -> None:
+    """Once log2(N) + 3 requests (8 requests: 6) failed alone with no run between that
+    succeeded, and the rest failed together too, the rest fails unrun alone: Unavailable
+    (retry), not another request's error."""
+    worker = instance(faults)
+    result = await worker.run([feed(RAISE) for _ in range(6)] + [feed(v) for v in rest])
     assert sorted(result.failed) == list(range(8))
-    assert [len(run) for run in faults.runs()] == [8, 4, 2, 1, 1, 2, 1, 1, 4, 2, 1, 1]
+    assert [len(run) for run in faults.runs()] == [8, 4, 2, 1, 1, 2, 1, 1, 4, 2, 1, 1, 2]
     assert all(isinstance(result.failed[i], EngineError) for i in range(6))
     for unrun in (6, 7):
         error = result.failed[unrun]
