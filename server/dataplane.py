@@ -251,7 +251,7 @@ class Call(NamedTuple):
         if size > self.max_bytes:
             raise InvalidInput(
                 f"the outputs of this request hold {size} bytes, over the server's limit of {self.max_bytes} "
-                "(--max-output-bytes): send fewer items at once, or ask for fewer outputs"
+                "(--max-output-bytes): send fewer or smaller inputs, or ask for fewer outputs"
             )
         return outputs
 

@@ -579,7 +579,7 @@ class FastInferApp:
         try:
             await self.app(scope, counted, watched)
         except asyncio.CancelledError:
-            if started:
+            if started or self.endpoint.plane is None or not self.endpoint.plane.stopping:
                 raise
             # uvicorn's graceful stop ran out of time for a load still building or warming up
             # (the load goes on to its end): the client, still waiting, is told 503 in the

@@ -157,7 +157,7 @@ def json_object(raw: bytes | bytearray) -> dict[str, Any]:
     except orjson.JSONDecodeError as exc:
         hint = ""
         if b"NaN" in raw or b"Infinity" in raw:  # Triton's parser takes them; this one does not
-            hint = " (NaN and Infinity are not taken in JSON here: send that tensor as binary data)"
+            hint = " (NaN and Infinity are not JSON numbers here: send a tensor that holds them as binary data)"
         raise InvalidInput(f"the request body is not valid JSON: {exc}{hint}") from exc
     if not isinstance(document, dict):
         raise InvalidInput("the request body must be a JSON object")

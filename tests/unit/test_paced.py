@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+import server.paced
 from server.dataplane import DataPlane
 from server.http.app import create_app
 from server.paced import PacedRender
@@ -36,6 +37,44 @@ class Busy:
         return len(self.renders)
 
 
+class Clock:
+    """The paced module's clock, moved only by the renders (and a microsecond a reading): a
+    machine that stalls the test cannot make a caller find the loop free when the test means it
+    to wait."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(server.paced, "time", clock)
+    return clock
+
+
+class Rendering:
+    """A render that takes `seconds` of the clock, counts itself, and gives its outcomes in turn."""
+
+    def __init__(self, clock: Clock, seconds: float, outcomes: Iterator[int | Exception] | None = None) -> None:
+        self.clock = clock
+        self.seconds = seconds
+        self.outcomes = outcomes
+        self.began: list[float] = []
+
+    def __call__(self) -> int:
+        self.began.append(self.clock.perf_counter())
+        self.clock.now += self.seconds
+        outcome = next(self.outcomes) if self.outcomes is not None else len(self.began)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+
 async def test_a_lone_caller_is_rendered_at_once() -> None:
     busy = Busy(0)
     paced = PacedRender(busy)
@@ -43,20 +82,19 @@ async def test_a_lone_caller_is_rendered_at_once() -> None:
     assert len(busy.renders) == 1
 
 
-async def test_callers_waiting_at_once_share_one_render_that_began_after_each_asked() -> None:
-    busy = Busy(0.005)
-    paced = PacedRender(busy, loop_share=0.1)
+async def test_callers_waiting_at_once_share_one_render_that_began_after_each_asked(clock: Clock) -> None:
+    render = Rendering(clock, 0.005)
+    paced = PacedRender(render, loop_share=0.1)
     assert await paced() == 1  # the loop is now owed 45 ms before the next render
     asked: list[float] = []
 
     async def caller() -> int:
-        asked.append(time.perf_counter())
+        asked.append(clock.perf_counter())
         return await paced()
 
     results = await asyncio.gather(*(caller() for _ in range(20)))
     assert results == [2] * 20
-    began_second = busy.renders[1][0]
-    assert max(asked) < began_second  # no caller got figures from before it asked
+    assert max(asked) < render.began[1]  # no caller got figures from before it asked
 
 
 async def test_renders_back_to_back_take_at_most_their_share_of_the_loop() -> None:
@@ -68,9 +106,8 @@ async def test_renders_back_to_back_take_at_most_their_share_of_the_loop() -> No
         assert began - ended >= 9 * 0.005 * 0.99  # 5 ms of rendering, then 45 ms for everyone else
 
 
-async def test_a_caller_that_gives_up_does_not_cancel_the_render_others_wait_for() -> None:
-    busy = Busy(0.002)
-    paced = PacedRender(busy)
+async def test_a_caller_that_gives_up_does_not_cancel_the_render_others_wait_for(clock: Clock) -> None:
+    paced = PacedRender(Rendering(clock, 0.002))
     await paced()
     leaving = asyncio.create_task(paced())
     staying = asyncio.create_task(paced())
@@ -82,18 +119,10 @@ async def test_a_caller_that_gives_up_does_not_cancel_the_render_others_wait_for
 
 
 async def test_a_failed_render_reaches_every_caller_and_the_next_one_renders_again(
-    caplog: pytest.LogCaptureFixture,
+    clock: Clock, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    outcomes: Iterator[int | Exception] = iter([1, RuntimeError("the collector failed"), RuntimeError("the collector failed"), 4])
-
-    def render() -> int:
-        time.sleep(0.002)
-        outcome = next(outcomes)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
-    paced = PacedRender(render)
+    failure = RuntimeError("the collector failed")
+    paced = PacedRender(Rendering(clock, 0.002, iter([1, failure, failure, 4])))
     assert await paced() == 1
     waiting = [asyncio.create_task(paced()) for _ in range(3)]
     for task in waiting:
@@ -104,7 +133,7 @@ async def test_a_failed_render_reaches_every_caller_and_the_next_one_renders_aga
     abandoned.cancel()
     with pytest.raises(asyncio.CancelledError):
         await abandoned
-    await asyncio.sleep(0.05)  # that render has run (and failed) by now
+    await asyncio.sleep(0.05)  # that render (due 18 ms after the last) has run, and failed, by now
     del abandoned
     gc.collect()
     assert "never retrieved" not in caplog.text

@@ -54,11 +54,13 @@ async def test_a_new_version_with_a_bad_artifact_leaves_the_old_one_serving(repo
     version_2 = repository.root / "double" / "2"
     version_2.mkdir()
     (version_2 / "model.onnx").write_bytes(b"not an onnx model")
+    changes = repository.changes
     with pytest.raises(Unavailable) as failed:
         await repository.load("double")
     await assert_version_1_serves(repository)
     assert "version 2: ONNX Runtime cannot load" in failed.value.message
     assert failed.value.message.endswith("(version 1 serves on)")
+    assert repository.changes > changes, "a load that built something leaves the heap something to settle"
 
 
 async def test_a_new_version_whose_warm_up_fails_leaves_the_old_one_serving(
@@ -87,9 +89,14 @@ async def test_a_new_version_that_runs_out_of_memory_loading_leaves_the_old_one_
 
 async def test_a_broken_config_on_reload_leaves_the_old_version_serving(repository: ModelRepository) -> None:
     (repository.root / "double" / "config.yaml").write_text("name: double\nengine: onnxruntime\nmax_batch_size: many\n")
+    changes = repository.changes
     with pytest.raises(InvalidInput) as failed:
         await repository.load("double")
+    assert repository.changes == changes, "refused before anything was built"
     await assert_version_1_serves(repository)
+    changes = repository.changes
+    await repository.unload("double")
+    assert repository.changes > changes
     assert "max_batch_size" in failed.value.message and "version 1 serves on" in failed.value.message
 
 

@@ -625,8 +625,24 @@ def test_json_nan_and_infinities_come_back_as_triton_writes_them(datatype: str) 
     np.testing.assert_array_equal(result.astype(np.float64), array.astype(np.float64))
 
 
+def test_nan_among_several_outputs_lands_on_its_own_values() -> None:
+    """A name, an id or a BYTES string of "null" makes no float value NaN; each output keeps its own."""
+    outputs = [
+        ("null", "BYTES", np.array([b"null", b"x"], dtype=object), False),
+        ("a", "FP32", np.array([1.0, np.inf], np.float32), False),
+        ("n", "INT32", np.array([7, -7], np.int32), False),
+        ("b", "FP64", np.array([np.nan, -np.inf, 2.5]), False),
+        ("c", "FP32", np.array([3.0], np.float32), False),
+    ]
+    body, _ = encode_response("m", 1, "null", outputs)
+    assert b'"data":["null","x"]' in body and b'"data":[1.0,Infinity]' in body
+    assert b'"data":[7,-7]' in body and b'"data":[NaN,-Infinity,2.5]' in body and b'"data":[3.0]' in body
+    result = parse(body, None)
+    np.testing.assert_array_equal(result.as_numpy("b"), outputs[3][2])
+
+
 def test_a_body_with_nan_says_to_send_it_as_binary() -> None:
-    with pytest.raises(InvalidInput, match="NaN and Infinity are not taken in JSON here"):
+    with pytest.raises(InvalidInput, match="NaN and Infinity are not JSON numbers here"):
         v2.json_object(b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [NaN]}]}')
 
 
