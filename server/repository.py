@@ -308,7 +308,12 @@ def override_config(folder: Path, text: str) -> ModelConfig:
 
 def unknown_model(name: str, version: str | None = None) -> str:
     """Triton's words for a model or version it does not have, which clients written for
-    Triton match on."""
+    Triton match on. A name no folder can have is cut short: /v1's `model` of 5 MB came back
+    whole in its 404."""
+    if len(name) > _MAX_NAME_BYTES:
+        name = name[:_MAX_NAME_BYTES] + "..."
+    if version is not None and len(version) > _MAX_NAME_BYTES:
+        version = version[:_MAX_NAME_BYTES] + "..."
     return f"Request for unknown model: '{name}'" + (f" version {version}" if version else "") + " is not found"
 
 

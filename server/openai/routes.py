@@ -119,7 +119,13 @@ def openai_router(
 
 
 async def _parsed(request: Request, limit: int, declared: int | None, hold: Hold) -> EmbeddingRequest:
-    """The body's size (413) and shape (400), checked before anything else."""
+    """The body's coding, size (413) and shape (400), checked before anything else. A
+    compressed body is refused in words (it was read as JSON that did not parse): v2 inflates
+    gzip and deflate, this route takes its texts as they are."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise InvalidInput(f"Content-Encoding {encoding[:64]!r} is not taken on {EMBEDDINGS}: send the body "
+                           "uncompressed")
     body = await read_body(request.receive, limit, declared, hold)
     if len(body) > INLINE_BODY_BYTES:
         return await asyncio.to_thread(codec.parse_request, body)

@@ -5,6 +5,7 @@ the inference token, usage from the tokenizer, and batches shared with v2 reques
 from __future__ import annotations
 
 import base64
+import gzip
 import socket
 import threading
 import time
@@ -134,6 +135,14 @@ def test_an_unknown_model_or_one_without_embeddings_is_openais_404(open_url: str
         error = openai_error(caught.value)
         assert (error["type"], error["code"]) == ("invalid_request_error", "model_not_found")
         assert name in error["message"]
+
+
+def test_a_compressed_body_is_refused_in_words_not_as_broken_json(open_url: str) -> None:
+    body = gzip.compress(orjson.dumps({"model": "minilm", "input": "hello"}))
+    answer = httpx.post(f"{open_url}/v1/embeddings", content=body,
+                        headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert answer.status_code == 400, answer.text
+    assert "Content-Encoding 'gzip' is not taken on /v1/embeddings" in answer.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(

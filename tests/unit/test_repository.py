@@ -51,6 +51,9 @@ async def test_unknown_models_and_versions_in_tritons_words(repository: ModelRep
         repository.get("double", "7")
     assert version.value.message == "Request for unknown model: 'double' version 7 is not found"
     assert repository.get("double", "1").ready
+    with pytest.raises(ModelNotFound) as huge:  # no folder has such a name: it is not echoed whole
+        repository.get("x" * 5_000_000)
+    assert huge.value.message == f"Request for unknown model: '{'x' * 255}...' is not found"
 
 
 async def test_a_config_that_misdescribes_its_model_leaves_it_unavailable_and_others_serving(

@@ -14,6 +14,7 @@ from server.scheduler.policy import BatchPolicy
 from server.scheduler.request import InferenceRequest
 from server.stats import ModelStatistics
 from server.workers.result import BatchResult
+from tests.unit.waiting import eventually
 
 LIVE: list[FakeInstance] = []
 
@@ -144,15 +145,19 @@ async def test_preferred_size_dispatches_without_waiting() -> None:
 
 
 async def test_the_delay_window_applies_only_behind_a_busy_instance() -> None:
+    """On a clock of the test's own: a machine that stalls 40 ms cannot close the window early."""
     first, second = FakeInstance("a"), FakeInstance("b")
-    b, stats = batcher([first, second], delay_ms=40)
+    now = [time.perf_counter_ns()]
+    stats = ModelStatistics()
+    b = Batcher(BatchPolicy(8, (), 40_000_000, None), QueueSettings(), [first, second], stats, clock=lambda: now[0])
     b.submit(request([0.0]))
     await settle()
     b.submit(request([1.0]))
     await settle()
+    await asyncio.sleep(0.06)  # the window's wake-up finds it still open on this clock
     assert b.queue_depth == 1  # one instance is busy: the window is spent
-    await asyncio.sleep(0.15)
-    assert b.queue_depth == 0
+    now[0] += 50_000_000
+    await eventually(lambda: b.queue_depth == 0, "the window closed and the idle instance took the request")
     assert stats.dispatch_reasons == {"idle": 1, "delay": 1}
 
 
@@ -565,20 +570,24 @@ async def test_preserve_ordering_holds_later_results() -> None:
 
 
 async def test_a_result_held_for_ordering_past_its_deadline_is_answered_late() -> None:
-    """No result comes after its deadline, held behind an earlier request or not."""
+    """No result comes after its deadline, held behind an earlier request or not. On a clock of
+    the test's own: a machine that stalls 50 ms cannot make the batch itself finish late."""
     slow, fast = FakeInstance("slow"), FakeInstance("fast")
-    b, stats = batcher([fast, slow], max_batch=1, preserve_ordering=True)
+    now = [time.perf_counter_ns()]
+    stats = ModelStatistics()
+    b = Batcher(BatchPolicy(1, (), 0, None), QueueSettings(preserve_ordering=True), [fast, slow], stats,
+                clock=lambda: now[0])
     first = request([1.0])
     b.submit(first)
     await settle()
-    second = request([2.0], deadline_ns=time.perf_counter_ns() + 50_000_000)
+    second = request([2.0], deadline_ns=now[0] + 50_000_000)
     b.submit(second)
     await settle()
     second_instance = fast if fast.batches[0][0]["x"].item() == 2.0 else slow
     first_instance = slow if second_instance is fast else fast
     second_instance.release(0)  # done within its deadline, held behind the first
     await settle()
-    await asyncio.sleep(0.1)  # its deadline passes while it is held
+    now[0] += 100_000_000  # its deadline passes while it is held
     first_instance.release(0)
     await settle()
     assert (await first.future)["y"].tolist() == [[2.0]]
