@@ -82,6 +82,7 @@ class ModelVersion:
         self._closed = False
         # requests in admission on a worker thread: an unload lets them reach the queue first
         self._admissions: set[asyncio.Task[None]] = set()
+        self._chunked: dict[asyncio.Future[dict[str, np.ndarray]], asyncio.Task[None]] = {}  # withdraw's
         self.recorder: TrafficRecorder | None = None  # record_traffic: a sample of client inputs for builds
         self._recording: asyncio.Task[None] | None = None
 
@@ -385,8 +386,27 @@ class ModelVersion:
         while it is queued, before a batch or its admission reads its inputs."""
         if self._batcher is None or self._admission is None or not self.ready:
             raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready")
-        batcher, admission = self._batcher, self._admission
         started = received_ns or time.perf_counter_ns()
+        try:
+            plan = self._admission.chunked(inputs, checked_batch_size)
+        except InvalidInput:
+            self.stats.count_failure("invalid")
+            raise
+        if plan is not None:
+            return self._start_in_chunks(inputs, parameters, record, started, plan)
+        return self._start_one(inputs, parameters, record, started, checked_batch_size)
+
+    def _start_one(
+        self,
+        inputs: dict[str, tuple[str, np.ndarray]],
+        parameters: dict[str, Any] | None,
+        record: RequestRecord | None,
+        started: int,
+        checked_batch_size: int | None,
+    ) -> asyncio.Future[dict[str, np.ndarray]]:
+        if self._batcher is None or self._admission is None or not self.ready:
+            raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready")
+        batcher, admission = self._batcher, self._admission
         try:
             admitted = admission.admit_or_offload(inputs, parameters or {}, started, checked_batch_size)
         except InvalidInput:
@@ -405,8 +425,80 @@ class ModelVersion:
         """Drop a request still queued (from `start_request`), its caller gone: True if it was.
         One computing, or in admission on a worker thread, runs to its end and its future is
         left alone, since its inputs may be read until then (a front end must not reuse their
-        memory before its answer)."""
+        memory before its answer). A request run in chunks has those still queued dropped."""
+        chunked = self._chunked.get(future)
+        if chunked is not None:
+            chunked.cancel()
+            return True
         return self._batcher is not None and self._batcher.withdraw(future)
+
+    def _start_in_chunks(
+        self,
+        inputs: dict[str, tuple[str, np.ndarray]],
+        parameters: dict[str, Any] | None,
+        record: RequestRecord | None,
+        started: int,
+        plan: list[list[int]],
+    ) -> asyncio.Future[dict[str, np.ndarray]]:
+        """A request over the model's token budget, as requests of `plan`'s rows (see
+        server/scheduler/chunking.py); its future joins their outputs back in its rows' order."""
+        future: asyncio.Future[dict[str, np.ndarray]] = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(self._in_chunks(inputs, parameters, record, started, plan, future))
+        self._chunked[future] = task
+
+        def ended(_: asyncio.Task[None]) -> None:
+            self._chunked.pop(future, None)
+            future.cancel()  # withdrawn, maybe before it began: nothing comes (a no-op once answered)
+
+        task.add_done_callback(ended)
+        future.add_done_callback(lambda done: task.cancel() if done.cancelled() else None)
+        return future
+
+    async def _in_chunks(
+        self,
+        inputs: dict[str, tuple[str, np.ndarray]],
+        parameters: dict[str, Any] | None,
+        record: RequestRecord | None,
+        started: int,
+        plan: list[list[int]],
+        future: asyncio.Future[dict[str, np.ndarray]],
+    ) -> None:
+        """Up to two chunks an instance at a time, as /v1's lists go: every instance runs one
+        while the next waits formed behind it, and other callers' requests queue between them.
+        The first failure fails the request, and the chunks still waiting are dropped."""
+        window = asyncio.Semaphore(2 * max(1, len(self.instances)))
+        records = [RequestRecord() for _ in plan]
+
+        async def run(rows: list[int], part_record: RequestRecord) -> dict[str, np.ndarray]:
+            async with window:
+                part = {name: (datatype, array[rows]) for name, (datatype, array) in inputs.items()}
+                return await self._start_one(part, parameters, part_record, started, len(rows))
+
+        tasks = [asyncio.ensure_future(run(rows, r)) for rows, r in zip(plan, records, strict=True)]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for task in tasks:
+                task.cancel()  # nothing for those done
+        failures = [t.exception() for t in tasks if t.done() and not t.cancelled()]  # each read: none logged as lost
+        failure = next((f for f in failures if f is not None), None)
+        if future.done():
+            return
+        if failure is not None:
+            future.set_exception(failure)
+            return
+        rows = sum(len(r) for r in plan)
+        outputs: dict[str, np.ndarray] = {}
+        for name, first in tasks[0].result().items():
+            joined = np.empty((rows, *first.shape[1:]), dtype=first.dtype)
+            for part, task in zip(plan, tasks, strict=True):
+                joined[part] = task.result()[name]
+            outputs[name] = joined
+        if record is not None:
+            record.tokens = sum(r.tokens for r in records)
+            record.queue_ns = max(r.queue_ns for r in records)
+            record.compute_ns = max(r.compute_ns for r in records)
+        future.set_result(outputs)
 
     def _queued(
         self,

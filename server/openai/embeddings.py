@@ -6,9 +6,9 @@ hundred (429 for the rest) and pay admission 2048 times, while one request per c
 fills a batch by itself and takes one place. The texts are ordered by length first (as
 sentence-transformers does), so a chunk holds texts of like length: a chunk is padded to its
 longest text, and sorting keeps that padding small. A model with `max_batch_tokens` also gets
-chunks within it, their tokens told from their bytes before they are tokenized (`tokens_at_most`):
-on one CPU core a chunk of 64 texts at 256 tokens ran for seconds, and held every other caller's
-text waiting behind it for that long; one within the budget runs for what a batch may cost.
+chunks within it, their tokens told from their bytes before they are tokenized (as a v2 request
+over the budget is cut: server/scheduler/chunking.py); one within the budget runs for what a
+batch may cost.
 
 The chunks go concurrently, up to two per instance at a time: enough for every instance to run
 one while the next waits formed behind it (a chunk fills a batch, so more in the queue would
@@ -24,9 +24,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from server.config import Tokenize
 from server.dataplane import DataPlane, Output
 from server.model import ModelVersion
+from server.scheduler.chunking import chunks, tokens_at_most
 from server.scheduler.request import RequestRecord
 
 
@@ -43,34 +43,6 @@ def chunk_size(model: ModelVersion) -> int:
 def in_flight(model: ModelVersion) -> int:
     """Chunks of one call in the model's queue at once: two per instance."""
     return 2 * max(1, len(model.instances))
-
-
-def tokens_at_most(text: bytes, tokenize: Tokenize) -> int:
-    """What a text counts at most toward a batch's token budget: a token a byte, with the two
-    special tokens a sentence takes (BERT's, and most others'), truncated to `max_length`, and
-    padded to its sequence bucket, as the batcher counts it. Ordinary text takes a token per
-    four or five bytes, so its chunks hold fewer texts than the budget would; two such chunks in
-    the queue share a batch up to it."""
-    return tokenize.bucket(min(len(text) + 2, tokenize.max_length))
-
-
-def chunks(sizes: list[int], size: int, max_tokens: int | None = None) -> list[list[int]]:
-    """Indexes of the texts, ordered by `sizes` (their tokens at most; stable), cut into runs of
-    at most `size` texts and, with `max_tokens`, of at most that many tokens padded to the run's
-    longest (a run of one text goes whatever its tokens)."""
-    order = sorted(range(len(sizes)), key=sizes.__getitem__)
-    if max_tokens is None:
-        return [order[start:start + size] for start in range(0, len(order), size)]
-    plan: list[list[int]] = []
-    run: list[int] = []
-    for index in order:  # each text is the run's longest yet: the order is by length
-        if run and (len(run) >= size or (len(run) + 1) * sizes[index] > max_tokens):
-            plan.append(run)
-            run = []
-        run.append(index)
-    if run:
-        plan.append(run)
-    return plan
 
 
 async def embed(

@@ -15,6 +15,7 @@ import numpy as np
 from server.config import ModelConfig
 from server.errors import InvalidInput
 from server.preprocess import TextTokenizer
+from server.scheduler.chunking import chunks, tokens_at_most
 
 # The request parameters admission reads; the only ones a front end passes on to the server
 # process (a client's own parameters, nested or large as they may be, are not read here).
@@ -197,6 +198,32 @@ class Admission:
         policy = batching.default_queue_policy if batching else None
         self._default_timeout_us = policy.default_timeout_microseconds if policy else 0
         self._timeout_override = policy.allow_timeout_override if policy else True
+        # A request of more texts than its model's token budget can take at their longest is cut
+        # into chunks (server/scheduler/chunking.py): for a batching text model with a budget
+        # whose outputs have fixed dims (chunks of other lengths would not join back).
+        budget = batching.max_batch_tokens if batching else None
+        fixed = all(d >= 0 for t in config.outputs for d in t.dims)
+        text = next((t for t in config.inputs if config.tokenize and t.name == config.tokenize.input), None)
+        one_a_row = text is not None and list(text.dims) == [1]  # a row's text is its item
+        self._budget = budget if one_a_row and config.batched and budget and fixed else None
+        self._most_a_text = config.tokenize.bucket(config.tokenize.max_length) if config.tokenize else 0
+
+    def chunked(
+        self, inputs: dict[str, tuple[str, np.ndarray]], checked_batch_size: int | None = None,
+    ) -> list[list[int]] | None:
+        """The rows of a request whose texts may pass the model's token budget, in chunks within
+        it (the batcher runs a request whole, however long); None for a request within it, most
+        of them told by their batch size alone. Refuses (400) what the cheap checks refuse."""
+        budget, tokenize = self._budget, self._config.tokenize
+        if budget is None or tokenize is None:
+            return None
+        batch_size = _checked(self._config, inputs) if checked_batch_size is None else checked_batch_size
+        if batch_size * self._most_a_text <= budget:
+            return None
+        check_item_bytes(self._config, inputs)
+        texts = inputs[tokenize.input][1].reshape(-1)
+        plan = chunks([tokens_at_most(text, tokenize) for text in texts], batch_size, budget)
+        return plan if len(plan) > 1 else None
 
     def admit_or_offload(
         self, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any], received_ns: int | None = None,

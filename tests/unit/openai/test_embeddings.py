@@ -15,9 +15,10 @@ from tokenizers import Tokenizer
 from server.config import DynamicBatching, ModelConfig, Tokenize, load_model_config
 from server.dataplane import Call
 from server.errors import QueueFull
-from server.openai.embeddings import chunk_size, chunks, embed, tokens_at_most
+from server.openai.embeddings import chunk_size, embed
 from server.preprocess import TextTokenizer
 from server.scheduler.admission import Admission
+from server.scheduler.chunking import chunks, tokens_at_most
 from server.scheduler.request import RequestRecord
 from server.stats import ModelStatistics
 from tests.unit.cycles import left_in_cycles

@@ -1,0 +1,106 @@
+"""A request of more texts than its model's token budget takes at their longest runs as chunks
+within it: the batcher runs a request whole, and one of 64 texts at 256 tokens (8x minilm's
+budget) held its only instance, and every other caller, for 6-8 s on one core."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import server.model
+from server.config import ModelConfig
+from server.devices import Device
+from server.engines.base import Engine
+from server.model import ModelVersion
+from server.scheduler.request import RequestRecord
+from tests.unit.test_warmup_buckets import WORDS, RecordingEngine, text_model, tokenizer_folder
+
+__all__ = ["tokenizer_folder"]  # the fixture, used by name
+
+BUDGET = 40  # tokens a batch: 2 texts of max_length 16 at most, by their bytes
+
+
+class TokenCounting(RecordingEngine):
+    """Answers each row with its count of tokens (its attention mask's sum): each answer says
+    which text it came from."""
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        super().run(inputs)
+        mask = next(array for name, array in inputs.items() if "mask" in name)
+        counts = mask.sum(axis=1).astype(np.float32)
+        return {"embedding": np.repeat(counts[:, None], 3, axis=1)}
+
+
+@pytest.fixture
+def engines(monkeypatch: pytest.MonkeyPatch) -> list[TokenCounting]:
+    created: list[TokenCounting] = []
+
+    def create(config: ModelConfig, version_dir: Path, device: Device) -> Engine:
+        created.append(TokenCounting(config, version_dir, device))
+        return created[-1]
+
+    monkeypatch.setattr(server.model, "create_engine", create)
+    return created
+
+
+async def loaded(folder: Path, **fields: Any) -> ModelVersion:
+    config = text_model(None, max_batch_size=8, dynamic_batching={"max_batch_tokens": BUDGET}, **fields)
+    version = ModelVersion(ModelConfig.model_validate(config), 1, folder)
+    await version.load()
+    assert version.ready, version.reason
+    return version
+
+
+def texts(*word_counts: int) -> tuple[str, np.ndarray]:
+    array = np.empty((len(word_counts), 1), dtype=object)
+    array[:, 0] = [" ".join(WORDS[:n]).encode() for n in word_counts]
+    return "BYTES", array
+
+
+async def test_a_request_over_the_budget_runs_in_chunks_answered_in_its_order(
+    engines: list[TokenCounting], tokenizer_folder: Path,
+) -> None:
+    version = await loaded(tokenizer_folder)
+    try:
+        warmed = len(engines[0].runs)
+        counts = (8, 1, 5, 8, 2, 7, 3, 6)  # words: each text's tokens are 2 more
+        record = RequestRecord()
+        outputs = await version.start_request({"text": texts(*counts)}, {}, record)
+        assert outputs["embedding"][:, 0].tolist() == [n + 2 for n in counts]
+        batches = engines[0].runs[warmed:]
+        assert len(batches) > 1
+        assert all(run["input_ids"][0] * run["input_ids"][1] <= BUDGET for run in batches), batches
+        assert record.tokens == sum(n + 2 for n in counts)
+    finally:
+        await version.unload()
+
+
+async def test_a_request_within_the_budget_runs_whole(engines: list[TokenCounting], tokenizer_folder: Path) -> None:
+    version = await loaded(tokenizer_folder)
+    try:
+        warmed = len(engines[0].runs)
+        outputs = await version.start_request({"text": texts(1, 1)}, {})  # 2 texts of 16 tokens at most: 32
+        assert outputs["embedding"][:, 0].tolist() == [3, 3]
+        assert len(engines[0].runs) == warmed + 1 and not version._chunked
+    finally:
+        await version.unload()
+
+
+async def test_a_chunked_request_withdrawn_drops_its_chunks_still_queued(
+    engines: list[TokenCounting], tokenizer_folder: Path,
+) -> None:
+    version = await loaded(tokenizer_folder)
+    try:
+        future = version.start_request({"text": texts(*[8] * 8)}, {})
+        assert version._chunked
+        assert version.withdraw(future)
+        with pytest.raises(asyncio.CancelledError):
+            await future
+        await asyncio.sleep(0.05)
+        assert not version._chunked and version.queue_depth == 0
+    finally:
+        await version.unload()
