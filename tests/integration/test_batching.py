@@ -199,12 +199,14 @@ class SlowServer:
 def _variant(root: Path, name: str, max_queue_size: int) -> None:
     """minilm under another name, with two priority levels, a queue of `max_queue_size` (0:
     unbounded) and no default deadline: on a slow machine the requests queued behind the slow
-    one must not time out, whatever the shipped config holds."""
+    one must not time out, whatever the shipped config holds. No token budget: the slow request
+    must run as one request (past the budget it would run as chunks, each a place in the queue)."""
     model = root / name
     model.mkdir(parents=True)
     (model / "1").symlink_to(MODELS / "minilm" / "1", target_is_directory=True)
     config = yaml.safe_load((MODELS / "minilm" / "config.yaml").read_text())
     config["name"] = name
+    config["dynamic_batching"].pop("max_batch_tokens", None)
     config["dynamic_batching"] |= {
         "priority_levels": 2,
         "default_queue_policy": {"max_queue_size": max_queue_size, "default_timeout_microseconds": 0},

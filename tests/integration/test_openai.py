@@ -217,12 +217,13 @@ def in_flight(url: str) -> float:
 
 
 def test_openai_and_v2_requests_share_a_batch_and_the_models_statistics(guarded: tuple[str, Path]) -> None:
-    """The only instance is held by a long v2 batch; one v2 and one OpenAI request for the same
-    text queue behind it and leave together, as one batch of 2."""
+    """The only instance is held by a long v2 batch (8 texts at 256 tokens: the token budget,
+    one batch); one v2 and one OpenAI request for the same text queue behind it and leave
+    together, as one batch of 2."""
     url, log = guarded
     auth = {"Authorization": f"Bearer {TOKEN}"}
     before = stats(url)
-    long_texts = ["a long sentence about batching, queues and the cost of padding " * 6] * 64
+    long_texts = ["a long sentence about batching, queues and the cost of padding " * 20] * 8
     results: dict[str, Any] = {}
     hold = threading.Thread(target=lambda: results.update(hold=v2_embeddings(url, MRL, long_texts, auth)))
     hold.start()
@@ -242,7 +243,7 @@ def test_openai_and_v2_requests_share_a_batch_and_the_models_statistics(guarded:
     after = stats(url)
     assert batches_of(after, 2) - batches_of(before, 2) == 1, after["batch_stats"]
     assert after["execution_count"] - before["execution_count"] == 2  # the held batch, then the pair
-    assert after["inference_count"] - before["inference_count"] == 64 + 2
+    assert after["inference_count"] - before["inference_count"] == 8 + 2
     np.testing.assert_allclose(results["openai"], results["v2"], atol=1e-6)  # one batch: the same padding
     deadline = time.monotonic() + 5
     while '"/v1/embeddings"' not in log.read_text() and time.monotonic() < deadline:
