@@ -388,7 +388,7 @@ class ModelVersion:
             raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready")
         started = received_ns or time.perf_counter_ns()
         try:
-            plan = self._admission.chunked(inputs, checked_batch_size)
+            plan = self._admission.chunked(inputs, parameters or {}, started, checked_batch_size)
         except InvalidInput:
             self.stats.count_failure("invalid")
             raise
@@ -403,8 +403,13 @@ class ModelVersion:
         record: RequestRecord | None,
         started: int,
         checked_batch_size: int | None,
+        chunk: int | None = None,
     ) -> asyncio.Future[dict[str, np.ndarray]]:
-        if self._batcher is None or self._admission is None or not self.ready:
+        """`chunk`: the index of this part of a request taken in and run in chunks: queued while
+        the version unloads (an unload waits for the request, as for one in admission), and past
+        the queue's bound after the first (the request's place was counted with it)."""
+        taking = self.ready or (chunk is not None and self.state is ModelState.UNLOADING and not self._closed)
+        if self._batcher is None or self._admission is None or not taking:
             raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready")
         batcher, admission = self._batcher, self._admission
         try:
@@ -414,9 +419,10 @@ class ModelVersion:
             raise
         future: asyncio.Future[dict[str, np.ndarray]] = asyncio.get_running_loop().create_future()
         if isinstance(admitted, Admitted):
-            self._queued(batcher, admission, admitted, inputs, record, started, future)
+            self._queued(batcher, admission, admitted, inputs, record, started, future, not chunk)
             return future
-        task = asyncio.ensure_future(self._queued_later(batcher, admission, admitted, inputs, record, started, future))
+        task = asyncio.ensure_future(
+            self._queued_later(batcher, admission, admitted, inputs, record, started, future, not chunk))
         self._admissions.add(task)  # counted now: an unload from here on waits for it
         task.add_done_callback(self._admissions.discard)
         return future
@@ -446,9 +452,14 @@ class ModelVersion:
         task = asyncio.ensure_future(self._in_chunks(inputs, parameters, record, started, plan, future))
         self._chunked[future] = task
 
-        def ended(_: asyncio.Task[None]) -> None:
+        def ended(driver: asyncio.Task[None]) -> None:
             self._chunked.pop(future, None)
-            future.cancel()  # withdrawn, maybe before it began: nothing comes (a no-op once answered)
+            if future.done():
+                return
+            if driver.cancelled():  # withdrawn, maybe before it began: nothing comes
+                future.cancel()
+            else:  # the driver's own failure (it answers every other outcome itself)
+                future.set_exception(driver.exception() or Unavailable("the request's chunks ended unanswered"))
 
         task.add_done_callback(ended)
         future.add_done_callback(lambda done: task.cancel() if done.cancelled() else None)
@@ -469,21 +480,24 @@ class ModelVersion:
         window = asyncio.Semaphore(2 * max(1, len(self.instances)))
         records = [RequestRecord() for _ in plan]
 
-        async def run(rows: list[int], part_record: RequestRecord) -> dict[str, np.ndarray]:
+        async def run(index: int, rows: list[int], part_record: RequestRecord) -> dict[str, np.ndarray]:
             async with window:
                 part = {name: (datatype, array[rows]) for name, (datatype, array) in inputs.items()}
-                return await self._start_one(part, parameters, part_record, started, len(rows))
+                return await self._start_one(part, parameters, part_record, started, len(rows), index)
 
-        tasks = [asyncio.ensure_future(run(rows, r)) for rows, r in zip(plan, records, strict=True)]
+        tasks = [asyncio.ensure_future(run(i, rows, r)) for i, (rows, r) in enumerate(zip(plan, records, strict=True))]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         finally:
             for task in tasks:
                 task.cancel()  # nothing for those done
-        failures = [t.exception() for t in tasks if t.done() and not t.cancelled()]  # each read: none logged as lost
+            # each failure read, so none is logged as lost
+            failures = [t.exception() for t in tasks if t.done() and not t.cancelled()]
         failure = next((f for f in failures if f is not None), None)
         if future.done():
             return
+        if failure is None and any(t.cancelled() for t in tasks):
+            failure = Unavailable("a chunk of this request was cancelled before it was answered")
         if failure is not None:
             future.set_exception(failure)
             return
@@ -509,6 +523,7 @@ class ModelVersion:
         record: RequestRecord | None,
         received_ns: int,
         future: asyncio.Future[dict[str, np.ndarray]],
+        bounded: bool = True,
     ) -> None:
         # An unload that began during an admission off the loop waited for it: it is queued and drained.
         if self._closed or self.state not in (ModelState.READY, ModelState.UNLOADING):
@@ -527,6 +542,7 @@ class ModelVersion:
             deadline_ns=admitted.deadline_ns,
             received_ns=received_ns,
             record=record,
+            bounded=bounded,
         )
         batcher.submit(request)
         if self.recorder is not None:  # queued: admitted, and not refused for a full queue
@@ -541,6 +557,7 @@ class ModelVersion:
         record: RequestRecord | None,
         received_ns: int,
         future: asyncio.Future[dict[str, np.ndarray]],
+        bounded: bool = True,
     ) -> None:
         """Queue a request whose admission `work` runs on a worker thread; its outcome, a
         refusal too, goes to `future`. A caller that gave up meanwhile is not queued."""
@@ -548,7 +565,7 @@ class ModelVersion:
             admitted = await asyncio.to_thread(work)
             if not future.done():
                 self._admissions.discard(asyncio.current_task())  # type: ignore[arg-type]  # queued, counted there
-                self._queued(batcher, admission, admitted, inputs, record, received_ns, future)
+                self._queued(batcher, admission, admitted, inputs, record, received_ns, future, bounded)
         except asyncio.CancelledError:
             future.cancel()
             raise
@@ -579,8 +596,8 @@ class ModelVersion:
         """Stop taking requests, let those already taken in finish, then free the engines.
         Bounded by the watchdog: a stuck batch fails at execution_timeout_seconds."""
         self.state = ModelState.UNLOADING
-        while self._admissions:  # requests being admitted reach the queue, then drain with it
-            await asyncio.wait(list(self._admissions))
+        while self._admissions or self._chunked:  # requests being admitted, or in chunks, are answered
+            await asyncio.wait([*self._admissions, *self._chunked.values()])
         if self._batcher is not None:
             await self._batcher.drain()
         self._closed = True  # on the loop, so a replacement warming up now is closed, not kept

@@ -205,21 +205,25 @@ class Admission:
         fixed = all(d >= 0 for t in config.outputs for d in t.dims)
         text = next((t for t in config.inputs if config.tokenize and t.name == config.tokenize.input), None)
         one_a_row = text is not None and list(text.dims) == [1]  # a row's text is its item
-        self._budget = budget if one_a_row and config.batched and budget and fixed else None
+        in_order = bool(batching and batching.preserve_ordering)  # a request's later chunks would queue behind others
+        self._budget = budget if one_a_row and config.batched and budget and fixed and not in_order else None
         self._most_a_text = config.tokenize.bucket(config.tokenize.max_length) if config.tokenize else 0
 
     def chunked(
-        self, inputs: dict[str, tuple[str, np.ndarray]], checked_batch_size: int | None = None,
+        self, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any], received_ns: int | None = None,
+        checked_batch_size: int | None = None,
     ) -> list[list[int]] | None:
         """The rows of a request whose texts may pass the model's token budget, in chunks within
         it (the batcher runs a request whole, however long); None for a request within it, most
-        of them told by their batch size alone. Refuses (400) what the cheap checks refuse."""
+        of them told by their batch size alone. Refuses (400) what the cheap checks refuse, once
+        for the request, not once a chunk."""
         budget, tokenize = self._budget, self._config.tokenize
         if budget is None or tokenize is None:
             return None
         batch_size = _checked(self._config, inputs) if checked_batch_size is None else checked_batch_size
         if batch_size * self._most_a_text <= budget:
             return None
+        self._options(parameters, received_ns)
         check_item_bytes(self._config, inputs)
         texts = inputs[tokenize.input][1].reshape(-1)
         plan = chunks([tokens_at_most(text, tokenize) for text in texts], batch_size, budget)

@@ -148,7 +148,7 @@ class Batcher:
         if not self._in_service and not self._replacing:
             raise Unavailable("no instance of this model is in service")
         limit = self._settings.max_queue_size
-        if limit and self._queued >= limit:
+        if limit and request.bounded and self._queued >= limit:
             self._stats.count_failure("queue_full")
             raise QueueFull(f"the queue of this model is full ({limit} requests waiting); retry later")
         if not 1 <= request.priority <= len(self._queues):

@@ -57,6 +57,7 @@ class InferenceRequest:
     sequence: int = 0
     expiry: asyncio.TimerHandle | None = None
     record: RequestRecord | None = None
+    bounded: bool = True  # False: a later chunk of a request the queue took (its place was counted)
     # What the queue runs when the future completes from outside (cancelled by its caller).
     # Taken off when the request is answered: it would only run, a loop callback later, to find
     # the request done.

@@ -5,6 +5,8 @@ budget) held its only instance, and every other caller, for 6-8 s on one core.""
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +17,11 @@ import server.model
 from server.config import ModelConfig
 from server.devices import Device
 from server.engines.base import Engine
+from server.errors import InvalidInput
 from server.model import ModelVersion
 from server.scheduler.request import RequestRecord
 from tests.unit.test_warmup_buckets import WORDS, RecordingEngine, text_model, tokenizer_folder
+from tests.unit.waiting import eventually
 
 __all__ = ["tokenizer_folder"]  # the fixture, used by name
 
@@ -26,9 +30,17 @@ BUDGET = 40  # tokens a batch: 2 texts of max_length 16 at most, by their bytes
 
 class TokenCounting(RecordingEngine):
     """Answers each row with its count of tokens (its attention mask's sum): each answer says
-    which text it came from."""
+    which text it came from. While `hold` is set, a batch waits for `release` (`running` says
+    one does)."""
+
+    hold = False
+    running = threading.Event()
+    release = threading.Event()
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if TokenCounting.hold:
+            TokenCounting.running.set()
+            assert TokenCounting.release.wait(30), "the test never released the batch"
         super().run(inputs)
         mask = next(array for name, array in inputs.items() if "mask" in name)
         counts = mask.sum(axis=1).astype(np.float32)
@@ -36,19 +48,22 @@ class TokenCounting(RecordingEngine):
 
 
 @pytest.fixture
-def engines(monkeypatch: pytest.MonkeyPatch) -> list[TokenCounting]:
+def engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[TokenCounting]]:
     created: list[TokenCounting] = []
+    TokenCounting.hold = False
+    TokenCounting.running, TokenCounting.release = threading.Event(), threading.Event()
 
     def create(config: ModelConfig, version_dir: Path, device: Device) -> Engine:
         created.append(TokenCounting(config, version_dir, device))
         return created[-1]
 
     monkeypatch.setattr(server.model, "create_engine", create)
-    return created
+    yield created
+    TokenCounting.release.set()
 
 
-async def loaded(folder: Path, **fields: Any) -> ModelVersion:
-    config = text_model(None, max_batch_size=8, dynamic_batching={"max_batch_tokens": BUDGET}, **fields)
+async def loaded(folder: Path, **batching: Any) -> ModelVersion:
+    config = text_model(None, max_batch_size=8, dynamic_batching={"max_batch_tokens": BUDGET, **batching})
     version = ModelVersion(ModelConfig.model_validate(config), 1, folder)
     await version.load()
     assert version.ready, version.reason
@@ -90,17 +105,55 @@ async def test_a_request_within_the_budget_runs_whole(engines: list[TokenCountin
         await version.unload()
 
 
+async def held(version: ModelVersion, engines: list[TokenCounting]) -> asyncio.Future[dict[str, np.ndarray]]:
+    """A request of 8 long texts (4 chunks) whose first chunk runs, held, and whose second waits
+    in the queue behind it."""
+    TokenCounting.hold = True
+    future = version.start_request({"text": texts(*[8] * 8)}, {})
+    await asyncio.to_thread(TokenCounting.running.wait, 10)
+    await eventually(lambda: version.queue_depth == 1, "the second chunk waits in the queue")
+    return future
+
+
 async def test_a_chunked_request_withdrawn_drops_its_chunks_still_queued(
     engines: list[TokenCounting], tokenizer_folder: Path,
 ) -> None:
     version = await loaded(tokenizer_folder)
     try:
-        future = version.start_request({"text": texts(*[8] * 8)}, {})
-        assert version._chunked
+        warmed = len(engines[0].runs)
+        future = await held(version, engines)
         assert version.withdraw(future)
         with pytest.raises(asyncio.CancelledError):
             await future
+        TokenCounting.release.set()
+        await eventually(lambda: not version._chunked and version.queue_depth == 0, "the chunks are gone")
         await asyncio.sleep(0.05)
-        assert not version._chunked and version.queue_depth == 0
+        assert len(engines[0].runs) == warmed + 1  # the one computing ran out; no other chunk ran
+    finally:
+        await version.unload()
+
+
+async def test_a_chunked_request_is_answered_whole_through_an_unload(
+    engines: list[TokenCounting], tokenizer_folder: Path,
+) -> None:
+    """Its later chunks are queued while the version unloads (an unload, a reload's too, waits
+    for the request): it was answered 503 after some of its chunks had run."""
+    version = await loaded(tokenizer_folder)
+    future = await held(version, engines)
+    unloading = asyncio.ensure_future(version.unload())
+    await asyncio.sleep(0.05)
+    assert not unloading.done()
+    TokenCounting.release.set()
+    outputs = await future
+    assert outputs["embedding"][:, 0].tolist() == [10] * 8
+    await unloading
+
+
+async def test_a_chunked_requests_options_are_refused_once(engines: list[TokenCounting], tokenizer_folder: Path) -> None:
+    version = await loaded(tokenizer_folder)
+    try:
+        with pytest.raises(InvalidInput, match="priority"):
+            version.start_request({"text": texts(*[8] * 8)}, {"priority": 9})
+        assert version.stats.failures["invalid"] == 1 and not version._chunked
     finally:
         await version.unload()
