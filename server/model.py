@@ -40,6 +40,7 @@ from server.protocol.datatypes import numpy_dtype
 from server.recording import TrafficRecorder
 from server.scheduler.admission import Admission, Admitted
 from server.scheduler.batcher import Batcher, BatchRunner, QueueSettings
+from server.scheduler.chunking import gathered, in_flight
 from server.scheduler.policy import BatchPolicy
 from server.scheduler.request import InferenceRequest, RequestRecord
 from server.stats import ModelStatistics
@@ -52,6 +53,7 @@ logger = logging.getLogger(__name__)
 # A batch profile's timed passes stop after this long (at least one is timed): a load holds its
 # model, other models' profiles and a server's stop until it ends (profile_repeats is bounded too).
 PROFILE_BUDGET_S = 30.0
+
 
 class ModelState(enum.StrEnum):
     LOADING = "LOADING"
@@ -82,7 +84,7 @@ class ModelVersion:
         self._closed = False
         # requests in admission on a worker thread: an unload lets them reach the queue first
         self._admissions: set[asyncio.Task[None]] = set()
-        self._chunked: dict[asyncio.Future[dict[str, np.ndarray]], asyncio.Task[None]] = {}  # withdraw's
+        self._chunked: set[asyncio.Task[dict[str, np.ndarray]]] = set()  # requests run in chunks
         self.recorder: TrafficRecorder | None = None  # record_traffic: a sample of client inputs for builds
         self._recording: asyncio.Task[None] | None = None
 
@@ -432,9 +434,8 @@ class ModelVersion:
         One computing, or in admission on a worker thread, runs to its end and its future is
         left alone, since its inputs may be read until then (a front end must not reuse their
         memory before its answer). A request run in chunks has those still queued dropped."""
-        chunked = self._chunked.get(future)
-        if chunked is not None:
-            chunked.cancel()
+        if future in self._chunked:
+            future.cancel()
             return True
         return self._batcher is not None and self._batcher.withdraw(future)
 
@@ -447,72 +448,27 @@ class ModelVersion:
         plan: list[list[int]],
     ) -> asyncio.Future[dict[str, np.ndarray]]:
         """A request over the model's token budget, as requests of `plan`'s rows (see
-        server/scheduler/chunking.py); its future joins their outputs back in its rows' order."""
-        future: asyncio.Future[dict[str, np.ndarray]] = asyncio.get_running_loop().create_future()
-        task = asyncio.ensure_future(self._in_chunks(inputs, parameters, record, started, plan, future))
-        self._chunked[future] = task
+        server/scheduler/chunking.py): the task that joins their outputs back in its rows'
+        order is its future (cancelled, it drops the chunks still waiting)."""
 
-        def ended(driver: asyncio.Task[None]) -> None:
-            self._chunked.pop(future, None)
-            if future.done():
-                return
-            if driver.cancelled():  # withdrawn, maybe before it began: nothing comes
-                future.cancel()
-            else:  # the driver's own failure (it answers every other outcome itself)
-                future.set_exception(driver.exception() or Unavailable("the request's chunks ended unanswered"))
+        def start(index: int, rows: list[int], part_record: RequestRecord) -> asyncio.Future[dict[str, np.ndarray]]:
+            part = {name: (datatype, array[rows]) for name, (datatype, array) in inputs.items()}
+            return self._start_one(part, parameters, part_record, started, len(rows), index)
 
-        task.add_done_callback(ended)
-        future.add_done_callback(lambda done: task.cancel() if done.cancelled() else None)
-        return future
+        async def joined() -> dict[str, np.ndarray]:
+            answers = await gathered(plan, start, in_flight(len(self.instances)), record)
+            rows = sum(len(part) for part in plan)
+            outputs: dict[str, np.ndarray] = {}
+            for name, first in answers[0].items():
+                outputs[name] = np.empty((rows, *first.shape[1:]), dtype=first.dtype)
+                for part, answer in zip(plan, answers, strict=True):
+                    outputs[name][part] = answer[name]
+            return outputs
 
-    async def _in_chunks(
-        self,
-        inputs: dict[str, tuple[str, np.ndarray]],
-        parameters: dict[str, Any] | None,
-        record: RequestRecord | None,
-        started: int,
-        plan: list[list[int]],
-        future: asyncio.Future[dict[str, np.ndarray]],
-    ) -> None:
-        """Up to two chunks an instance at a time, as /v1's lists go: every instance runs one
-        while the next waits formed behind it, and other callers' requests queue between them.
-        The first failure fails the request, and the chunks still waiting are dropped."""
-        window = asyncio.Semaphore(2 * max(1, len(self.instances)))
-        records = [RequestRecord() for _ in plan]
-
-        async def run(index: int, rows: list[int], part_record: RequestRecord) -> dict[str, np.ndarray]:
-            async with window:
-                part = {name: (datatype, array[rows]) for name, (datatype, array) in inputs.items()}
-                return await self._start_one(part, parameters, part_record, started, len(rows), index)
-
-        tasks = [asyncio.ensure_future(run(i, rows, r)) for i, (rows, r) in enumerate(zip(plan, records, strict=True))]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        finally:
-            for task in tasks:
-                task.cancel()  # nothing for those done
-            # each failure read, so none is logged as lost
-            failures = [t.exception() for t in tasks if t.done() and not t.cancelled()]
-        failure = next((f for f in failures if f is not None), None)
-        if future.done():
-            return
-        if failure is None and any(t.cancelled() for t in tasks):
-            failure = Unavailable("a chunk of this request was cancelled before it was answered")
-        if failure is not None:
-            future.set_exception(failure)
-            return
-        rows = sum(len(r) for r in plan)
-        outputs: dict[str, np.ndarray] = {}
-        for name, first in tasks[0].result().items():
-            joined = np.empty((rows, *first.shape[1:]), dtype=first.dtype)
-            for part, task in zip(plan, tasks, strict=True):
-                joined[part] = task.result()[name]
-            outputs[name] = joined
-        if record is not None:
-            record.tokens = sum(r.tokens for r in records)
-            record.queue_ns = max(r.queue_ns for r in records)
-            record.compute_ns = max(r.compute_ns for r in records)
-        future.set_result(outputs)
+        task = asyncio.ensure_future(joined())
+        self._chunked.add(task)  # an unload waits for it; withdraw cancels it
+        task.add_done_callback(self._chunked.discard)
+        return task
 
     def _queued(
         self,
@@ -597,7 +553,7 @@ class ModelVersion:
         Bounded by the watchdog: a stuck batch fails at execution_timeout_seconds."""
         self.state = ModelState.UNLOADING
         while self._admissions or self._chunked:  # requests being admitted, or in chunks, are answered
-            await asyncio.wait([*self._admissions, *self._chunked.values()])
+            await asyncio.wait([*self._admissions, *self._chunked])
         if self._batcher is not None:
             await self._batcher.drain()
         self._closed = True  # on the loop, so a replacement warming up now is closed, not kept

@@ -19,14 +19,11 @@ batches take in v2 requests as well, and the other way round.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Sequence
-
 import numpy as np
 
 from server.dataplane import DataPlane, Output
 from server.model import ModelVersion
-from server.scheduler.chunking import chunks, tokens_at_most
+from server.scheduler.chunking import chunks, gathered, in_flight, tokens_at_most
 from server.scheduler.request import RequestRecord
 
 
@@ -38,11 +35,6 @@ def chunk_size(model: ModelVersion) -> int:
         return 1
     cap = model.stats.batch_cap or config.max_batch_size
     return max(1, min(cap, config.max_batch_size))
-
-
-def in_flight(model: ModelVersion) -> int:
-    """Chunks of one call in the model's queue at once: two per instance."""
-    return 2 * max(1, len(model.instances))
 
 
 async def embed(
@@ -57,48 +49,19 @@ async def embed(
     batching = config.dynamic_batching
     plan = chunks([tokens_at_most(t, config.tokenize) for t in texts], chunk_size(model),
                   batching.max_batch_tokens if batching is not None else None)
-    records = [RequestRecord() for _ in plan]
-    window = asyncio.Semaphore(in_flight(model))
     text_input = config.tokenize.input
 
-    async def run(part: list[int], part_record: RequestRecord) -> list[Output]:
-        async with window:
-            tensor = _tensor(texts, part, config.batched)
-            return await plane.start_call(model, {text_input: ("BYTES", tensor)}, {}, [output.name], part_record,
-                                          received_ns).answer()  # every chunk's deadline counts from the call's arrival
+    async def run(_: int, part: list[int], part_record: RequestRecord) -> list[Output]:
+        tensor = _tensor(texts, part, config.batched)
+        return await plane.start_call(model, {text_input: ("BYTES", tensor)}, {}, [output.name], part_record,
+                                      received_ns).answer()  # every chunk's deadline counts from the call's arrival
 
-    tasks = [asyncio.ensure_future(run(part, r)) for part, r in zip(plan, records, strict=True)]
-    failure = await _first_failure(tasks)
-    if failure is not None:
-        # Raised from here, the error's traceback holds this frame: nothing in it may hold the
-        # error back (the tasks do), or the call's texts, megabytes of them, live in a reference
-        # cycle until a rare full collection.
-        del tasks
-        try:
-            raise failure
-        finally:
-            del failure
+    answers = await gathered(plan, run, in_flight(len(model.instances)), record)
     vectors = np.empty((len(texts), output.dims[0]), dtype=np.float32)
-    for part, task in zip(plan, tasks, strict=True):
-        outputs: list[Output] = task.result()
+    for part, outputs in zip(plan, answers, strict=True):
         vectors[part] = outputs[0][2].reshape(len(part), -1)
     record.model_version = model.version
-    record.tokens = sum(r.tokens for r in records)
-    record.queue_ns = max(r.queue_ns for r in records)
-    record.compute_ns = max(r.compute_ns for r in records)
     return vectors
-
-
-async def _first_failure(tasks: Sequence[asyncio.Future[list[Output]]]) -> BaseException | None:
-    """Wait for every chunk, or for the first to fail (the rest are then cancelled, dropped from
-    the queue); that failure, if any."""
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
-        for task in tasks:
-            task.cancel()  # nothing for those done
-    return next((task.exception() for task in tasks if task.done() and not task.cancelled() and task.exception()),
-                None)
 
 
 def _tensor(texts: list[bytes], part: list[int], batched: bool) -> np.ndarray:

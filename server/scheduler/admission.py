@@ -218,11 +218,13 @@ class Admission:
         of them told by their batch size alone. Refuses (400) what the cheap checks refuse, once
         for the request, not once a chunk."""
         budget, tokenize = self._budget, self._config.tokenize
-        if budget is None or tokenize is None:
+        text = inputs.get(tokenize.input) if budget is not None and tokenize is not None else None
+        if budget is None or tokenize is None or text is None:
+            return None  # (no text input: admission says so)
+        rows = len(text[1]) if checked_batch_size is None else checked_batch_size  # checked once it counts
+        if rows * self._most_a_text <= budget:
             return None
         batch_size = _checked(self._config, inputs) if checked_batch_size is None else checked_batch_size
-        if batch_size * self._most_a_text <= budget:
-            return None
         self._options(parameters, received_ns)
         check_item_bytes(self._config, inputs)
         texts = inputs[tokenize.input][1].reshape(-1)
