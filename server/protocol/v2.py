@@ -6,7 +6,9 @@ flat or nested; Triton's binary tensor extension is read and written here too.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -155,13 +157,40 @@ def json_object(raw: bytes | bytearray) -> dict[str, Any]:
     try:
         document = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        hint = ""
-        if b"NaN" in raw or b"Infinity" in raw:  # Triton's parser takes them; this one does not
-            hint = " (NaN and Infinity are not JSON numbers here: send a tensor that holds them as binary data)"
-        raise InvalidInput(f"the request body is not valid JSON: {exc}{hint}") from exc
+        if b"NaN" not in raw and b"Infinity" not in raw:
+            raise InvalidInput(f"the request body is not valid JSON: {exc}") from exc
+        document = _with_non_finite_numbers(raw)
     if not isinstance(document, dict):
         raise InvalidInput("the request body must be a JSON object")
     return document
+
+
+# A JSON escape of a lone UTF-16 surrogate (a high one not followed by a low one, or a low one
+# not after a high one): Python's json reads it into a string that no UTF-8 encoder takes (a
+# 500 later); orjson refuses it, and so does the path that reads what orjson cannot.
+_LONE_SURROGATE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F]")
+
+
+def _with_non_finite_numbers(raw: bytes | bytearray) -> Any:
+    """A body with NaN, Infinity or -Infinity among its numbers, as Triton reads it (its parser
+    takes them, and tritonclient's JSON tensors write them, as Python's json does); orjson
+    refuses them, so such a body, and only one orjson refused, is read by Python's json,
+    which takes about twice orjson's time. Whatever else orjson refuses stays refused: text
+    that is not UTF-8, lone surrogate escapes, nesting past the interpreter's depth."""
+    try:
+        text = bytes(raw).decode()  # strict: Python's json would pass encoded surrogates through
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"the request body is not valid JSON: it is not UTF-8 ({exc.reason} at byte {exc.start})") from exc
+    if _LONE_SURROGATE.search(raw):
+        raise InvalidInput("the request body is not valid JSON: a \\u escape of a UTF-16 surrogate lacks its pair")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"the request body is not valid JSON: {exc.msg}: line {exc.lineno} column {exc.colno} "
+                           f"(char {exc.pos})") from exc
+    except RecursionError as exc:
+        raise InvalidInput("the request body is not valid JSON: it nests too deep") from exc
 
 
 def _parameters(value: object, where: str) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""Tiny ONNX models served over HTTP: graphs of string tensors end to end, a config that
-misdescribes its model refused while the others serve, and Triton's words and platforms."""
+"""Tiny ONNX models served over HTTP: graphs of string tensors end to end, NaN and infinities in
+JSON tensors, a config that misdescribes its model refused while the others serve, and Triton's
+words and platforms."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("onnx") / "models"
     write_model(root, "parse", PARSE_AND_DOUBLE_CONFIG, parse_and_double)
     write_model(root, "format", FORMAT_NUMBERS_CONFIG, format_numbers)
+    write_model(root, "double", DOUBLING_CONFIG, doubling)
     wrong = {**DOUBLING_CONFIG, "outputs": [{"name": "y", "datatype": "FP32", "dims": [3]}]}
     write_model(root, "misdescribed", wrong, doubling)
     with running_server(root, wait_ready=False) as url:  # never ready: one model fails by design
@@ -52,6 +54,15 @@ def test_numbers_sent_as_text_are_parsed_by_the_graph(client: triton.InferenceSe
     result = client.infer("parse", [text])
     assert result.as_numpy("doubled").ravel().tolist() == [4.5, -2.0, 2000.0]
     assert result.as_numpy("doubled_text").ravel().tolist() == [b"4.5", b"-2", b"2000"]
+
+
+def test_nan_and_infinities_as_json_tensors_both_ways(client: triton.InferenceServerClient) -> None:
+    """tritonclient writes a JSON tensor's NaN and infinities as Python's json does, and Triton
+    reads them: so does this server (it refused the body with 400), and answers them in kind."""
+    x = triton.InferInput("x", [2, 2], "FP32")
+    x.set_data_from_numpy(np.array([[np.nan, np.inf], [-np.inf, 1.5]], np.float32), binary_data=False)
+    result = client.infer("double", [x], outputs=[triton.InferRequestedOutput("y", binary_data=False)])
+    np.testing.assert_array_equal(result.as_numpy("y"), [[np.nan, np.inf], [-np.inf, 3.0]])
 
 
 def test_string_outputs_as_json(server_url: str) -> None:

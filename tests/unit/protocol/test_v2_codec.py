@@ -3,6 +3,7 @@ and tritonclient's own response parser."""
 
 from __future__ import annotations
 
+import math
 import time
 import tracemalloc
 from typing import Any
@@ -641,9 +642,37 @@ def test_nan_among_several_outputs_lands_on_its_own_values() -> None:
     np.testing.assert_array_equal(result.as_numpy("b"), outputs[3][2])
 
 
-def test_a_body_with_nan_says_to_send_it_as_binary() -> None:
-    with pytest.raises(InvalidInput, match="NaN and Infinity are not JSON numbers here"):
-        v2.json_object(b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [NaN]}]}')
+@pytest.mark.parametrize("datatype", ["FP16", "BF16", "FP32", "FP64"])
+def test_json_request_with_nan_and_infinities_is_read_as_triton_reads_it(datatype: str) -> None:
+    """tritonclient's JSON tensors write them as Python's json does, and Triton's parser takes
+    them; orjson does not (it refused the body with 400)."""
+    body = (b'{"inputs": [{"name": "x", "datatype": "%s", "shape": [2, 2], "data": [[NaN, Infinity], [-Infinity, 1.5]]}]}'
+            % datatype.encode())
+    array = build_tensors(parse_request(body, None)).inputs["x"][1]
+    assert array.dtype == numpy_dtype(datatype) and array.shape == (2, 2)
+    np.testing.assert_array_equal(array.astype(np.float64), [[np.nan, np.inf], [-np.inf, 1.5]])
+
+
+def test_json_request_with_nan_keeps_its_other_checks() -> None:
+    """Only NaN and the infinities are read besides what orjson reads: a NaN among integers, and
+    everything orjson refuses in such a body, is still a clear 400."""
+    nan_among_ints = b'{"inputs": [{"name": "x", "datatype": "INT32", "shape": [2], "data": [1, NaN]}]}'
+    with pytest.raises(InvalidInput, match="INT32 data must be integers"):
+        build_tensors(parse_request(nan_among_ints, None))
+    with pytest.raises(InvalidInput, match="lacks its pair"):  # Python's json would read it into a str no encoder takes
+        v2.json_object(b'{"id": "\\ud800", "inputs": [NaN]}')
+    with pytest.raises(InvalidInput, match="lacks its pair"):
+        v2.json_object(b'{"id": "\\udc00x", "inputs": [NaN]}')
+    with pytest.raises(InvalidInput, match="not UTF-8"):  # Python's json reads bytes with surrogatepass
+        v2.json_object(b'{"id": "\xed\xa0\x80", "inputs": [NaN]}')
+    with pytest.raises(InvalidInput, match="nests too deep"):
+        v2.json_object(b'{"inputs": [NaN, ' + b"[" * 100_000 + b"]" * 100_000 + b"]}")
+    with pytest.raises(InvalidInput, match=r"Expecting ',' delimiter: line 1 column 17"):  # where it is, not at the NaN
+        v2.json_object(b'{"inputs": [NaN 1]}')
+    with pytest.raises(InvalidInput, match="must be a JSON object"):
+        v2.json_object(b"[NaN]")
+    paired = v2.json_object(b'{"id": "\\ud83d\\ude00", "inputs": [Infinity]}')  # a pair is one character
+    assert paired == {"id": "\U0001f600", "inputs": [math.inf]}
 
 
 def test_json_bytes_output_round_trips() -> None:
