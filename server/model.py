@@ -260,15 +260,20 @@ class ModelVersion:
 
     def _warmup_batch_sizes(self, sweep: bool) -> list[int]:
         """`warmup.batch_sizes`, and with `sweep` a size that pads up to each batch bucket a
-        batch can reach; without, the batch buckets within max_batch_size."""
+        batch can reach; without, the batch buckets within max_batch_size. A batching model
+        runs a batch of 2 at least: one whose outputs ignore the batch (a reshape to one row, a
+        sum over it) passes a batch of 1, then failed every batch of more under load."""
         sizes = set(self.config.warmup.batch_sizes)
         cap = self.config.max_batch_size
         if not sweep:
-            return sorted(sizes | set(self.config.batch_ladder() if self.config.batch_buckets else []))
-        for bucket in self.config.batch_buckets or []:
-            sizes.add(min(bucket, cap))
-            if bucket >= cap:  # larger buckets are never reached
-                break
+            sizes |= set(self.config.batch_ladder() if self.config.batch_buckets else [])
+        else:
+            for bucket in self.config.batch_buckets or []:
+                sizes.add(min(bucket, cap))
+                if bucket >= cap:  # larger buckets are never reached
+                    break
+        if self.config.batched and cap >= 2 and max(sizes, default=0) < 2:
+            sizes.add(2)
         return sorted(sizes)
 
     def _fitted(self, feed: dict[str, np.ndarray], length: int | None) -> dict[str, np.ndarray]:

@@ -32,6 +32,16 @@ def doubling(version_dir: Path, width: int = 2) -> Path:
     )
 
 
+def summed_over_the_batch(version_dir: Path, width: int = 2) -> Path:
+    """y = the sum of x's rows, one row whatever the batch: a model that ignores the batch
+    (its signature says [batch, width] out, as an export's symbolic dims may)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [BATCH, width])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [BATCH, width])
+    axes = numpy_helper.from_array(np.array([0], dtype=np.int64), "axes")
+    node = helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=1)
+    return save(helper.make_graph([node], "sum", [x], [y], initializer=[axes]), version_dir)
+
+
 def parse_and_double(version_dir: Path) -> Path:
     """Numbers sent as text: string `text` [batch, 1] is cast to float and doubled (`doubled`,
     FP32), and the result cast back to text (`doubled_text`, a string output)."""

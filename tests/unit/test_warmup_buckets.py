@@ -25,7 +25,7 @@ from server.engines.signature import EngineSignature
 from server.errors import EngineError
 from server.model import ModelVersion
 from tests.integration.conftest import require_built_models
-from tests.unit.onnx_models import doubling
+from tests.unit.onnx_models import doubling, summed_over_the_batch
 
 WORDS = ["batchline", "warms", "up", "this", "model", "before", "it", "serves"]
 SWEPT = "every bucket a batch can reach (the engine prepares each shape on its first run)"
@@ -152,8 +152,8 @@ def test_the_batch_cap_is_the_models_not_the_machines_drift(
     plain_engines: list[RecordingEngine], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """A batch costs 1 ms + 0.25 ms an item (items/s: 800, 1333, 2000, 2667 at 1, 2, 4, 8), and
-    the machine runs three times slower from its tenth batch on (one warm-up run, one untimed
-    run per size, then four timed). Timing one size after another, sizes 4 and 8 were timed slow
+    the machine runs three times slower from its eleventh batch on (two warm-up runs, at 1 and 2,
+    one untimed run per size, then four timed). Timing one size after another, sizes 4 and 8 were timed slow
     only and the cap came out 2; with each repeat over every size, the fast first round counts
     for all of them."""
     clock = [0.0]
@@ -162,12 +162,12 @@ def test_the_batch_cap_is_the_models_not_the_machines_drift(
     recorded = RecordingEngine.run
 
     def run(engine: RecordingEngine, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        clock[0] += (0.001 + 0.00025 * len(inputs["x"])) * (3 if len(engine.runs) >= 9 else 1)
+        clock[0] += (0.001 + 0.00025 * len(inputs["x"])) * (3 if len(engine.runs) >= 10 else 1)
         return recorded(engine, inputs)
 
     monkeypatch.setattr(RecordingEngine, "run", run)
     version = built(vector_model(max_batch_size=8, warmup={"profile": True, "profile_repeats": 3}), tmp_path)
-    assert [r["x"][0] for r in plain_engines[0].runs[:9]] == [1, 1, 2, 4, 8, 1, 2, 4, 8]
+    assert [r["x"][0] for r in plain_engines[0].runs[:10]] == [1, 2, 1, 2, 4, 8, 1, 2, 4, 8]
     profile = {p["batch_size"]: round(p["items_per_second"]) for p in version.stats.batch_profile}
     assert profile == {1: 800, 2: 1333, 4: 2000, 8: 2667}
     assert version.stats.batch_cap == 8
@@ -191,7 +191,7 @@ def test_a_batch_profile_ends_within_its_time_budget(
     with pytest.raises(ValueError, match="profile_repeats"):
         ModelConfig.model_validate(vector_model(warmup={"profile": True, "profile_repeats": 1_000_000_000}))
     version = built(vector_model(max_batch_size=8, warmup={"profile": True, "profile_repeats": 100}), tmp_path)
-    passes = (len(plain_engines[0].runs) - 1 - 4) / 4  # less the warm-up run and the untimed pass
+    passes = (len(plain_engines[0].runs) - 2 - 4) / 4  # less the warm-up runs and the untimed pass
     assert passes == server.model.PROFILE_BUDGET_S // 4 + 1
     assert version.stats.batch_cap == 8  # every size took 1 s: the largest gives most
 
@@ -324,6 +324,18 @@ def test_onnxruntime_on_the_cpu_sweeps_no_buckets(tmp_path: Path, caplog: pytest
         built(config, tmp_path)
     warm_up = [r.getMessage() for r in caplog.records if r.name == "server.model"]
     assert warm_up == [f"model vector/1: warm-up at batch sizes [1, 2, 4]: {NOT_SWEPT}"]
+
+
+def test_a_model_whose_outputs_ignore_the_batch_is_refused_at_load(tmp_path: Path) -> None:
+    """Its batch of 1 is right; with a warm-up of batch 1 alone it loaded, and failed every
+    batch of more under load. A batching model now warms up at 2 as well."""
+    summed_over_the_batch(tmp_path)
+    config = vector_model(inputs=[{"name": "x", "datatype": "FP32", "dims": [2]}],
+                          outputs=[{"name": "y", "datatype": "FP32", "dims": [2]}])
+    with pytest.raises(EngineError, match=r"warm-up at batch size 2 failed: output 'y'.* returned FP32 \[1, 2\] for a batch of 2"):
+        built(config, tmp_path)
+    one_a_batch = {**config, "max_batch_size": 1}  # a batch of 1 is all it serves
+    assert built(one_a_batch, tmp_path).stats.batch_cap == 1
 
 
 def test_warm_up_disabled_runs_nothing(engines: list[RecordingEngine], tmp_path: Path) -> None:
