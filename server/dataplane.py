@@ -245,9 +245,9 @@ class Call(NamedTuple):
     def outputs(self, results: dict[str, np.ndarray]) -> list[Output]:
         """The outputs asked for; InvalidInput (400) past `max_bytes`: encoding a gigabyte of
         outputs held every other client for seconds, and gRPC's answer took six times its
-        size in memory. (A BYTES output counts its pointers, not its strings.)"""
+        size in memory."""
         outputs = [(name, datatype, results[name]) for name, datatype in self.selection]
-        size = sum(array.nbytes for _, _, array in outputs)
+        size = sum(array.nbytes if array.dtype != object else _text_bytes(array) for _, _, array in outputs)
         if size > self.max_bytes:
             raise InvalidInput(
                 f"the outputs of this request hold {size} bytes, over the server's limit of {self.max_bytes} "
@@ -272,6 +272,17 @@ class Call(NamedTuple):
         """Its caller gave up: drop it if it is still queued; one computing runs to its end and
         its future completes as usual (its inputs may be read until then)."""
         self.model.withdraw(self.future)
+
+
+def _text_bytes(array: np.ndarray) -> int:
+    """What a BYTES output holds, as its binary form sends it: each item's length (a string's
+    characters) and 4 bytes for it. Its pointers alone (8 bytes an item) let a model of long
+    strings past the bound."""
+    flat = array.reshape(-1)
+    try:
+        return 4 * len(flat) + sum(map(len, flat))
+    except TypeError:  # an item without a length (not bytes or str): its pointer, as before
+        return int(array.nbytes)
 
 
 def refuse_when_full(model: ModelVersion) -> None:

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from server.config import EngineName, ModelConfig
-from server.dataplane import DataPlane
+from server.dataplane import Call, DataPlane
 from server.errors import InvalidInput, ModelNotFound, Unavailable
 from server.http import v2_infer
 from server.repository import ModelRepository
@@ -88,6 +88,17 @@ async def test_outputs_past_the_limit_are_refused_before_any_is_encoded() -> Non
     past = ("FP32", np.ones((1, 5), np.float32))
     with pytest.raises(InvalidInput, match=r"hold 20 bytes, over the server's limit of 16 \(--max-output-bytes\)"):
         await plane.start_call(model, {"x": past}, {}).answer()  # type: ignore[arg-type]
+
+
+def test_a_bytes_output_counts_its_strings_toward_the_limit() -> None:
+    """Counted by its pointers (8 bytes an item), one string of a gigabyte passed a limit of
+    64 MiB. Each item counts its length and the 4 bytes of the binary form's prefix."""
+    call = Call(None, [("s", "BYTES")], None, max_bytes=100)  # type: ignore[arg-type]
+    (_, _, within), = call.outputs({"s": np.array([b"x" * 5] * 10, dtype=object)})  # 10 x (4 + 5) bytes
+    assert len(within) == 10
+    for long in (b"x" * 97, "x" * 97):  # a bytes item, and a str one (as ONNX Runtime returns them)
+        with pytest.raises(InvalidInput, match=r"hold 101 bytes, over the server's limit of 100"):
+            call.outputs({"s": np.array([long], dtype=object)})
 
 
 async def test_a_stopping_server_admits_nothing() -> None:
