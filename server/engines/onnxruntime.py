@@ -194,6 +194,16 @@ def run_bound(
     return binding.copy_outputs_to_cpu()
 
 
+def _kernel_hint(exc: Exception, providers: list[Any]) -> str:
+    """What to do about ONNX Runtime's "Could not find an implementation for Add(14)", which
+    names neither the datatype nor the provider: most often a BF16 (or FP16) model on the CPU."""
+    if "Could not find an implementation" not in str(exc):
+        return ""
+    names = ", ".join(p if isinstance(p, str) else p[0] for p in providers)
+    return (f" (no kernel of {names} runs that operator at the datatypes it is given here: the CPU provider "
+            "lacks most BF16 and some FP16 kernels; export the model in FP32 for the CPU, or serve it on a GPU)")
+
+
 class OnnxRuntimeEngine(Engine):
     def __init__(self, spec: EngineSpec[OnnxRuntimeOptions], device: Device) -> None:
         self._path = spec.artifact
@@ -209,7 +219,7 @@ class OnnxRuntimeEngine(Engine):
         try:
             self._session = ort.InferenceSession(str(self._path), options, providers=providers)
         except Exception as exc:  # ORT raises its own untyped errors (Fail, InvalidGraph, ...)
-            raise EngineError(f"ONNX Runtime cannot load {self._path}: {exc}") from exc
+            raise EngineError(f"ONNX Runtime cannot load {self._path}: {exc}{_kernel_hint(exc, providers)}") from exc
         self._providers = list(self._session.get_providers())
         check_providers(providers, self._providers)
         self._output_names = [o.name for o in self._session.get_outputs()]

@@ -146,6 +146,23 @@ def test_a_gpu_instance_runs_on_the_gpu_or_fails_at_load_with_the_reason(doublin
         assert "CUDAExecutionProvider" in str(refused.value)  # it names the provider it lacks
 
 
+def test_a_bf16_graph_on_the_cpu_says_why_it_cannot_load(tmp_path: Path) -> None:
+    """ONNX Runtime's own words ("Could not find an implementation for Add(14)") name neither
+    the datatype nor the provider."""
+    x = helper.make_tensor_value_info("x", TensorProto.BFLOAT16, ["batch", 2])
+    y = helper.make_tensor_value_info("y", TensorProto.BFLOAT16, ["batch", 2])
+    model = helper.make_model(helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "double", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    (tmp_path / "1").mkdir()
+    onnx.save(model, tmp_path / "1" / "model.onnx")
+    bf16 = config(inputs=[{"name": "x", "datatype": "BF16", "dims": [2]}],
+                  outputs=[{"name": "y", "datatype": "BF16", "dims": [2]}])
+    with pytest.raises(EngineError, match=r"Could not find an implementation for Add.*no kernel of "
+                       r"CPUExecutionProvider runs that operator.*lacks most BF16.*export the model in FP32"):
+        create_engine(bf16, tmp_path / "1", Device("CPU"))
+
+
 def test_config_and_graph_must_agree_on_tensor_names(doubling_model: Path) -> None:
     wrong = config(inputs=[{"name": "z", "datatype": "FP32", "dims": [2]}])
     with pytest.raises(EngineError, match="input 'z': the model has no input 'z' .*the model takes input 'x'"):
