@@ -73,10 +73,14 @@ class InferenceRequest:
             self.future.set_result(outputs)
 
     def fail(self, error: BaseException) -> None:
+        """The request's error, its tracebacks dropped (the server logged what it needed of them
+        where it caught it; a client gets the message): they hold the frames that raised and
+        caught it, and frames that hold the error back, in a cycle with the batch's inputs
+        until a rare full collection."""
         self.state = RequestState.DONE
         self.unwatch()
         if not self.future.done():
-            self.future.set_exception(error)
+            self.future.set_exception(_without_tracebacks(error))
 
     def unwatch(self) -> None:
         """Take `watch` off the future, and let go of it: it holds this request (no cycle is
@@ -84,3 +88,13 @@ class InferenceRequest:
         if self.watch is not None:
             self.future.remove_done_callback(self.watch)
             self.watch = None
+
+
+def _without_tracebacks(error: BaseException) -> BaseException:
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return error

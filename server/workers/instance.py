@@ -217,16 +217,21 @@ class ModelInstance:
         future: asyncio.Future[BatchResult] = loop.create_future()
         future.add_done_callback(_retrieve)
         self._jobs.put(_Job(partial(self.pipeline.run_batch, feeds), future, loop))
-        if not self.timeout_s:
+        del feeds  # (held by the job until it runs)
+        if self.timeout_s:
+            done, _ = await asyncio.wait({future}, timeout=self.timeout_s)
+            if not done:
+                self._abandon(future)
+                raise ExecutionTimeout(
+                    f"instance {self.label} did not finish a batch within execution_timeout_seconds "
+                    f"({self.timeout_s:g} s); the instance was taken out of service"
+                )
+            del done
+        try:
             return await future
-        done, _ = await asyncio.wait({future}, timeout=self.timeout_s)
-        if not done:
-            self._abandon(future)
-            raise ExecutionTimeout(
-                f"instance {self.label} did not finish a batch within execution_timeout_seconds "
-                f"({self.timeout_s:g} s); the instance was taken out of service"
-            )
-        return future.result()
+        except BaseException:
+            del future  # it holds the error, whose traceback holds this frame: no cycle
+            raise
 
     def run_on_thread(self, call: Callable[[ModelPipeline], T]) -> T:
         """`call(pipeline)` on the instance's thread, waited for: warm-up and the batch-cap
@@ -268,20 +273,28 @@ class ModelInstance:
 
 
 def _run(job: _Job) -> None:
-    """Run one job and hand its outcome to whoever waits for it."""
+    """Run one job and hand its outcome to whoever waits for it. An error's traceback holds
+    this frame: its locals (the error, the job and its future, which holds the error too) are
+    let go before it ends, or the error, the frames and the batch's inputs would live in a
+    reference cycle until a rare full collection."""
     result: Any = None
     error: BaseException | None = None
     try:
         result = job.call()
     except BaseException as exc:  # noqa: BLE001 (every outcome goes back to the waiting caller)
         error = exc if isinstance(exc, Exception) else EngineError(f"{type(exc).__name__}: {exc}")
-    if job.loop is None:  # a caller off the loop waits on a thread-safe future
-        _settle(job.future, result, error)
-        return
+    future, loop = job.future, job.loop
+    del job
     try:
-        job.loop.call_soon_threadsafe(_settle, job.future, result, error)
-    except RuntimeError:  # the loop is closed: nobody waits for this run any more
-        pass
+        if loop is None:  # a caller off the loop waits on a thread-safe future
+            _settle(future, result, error)
+            return
+        try:
+            loop.call_soon_threadsafe(_settle, future, result, error)
+        except RuntimeError:  # the loop is closed: nobody waits for this run any more
+            pass
+    finally:
+        del future, result, error
 
 
 def _settle(

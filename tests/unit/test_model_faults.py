@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.errors import EngineError, ExecutionTimeout, Unavailable
 from server.metrics import BatchlineCollector, exposition
 from server.repository import ModelRepository
+from tests.unit.cycles import server_objects_left_in_cycles
 from tests.unit.fault_engines import HANG, RAISE, Faults, injected_faults, rows
 from tests.unit.onnx_models import DOUBLING_CONFIG, doubling, write_model
 from tests.unit.waiting import eventually
@@ -120,6 +121,25 @@ async def test_an_engine_that_raises_fails_its_request_and_the_instance_serves_o
         await model.start_request({"x": rows(RAISE)})
     assert (await model.start_request({"x": rows(3.0)}))["y"].tolist() == [[6.0, 6.0]]
     assert model.stats.instances_abandoned == 0 and faults.created == 1
+
+
+async def test_engine_errors_leave_nothing_in_reference_cycles(repository: ModelRepository, faults: Faults) -> None:
+    """A failed run's error held, through its traceback, the frames that held the error (the
+    instance thread's, the batch search's, the batcher's), and with them the batch's inputs:
+    megabytes a failed batch, alive until a full collection, which the server's tuned
+    collector runs rarely. A request alone, and a batch the search cuts to find its bad ones."""
+    model = repository.get("double")
+
+    async def failing(count: int) -> None:
+        for _ in range(count):
+            with pytest.raises(EngineError):
+                await model.start_request({"x": rows(RAISE)})
+            futures = [model.start_request({"x": rows(v)}) for v in (3.0, RAISE, 4.0, RAISE, 5.0)]
+            outcomes = await asyncio.gather(*futures, return_exceptions=True)
+            assert [isinstance(o, EngineError) for o in outcomes] == [False, True, False, True, False]
+
+    found = await server_objects_left_in_cycles(failing, 3, 20)
+    assert not found, found
 
 
 async def test_running_out_of_memory_splits_the_batch_and_shows_the_lowered_cap(
