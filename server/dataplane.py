@@ -215,6 +215,7 @@ class DataPlane:
         record: RequestRecord | None = None,
         received_ns: int | None = None,
         checked_batch_size: int | None = None,
+        items_a_part: int | None = None,
     ) -> Call:
         """Start one call on `model` (from `admit`): its inputs as named arrays and its parameters
         (priority, timeout and what the model's admission reads) in; the `outputs` asked for
@@ -226,12 +227,13 @@ class DataPlane:
         the call meets later comes through its future.
         A reload may have replaced `model` since `admit` chose it (the front end parsed a large
         body meanwhile, or sent a list's earlier chunks): the call goes to the version of its
-        number that serves now, whose admission checks the inputs against its own config."""
+        number that serves now, whose admission checks the inputs against its own config.
+        `items_a_part`: a list taken whole, run in parts (ModelVersion.start_request)."""
         if not model.ready:
             model, checked_batch_size = self._serving_now(model), None
         selection = model.every_output if outputs is None else output_tensors(model.config, outputs)
-        return Call(model.start_request(inputs, parameters, record, received_ns, checked_batch_size), selection, model,
-                    self.max_output_bytes)
+        future = model.start_request(inputs, parameters, record, received_ns, checked_batch_size, items_a_part)
+        return Call(future, selection, model, self.max_output_bytes)
 
 
 class Call(NamedTuple):

@@ -382,6 +382,7 @@ class ModelVersion:
         record: RequestRecord | None = None,
         received_ns: int | None = None,
         checked_batch_size: int | None = None,
+        items_a_part: int | None = None,
     ) -> asyncio.Future[dict[str, np.ndarray]]:
         """Admit and queue one request: the future of its outputs (API names); `record` collects
         its times. Its clock (durations, the `timeout` deadline) starts at `received_ns`, when its
@@ -390,49 +391,42 @@ class ModelVersion:
         admitted and queued here, with no task or coroutine of its own (a caller that needs none,
         a front end's link, pays for none); one whose admission goes to a worker thread gets a
         task. Cancelling the future drops a request not yet computing; `withdraw` drops one only
-        while it is queued, before a batch or its admission reads its inputs."""
+        while it is queued, before a batch or its admission reads its inputs.
+        `items_a_part`: a list a front end takes whole (OpenAI's embeddings input, up to 2048
+        texts), for a model that `splits_rows`: its rows are not bounded by max_batch_size, and
+        it runs in parts of at most that many, by its texts' tokens."""
         if self._batcher is None or self._admission is None or not self.ready:
             raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready")
+        batcher, admission = self._batcher, self._admission
         started = received_ns or time.perf_counter_ns()
         try:
-            plan = self._admission.chunked(inputs, parameters or {}, started, checked_batch_size)
-        except InvalidInput:
-            self.stats.count_failure("invalid")
-            raise
-        if plan is not None:
-            return self._start_in_chunks(inputs, parameters, record, started, plan)
-        return self._start_one(inputs, parameters, record, started, checked_batch_size)
-
-    def _start_one(
-        self,
-        inputs: dict[str, tuple[str, np.ndarray]],
-        parameters: dict[str, Any] | None,
-        record: RequestRecord | None,
-        started: int,
-        checked_batch_size: int | None,
-        chunk: int | None = None,
-    ) -> asyncio.Future[dict[str, np.ndarray]]:
-        """`chunk`: the index of this part of a request taken in and run in chunks: queued while
-        the version unloads (an unload waits for the request, as for one in admission), and past
-        the queue's bound after the first (the request's place was counted with it)."""
-        taking = self.ready or (chunk is not None and self.state is ModelState.UNLOADING and not self._closed)
-        if self._batcher is None or self._admission is None or not taking:
-            raise Unavailable(f"model '{self.config.name}' version {self.version} is not ready")
-        batcher, admission = self._batcher, self._admission
-        try:
+            if items_a_part is not None:
+                if not admission.splittable:  # (a front end asks `splits_rows` first; a reload may change it)
+                    raise InvalidInput(f"model '{self.config.name}' version {self.version} takes no list of texts "
+                                       "in parts: send one text a call")
+                if checked_batch_size is None:
+                    checked_batch_size = admission.rows_of_list(inputs)
             admitted = admission.admit_or_offload(inputs, parameters or {}, started, checked_batch_size)
         except InvalidInput:
             self.stats.count_failure("invalid")
             raise
+        if items_a_part is not None or admission.may_pass_budget(inputs, checked_batch_size):
+            return self._start_in_parts(batcher, admission, admitted, inputs, record, started, items_a_part)
         future: asyncio.Future[dict[str, np.ndarray]] = asyncio.get_running_loop().create_future()
         if isinstance(admitted, Admitted):
-            self._queued(batcher, admission, admitted, inputs, record, started, future, not chunk)
+            self._queued(batcher, admission, admitted, inputs, record, started, future)
             return future
         task = asyncio.ensure_future(
-            self._queued_later(batcher, admission, admitted, inputs, record, started, future, not chunk))
+            self._queued_later(batcher, admission, admitted, inputs, record, started, future))
         self._admissions.add(task)  # counted now: an unload from here on waits for it
         task.add_done_callback(self._admissions.discard)
         return future
+
+    @property
+    def splits_rows(self) -> bool:
+        """Whether a request's rows can run in parts (`items_a_part`): a batching text model of
+        one text a row, whose outputs have fixed dims (parts of other widths would not join)."""
+        return self._admission is not None and self._admission.splittable
 
     def withdraw(self, future: asyncio.Future[dict[str, np.ndarray]]) -> bool:
         """Drop a request still queued (from `start_request`), its caller gone: True if it was.
@@ -444,30 +438,61 @@ class ModelVersion:
             return True
         return self._batcher is not None and self._batcher.withdraw(future)
 
-    def _start_in_chunks(
+    def _start_in_parts(
         self,
+        batcher: Batcher,
+        admission: Admission,
+        admitted: Admitted | Callable[[], Admitted],
         inputs: dict[str, tuple[str, np.ndarray]],
-        parameters: dict[str, Any] | None,
         record: RequestRecord | None,
         started: int,
-        plan: list[list[int]],
+        items: int | None,
     ) -> asyncio.Future[dict[str, np.ndarray]]:
-        """A request over the model's token budget, as requests of `plan`'s rows (see
-        server/scheduler/chunking.py): the task that joins their outputs back in its rows'
-        order is its future (cancelled, it drops the chunks still waiting)."""
+        """A request whose texts may pass the model's token budget (see
+        server/scheduler/chunking.py), or a list of at most `items` a part, admitted whole
+        (tokenized once; `admitted` is that work when it runs on a worker thread), then cut
+        into parts by its texts' tokens, each queued as a request of its own, or queued whole
+        when it fits after all. Cut, its future is the task that joins the parts' outputs back
+        in its rows' order (cancelled, it drops the parts still waiting)."""
+        loop = asyncio.get_running_loop()
 
-        def start(index: int, rows: list[int], part_record: RequestRecord) -> asyncio.Future[dict[str, np.ndarray]]:
-            part = {name: (datatype, array[rows]) for name, (datatype, array) in inputs.items()}
-            return self._start_one(part, parameters, part_record, started, len(rows), index)
+        def queued(part: Admitted, part_inputs: dict[str, tuple[str, np.ndarray]], part_record: RequestRecord | None,
+                   first: bool = True) -> asyncio.Future[dict[str, np.ndarray]]:
+            # A part after the first is queued past the queue's bound (the request's place was
+            # counted with its first), and while the version unloads (an unload waits for it).
+            future: asyncio.Future[dict[str, np.ndarray]] = loop.create_future()
+            self._queued(batcher, admission, part, part_inputs, part_record, started, future, first)
+            return future
+
+        parts = admission.split(admitted, items) if isinstance(admitted, Admitted) else None
+        if isinstance(admitted, Admitted) and parts is None:
+            return queued(admitted, inputs, record)  # within the budget after all: no task
 
         async def joined() -> dict[str, np.ndarray]:
+            nonlocal parts
+            if not isinstance(admitted, Admitted):
+                try:
+                    whole = await asyncio.to_thread(admitted)
+                except InvalidInput:
+                    self.stats.count_failure("invalid")
+                    raise
+                parts = admission.split(whole, items)
+                if parts is None:
+                    return await queued(whole, inputs, record)
+            assert parts is not None
+            plan = [rows for rows, _ in parts]
+
+            def start(index: int, rows: list[int], part_record: RequestRecord) -> asyncio.Future[dict[str, np.ndarray]]:
+                part_inputs = {name: (datatype, array[rows]) for name, (datatype, array) in inputs.items()}
+                return queued(parts[index][1], part_inputs, part_record, index == 0)
+
             answers = await gathered(plan, start, in_flight(len(self.instances)), record)
-            rows = sum(len(part) for part in plan)
+            total = sum(len(rows) for rows in plan)
             outputs: dict[str, np.ndarray] = {}
             for name, first in answers[0].items():
-                outputs[name] = np.empty((rows, *first.shape[1:]), dtype=first.dtype)
-                for part, answer in zip(plan, answers, strict=True):
-                    outputs[name][part] = answer[name]
+                outputs[name] = np.empty((total, *first.shape[1:]), dtype=first.dtype)
+                for rows, answer in zip(plan, answers, strict=True):
+                    outputs[name][rows] = answer[name]
             return outputs
 
         task = asyncio.ensure_future(joined())
@@ -518,7 +543,6 @@ class ModelVersion:
         record: RequestRecord | None,
         received_ns: int,
         future: asyncio.Future[dict[str, np.ndarray]],
-        bounded: bool = True,
     ) -> None:
         """Queue a request whose admission `work` runs on a worker thread; its outcome, a
         refusal too, goes to `future`. A caller that gave up meanwhile is not queued."""
@@ -526,7 +550,7 @@ class ModelVersion:
             admitted = await asyncio.to_thread(work)
             if not future.done():
                 self._admissions.discard(asyncio.current_task())  # type: ignore[arg-type]  # queued, counted there
-                self._queued(batcher, admission, admitted, inputs, record, received_ns, future, bounded)
+                self._queued(batcher, admission, admitted, inputs, record, received_ns, future)
         except asyncio.CancelledError:
             future.cancel()
             raise

@@ -15,7 +15,7 @@ import numpy as np
 from server.config import ModelConfig
 from server.errors import InvalidInput
 from server.preprocess import TextTokenizer
-from server.scheduler.chunking import chunks, tokens_at_most
+from server.scheduler.chunking import chunks
 
 # The request parameters admission reads; the only ones a front end passes on to the server
 # process (a client's own parameters, nested or large as they may be, are not read here).
@@ -65,9 +65,12 @@ def _declared_plan(config: ModelConfig) -> _Declared:
     return plan
 
 
-def check_declared(config: ModelConfig, declared: dict[str, tuple[str, list[int]]]) -> int:
+def check_declared(
+    config: ModelConfig, declared: dict[str, tuple[str, list[int]]], most_rows: int | None = None,
+) -> int:
     """The request's batch size (1 for unbatched models), from names, datatypes and shapes alone:
-    every check here costs the same for one item as for a million, so it runs before any."""
+    every check here costs the same for one item as for a million, so it runs before any.
+    `most_rows`: the bound on the batch size (None: max_batch_size)."""
     plan = _declared_plan(config)
     if not plan.names.issuperset(declared):
         unknown = sorted(set(declared) - plan.names)
@@ -94,7 +97,10 @@ def check_declared(config: ModelConfig, declared: dict[str, tuple[str, list[int]
             batch_size = shape[0]
     if not batched:
         return 1
-    if not 1 <= batch_size <= config.max_batch_size:
+    if most_rows is not None:
+        if not 1 <= batch_size <= most_rows:
+            raise InvalidInput(f"batch size {batch_size} is outside 1..{most_rows}")
+    elif not 1 <= batch_size <= config.max_batch_size:
         raise InvalidInput(
             f"batch size {batch_size} is outside 1..{config.max_batch_size} (max_batch_size of '{config.name}');"
             " split the request"
@@ -111,8 +117,9 @@ def validate_inputs(
     return _texts_decoded(config, inputs), batch_size
 
 
-def _checked(config: ModelConfig, inputs: dict[str, tuple[str, np.ndarray]]) -> int:
-    return check_declared(config, {name: (datatype, list(array.shape)) for name, (datatype, array) in inputs.items()})
+def _checked(config: ModelConfig, inputs: dict[str, tuple[str, np.ndarray]], most_rows: int | None = None) -> int:
+    declared = {name: (datatype, list(array.shape)) for name, (datatype, array) in inputs.items()}
+    return check_declared(config, declared, most_rows)
 
 
 def bytes_items(config: ModelConfig, inputs: dict[str, tuple[str, np.ndarray]]) -> int:
@@ -199,37 +206,73 @@ class Admission:
         self._default_timeout_us = policy.default_timeout_microseconds if policy else 0
         self._timeout_override = policy.allow_timeout_override if policy else True
         # A request of more texts than its model's token budget can take at their longest is cut
-        # into chunks (server/scheduler/chunking.py): for a batching text model with a budget
-        # whose outputs have fixed dims (chunks of other lengths would not join back).
+        # into chunks by its texts' tokens, once they are tokenized (server/scheduler/chunking.py):
+        # a batching text model of one text a row, whose outputs have fixed dims (chunks of other
+        # lengths would not join back), may be; with a budget, and not preserve_ordering (a
+        # request's later chunks would queue behind others), its requests over the budget are.
         budget = batching.max_batch_tokens if batching else None
         fixed = all(d >= 0 for t in config.outputs for d in t.dims)
         text = next((t for t in config.inputs if config.tokenize and t.name == config.tokenize.input), None)
         one_a_row = text is not None and list(text.dims) == [1]  # a row's text is its item
-        in_order = bool(batching and batching.preserve_ordering)  # a request's later chunks would queue behind others
-        self._budget = budget if one_a_row and config.batched and budget and fixed and not in_order else None
+        in_order = bool(batching and batching.preserve_ordering)
+        self.splittable = one_a_row and config.batched and fixed
+        self._budget = budget if self.splittable and budget and not in_order else None
         self._most_a_text = config.tokenize.bucket(config.tokenize.max_length) if config.tokenize else 0
 
-    def chunked(
-        self, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any], received_ns: int | None = None,
-        checked_batch_size: int | None = None,
-    ) -> list[list[int]] | None:
-        """The rows of a request whose texts may pass the model's token budget, in chunks within
-        it (the batcher runs a request whole, however long); None for a request within it, most
-        of them told by their batch size alone. Refuses (400) what the cheap checks refuse, once
-        for the request, not once a chunk."""
-        budget, tokenize = self._budget, self._config.tokenize
-        text = inputs.get(tokenize.input) if budget is not None and tokenize is not None else None
-        if budget is None or tokenize is None or text is None:
-            return None  # (no text input: admission says so)
+    def rows_of_list(self, inputs: dict[str, tuple[str, np.ndarray]]) -> int:
+        """The rows of a list a front end takes whole (OpenAI's embeddings input, up to 2048
+        texts), its inputs checked as any request's but for max_batch_size: it runs in parts."""
+        return _checked(self._config, inputs, most_rows=1 << 31)  # (the front end bounds them)
+
+    def may_pass_budget(self, inputs: dict[str, tuple[str, np.ndarray]], checked_batch_size: int | None) -> bool:
+        """Whether a request's texts could pass the model's token budget at their longest, told
+        by its rows alone (most requests are not: they are admitted as they are); one that
+        could is tokenized whole, then cut by its texts' tokens (`split`)."""
+        tokenize = self._config.tokenize
+        if self._budget is None or tokenize is None:
+            return False
+        text = inputs.get(tokenize.input)
+        if text is None:
+            return False  # (admission says so)
         rows = len(text[1]) if checked_batch_size is None else checked_batch_size  # checked once it counts
-        if rows * self._most_a_text <= budget:
+        return rows * self._most_a_text > self._budget
+
+    def split(self, admitted: Admitted, items: int | None = None) -> list[tuple[list[int], Admitted]] | None:
+        """An admitted text request cut into parts by its texts' tokens: ordered by length (so a
+        part holds texts of like length, padded to its own longest), each of at most `items`
+        rows (None: any) and, with a budget, within it; each part's rows and what it queues.
+        None when it goes whole (no cut needed, or a model it cannot be cut for)."""
+        spec = self._config.tokenize
+        if not self.splittable or spec is None or (items is None and self._budget is None):
             return None
-        batch_size = _checked(self._config, inputs) if checked_batch_size is None else checked_batch_size
-        self._options(parameters, received_ns)
-        check_item_bytes(self._config, inputs)
-        texts = inputs[tokenize.input][1].reshape(-1)
-        plan = chunks([tokens_at_most(text, tokenize) for text in texts], batch_size, budget)
-        return plan if len(plan) > 1 else None
+        lengths = self._lengths(admitted.feed)
+        plan = chunks([spec.bucket(n) for n in lengths], items or admitted.batch_size, self._budget)
+        if len(plan) < 2:
+            return None
+        return [(rows, self._part(admitted, rows, max(1, *(lengths[r] for r in rows)))) for rows in plan]
+
+    def _lengths(self, feed: dict[str, np.ndarray]) -> list[int]:
+        """Each row's tokens, padding left out (as `tokens_in` counts them)."""
+        spec = self._config.tokenize
+        assert spec is not None
+        if spec.attention_mask and spec.attention_mask in feed:
+            return feed[spec.attention_mask].sum(axis=1).tolist()  # type: ignore[no-any-return]
+        return np.count_nonzero(feed[spec.input_ids] != spec.pad_id, axis=1).tolist()  # type: ignore[no-any-return]
+
+    def _part(self, admitted: Admitted, rows: list[int], length: int) -> Admitted:
+        """The rows of an admitted request, its token tensors cut to their own longest (the
+        tokenizer pads on the right)."""
+        spec = self._config.tokenize
+        assert spec is not None and self._tokenizer is not None
+        tokens = self._tokenizer.outputs
+        index = np.asarray(rows)
+        feed = {name: np.ascontiguousarray(array[index, :length]) if name in tokens else array[index]
+                for name, array in admitted.feed.items()}
+        longest = spec.bucket(length)
+        key = admitted.shape_key
+        if self._bucketed:  # its sequence bucket, the key's last entry, is its own
+            key = (*key[:-1], ("sequence", (longest,)))  # type: ignore[index]
+        return Admitted(feed, len(rows), key, longest, length, admitted.priority, admitted.deadline_ns, admitted.padded)
 
     def admit_or_offload(
         self, inputs: dict[str, tuple[str, np.ndarray]], parameters: dict[str, Any], received_ns: int | None = None,

@@ -4,10 +4,13 @@ and the chunks run as requests of their own.
 A batch is cut to the budget only between requests: the batcher always runs the request at its
 head whole. One v2 request of 64 texts of about 1 KB (8x minilm's budget) ran as one batch for
 about 3.5 s on one core, and held every other caller's text behind it for that long. So such a
-request runs as chunks, ordered by length first (as sentence-transformers does, so a chunk holds
-texts of like length and little padding), each within the budget; OpenAI's /v1 cuts its lists
-the same way. Two chunks an instance go at a time: every instance runs one while the next waits
-formed behind it, and other callers' requests queue between them.
+request runs as chunks, planned from its texts' tokens once it is tokenized (whole, once),
+ordered by length first (as sentence-transformers does, so a chunk holds texts of like length
+and little padding), each within the budget; OpenAI's /v1 lists are cut the same way, each
+chunk within the model's batch cap too. Two chunks an instance go at a time: every instance
+runs one while the next waits formed behind it, and other callers' requests queue between them.
+(Chunks were once planned from the texts' bytes, a token a byte: ordinary text has a token per
+four or five bytes, so a request of 64 sentences of ~130 bytes went as 8 chunks where one fit.)
 """
 
 from __future__ import annotations
@@ -16,25 +19,15 @@ import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
-from server.config import Tokenize
 from server.scheduler.request import RequestRecord
 
 T = TypeVar("T")
 
 
-def tokens_at_most(text: bytes, tokenize: Tokenize) -> int:
-    """What a text counts at most toward a batch's token budget: a token a byte, with the two
-    special tokens a sentence takes (BERT's, and most others'), truncated to `max_length`, and
-    padded to its sequence bucket, as the batcher counts it. Ordinary text takes a token per
-    four or five bytes, so its chunks hold fewer texts than the budget would; two such chunks in
-    the queue share a batch up to it."""
-    return tokenize.bucket(min(len(text) + 2, tokenize.max_length))
-
-
 def chunks(sizes: list[int], size: int, max_tokens: int | None = None) -> list[list[int]]:
-    """Indexes of the texts, ordered by `sizes` (their tokens at most; stable), cut into runs of
-    at most `size` texts and, with `max_tokens`, of at most that many tokens padded to the run's
-    longest (a run of one text goes whatever its tokens)."""
+    """Indexes of the texts, ordered by `sizes` (their tokens, as the batcher counts them;
+    stable), cut into runs of at most `size` texts and, with `max_tokens`, of at most that many
+    tokens padded to the run's longest (a run of one text goes whatever its tokens)."""
     order = sorted(range(len(sizes)), key=sizes.__getitem__)
     if max_tokens is None:
         return [order[start:start + size] for start in range(0, len(order), size)]

@@ -94,6 +94,42 @@ async def test_a_request_over_the_budget_runs_in_chunks_answered_in_its_order(
         await version.unload()
 
 
+async def test_chunks_are_cut_by_the_texts_tokens_not_their_bytes(
+    engines: list[TokenCounting], tokenizer_folder: Path,
+) -> None:
+    """Eight texts of 10 tokens and about 50 bytes: planned from their bytes (a token a byte, at
+    most max_length 16) they went 2 a chunk, 4 chunks; by their tokens, 4 a chunk. Ordinary
+    text has a token per four or five bytes, so chunks by bytes ran 4-5x smaller batches."""
+    version = await loaded(tokenizer_folder)
+    try:
+        warmed = len(engines[0].runs)
+        outputs = await version.start_request({"text": texts(*[8] * 8)}, {})
+        assert outputs["embedding"][:, 0].tolist() == [10] * 8
+        assert [run["input_ids"] for run in engines[0].runs[warmed:]] == [(4, 10), (4, 10)]
+        fits = version.start_request({"text": texts(3, 3, 3)}, {})  # 3 x 16 by their bytes; 3 x 5 tokens
+        assert not isinstance(fits, asyncio.Task) and not version._chunked  # one request, no task
+        assert (await fits)["embedding"][:, 0].tolist() == [5, 5, 5]
+    finally:
+        await version.unload()
+
+
+async def test_a_request_tokenized_off_the_loop_is_cut_and_answered_in_its_order(
+    engines: list[TokenCounting], tokenizer_folder: Path,
+) -> None:
+    """Texts of more than 4 KiB in all are tokenized on a worker thread, then cut."""
+    version = await loaded(tokenizer_folder)
+    try:
+        warmed = len(engines[0].runs)
+        _, array = texts(*[3] * 8)
+        array[::2, 0] = [b"batchline " * 80] * 4  # 800 bytes each: 16 tokens at most
+        outputs = await version.start_request({"text": ("BYTES", array)}, {})
+        assert outputs["embedding"][:, 0].tolist() == [16, 5] * 4
+        batches = [run["input_ids"] for run in engines[0].runs[warmed:]]
+        assert sorted(batches) == [(2, 16), (2, 16), (4, 5)]
+    finally:
+        await version.unload()
+
+
 async def test_a_request_within_the_budget_runs_whole(engines: list[TokenCounting], tokenizer_folder: Path) -> None:
     version = await loaded(tokenizer_folder)
     try:

@@ -37,7 +37,8 @@ class StubModel:
     def __init__(self) -> None:
         self.calls = 0
 
-    def start_request(self, inputs, parameters, record=None, received_ns=None, checked_batch_size=None):
+    def start_request(self, inputs, parameters, record=None, received_ns=None, checked_batch_size=None,
+                      items_a_part=None):
         self.calls += 1
         answered = asyncio.get_running_loop().create_future()
         answered.set_result({"y": inputs["x"][1] * 2})

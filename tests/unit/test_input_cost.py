@@ -144,7 +144,7 @@ class Model:
 
     def start_request(
         self, inputs: Any, parameters: Any, record: Any = None, received_ns: Any = None,
-        checked_batch_size: Any = None,
+        checked_batch_size: Any = None, items_a_part: Any = None,
     ) -> asyncio.Future[dict[str, np.ndarray]]:
         self.calls += 1
         answered: asyncio.Future[dict[str, np.ndarray]] = asyncio.get_running_loop().create_future()

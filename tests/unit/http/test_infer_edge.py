@@ -325,7 +325,7 @@ class ResultAsClientLeaves:
 
     def start_request(
         self, inputs: dict[str, Any], parameters: Any, record: Any = None, received_ns: Any = None,
-        checked_batch_size: Any = None,
+        checked_batch_size: Any = None, items_a_part: Any = None,
     ) -> asyncio.Future[dict[str, np.ndarray]]:
         result: asyncio.Future[dict[str, np.ndarray]] = asyncio.get_running_loop().create_future()
 
@@ -366,7 +366,7 @@ class NeverAnswers:
 
     def start_request(
         self, inputs: dict[str, Any], parameters: Any, record: Any = None, received_ns: Any = None,
-        checked_batch_size: Any = None,
+        checked_batch_size: Any = None, items_a_part: Any = None,
     ) -> asyncio.Future[dict[str, np.ndarray]]:
         self.entered.set()
         return asyncio.get_running_loop().create_future()  # never answered
