@@ -99,3 +99,21 @@ def most_specific(table: Mapping[type[BatchlineError], T], error: BatchlineError
         if cls in table:
             return table[cls]  # type: ignore[index]
     return default
+
+
+def without_tracebacks(error: BaseException) -> BaseException:
+    """`error` with its tracebacks dropped, its causes' and contexts' too: for an error handed
+    on to a waiting caller once the server logged what it needed of it. A traceback holds the
+    frames that raised and caught the error, and a frame that holds the error back (or the
+    future that holds it) makes a reference cycle, with whatever else those frames hold (a
+    batch's inputs), alive until a rare full collection."""
+    seen: set[int] = set()
+    pending = [error]
+    while pending:
+        link = pending.pop()
+        if id(link) in seen:
+            continue
+        seen.add(id(link))
+        link.__traceback__ = None
+        pending.extend(e for e in (link.__cause__, link.__context__) if e is not None)
+    return error

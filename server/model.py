@@ -32,7 +32,14 @@ from server.config import ModelConfig, TensorConfig
 from server.devices import Device, placements
 from server.engines import create_engine
 from server.engines.registry import ENGINES
-from server.errors import BatchlineError, ConfigMismatch, EngineError, InvalidInput, Unavailable
+from server.errors import (
+    BatchlineError,
+    ConfigMismatch,
+    EngineError,
+    InvalidInput,
+    Unavailable,
+    without_tracebacks,
+)
 from server.gpu import driver_versions, identity
 from server.load_gate import LOADS, run_load, run_now
 from server.preprocess import TextTokenizer
@@ -401,9 +408,10 @@ class ModelVersion:
         started = received_ns or time.perf_counter_ns()
         try:
             if items_a_part is not None:
-                if not admission.splittable:  # (a front end asks `splits_rows` first; a reload may change it)
-                    raise InvalidInput(f"model '{self.config.name}' version {self.version} takes no list of texts "
-                                       "in parts: send one text a call")
+                if not admission.splittable:  # (a front end asks `splits_rows` first; a reload may change that)
+                    raise Unavailable(f"model '{self.config.name}' version {self.version} was reloaded and takes "
+                                      "no list of texts in parts now; retry")
+                items_a_part = max(1, min(items_a_part, self.config.max_batch_size))
                 if checked_batch_size is None:
                     checked_batch_size = admission.rows_of_list(inputs)
             admitted = admission.admit_or_offload(inputs, parameters or {}, started, checked_batch_size)
@@ -468,23 +476,35 @@ class ModelVersion:
         if isinstance(admitted, Admitted) and parts is None:
             return queued(admitted, inputs, record)  # within the budget after all: no task
 
-        async def joined() -> dict[str, np.ndarray]:
-            nonlocal parts
-            if not isinstance(admitted, Admitted):
+        def admitted_and_cut(work: Callable[[], Admitted]) -> tuple[Admitted, list[tuple[list[int], Admitted]] | None]:
+            whole = work()  # on a worker thread: a large request's parts are cut there too
+            return whole, admission.split(whole, items)
+
+        async def joined(
+            work: Callable[[], Admitted] | None, parts: list[tuple[list[int], Admitted]] | None,
+        ) -> dict[str, np.ndarray]:
+            if work is not None:
                 try:
-                    whole = await asyncio.to_thread(admitted)
+                    whole, parts = await asyncio.to_thread(admitted_and_cut, work)
                 except InvalidInput:
                     self.stats.count_failure("invalid")
                     raise
-                parts = admission.split(whole, items)
+                del work
                 if parts is None:
                     return await queued(whole, inputs, record)
+                del whole  # its parts hold what they need of it
             assert parts is not None
             plan = [rows for rows, _ in parts]
+            waiting: list[Admitted | None] = [part for _, part in parts]  # each let go once queued
+            del parts
 
             def start(index: int, rows: list[int], part_record: RequestRecord) -> asyncio.Future[dict[str, np.ndarray]]:
-                part_inputs = {name: (datatype, array[rows]) for name, (datatype, array) in inputs.items()}
-                return queued(parts[index][1], part_inputs, part_record, index == 0)
+                part, waiting[index] = waiting[index], None
+                assert part is not None
+                # (a part's inputs are read by the recorder alone)
+                part_inputs = inputs if self.recorder is None else {
+                    name: (datatype, array[rows]) for name, (datatype, array) in inputs.items()}
+                return queued(part, part_inputs, part_record, index == 0)
 
             answers = await gathered(plan, start, in_flight(len(self.instances)), record)
             total = sum(len(rows) for rows in plan)
@@ -495,7 +515,8 @@ class ModelVersion:
                     outputs[name][rows] = answer[name]
             return outputs
 
-        task = asyncio.ensure_future(joined())
+        task = asyncio.ensure_future(joined(None if isinstance(admitted, Admitted) else admitted, parts))
+        del admitted, parts
         self._chunked.add(task)  # an unload waits for it; withdraw cancels it
         task.add_done_callback(self._chunked.discard)
         return task
@@ -558,7 +579,7 @@ class ModelVersion:
             if isinstance(exc, InvalidInput):
                 self.stats.count_failure("invalid")
             if not future.done():
-                future.set_exception(exc)
+                future.set_exception(without_tracebacks(exc))  # (its traceback holds this frame and `future`)
 
     @property
     def queue_depth(self) -> int:

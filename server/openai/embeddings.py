@@ -6,9 +6,8 @@ at a few hundred (429 for the rest) and pay admission 2048 times, while one part
 batch by itself. The model tokenizes the list once, orders its texts by tokens (as
 sentence-transformers orders by length), so a part holds texts of like length, padded to its
 own longest, and keeps each part within its `max_batch_tokens`; parts go two an instance at a
-time and share the model's queue with v2 requests (server/scheduler/chunking.py). A model whose
-rows cannot run in parts (one that does not batch, or whose outputs would not join) gets one
-text a call, two batches' worth an instance in flight.
+time and share the model's queue with v2 requests (server/scheduler/chunking.py). A model that
+does not batch gets one text a call, two an instance in flight.
 """
 
 from __future__ import annotations
@@ -58,6 +57,5 @@ async def embed(
         return await plane.start_call(model, {text_input: ("BYTES", tensor)}, {}, [output.name], part_record,
                                       received_ns).answer()
 
-    window = in_flight(len(model.instances)) * chunk_size(model)  # two batches an instance, formed by the batcher
-    answers = await gathered([[i] for i in range(len(texts))], run, window, record)
+    answers = await gathered([[i] for i in range(len(texts))], run, in_flight(len(model.instances)), record)
     return np.concatenate([outputs[0][2].reshape(1, -1) for outputs in answers])

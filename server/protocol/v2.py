@@ -168,8 +168,10 @@ def json_object(raw: bytes | bytearray) -> dict[str, Any]:
 # A JSON escape of a lone UTF-16 surrogate (a high one not followed by a low one, or a low one
 # not after a high one): Python's json reads it into a string that no UTF-8 encoder takes (a
 # 500 later); orjson refuses it, and so does the path that reads what orjson cannot.
+# An escape is a backslash after an even number of them (JSON's `\\ud800` is a backslash and "ud800").
 _LONE_SURROGATE = re.compile(
-    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F]")
+    rb"(?<!\\)(?:\\\\)*(?:\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F])")
 
 
 def _with_non_finite_numbers(raw: bytes | bytearray) -> Any:
@@ -189,6 +191,8 @@ def _with_non_finite_numbers(raw: bytes | bytearray) -> Any:
     except json.JSONDecodeError as exc:
         raise InvalidInput(f"the request body is not valid JSON: {exc.msg}: line {exc.lineno} column {exc.colno} "
                            f"(char {exc.pos})") from exc
+    except ValueError as exc:  # an integer past the interpreter's 4300 digits
+        raise InvalidInput(f"the request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:
         raise InvalidInput("the request body is not valid JSON: it nests too deep") from exc
 

@@ -208,8 +208,9 @@ class Admission:
         # A request of more texts than its model's token budget can take at their longest is cut
         # into chunks by its texts' tokens, once they are tokenized (server/scheduler/chunking.py):
         # a batching text model of one text a row, whose outputs have fixed dims (chunks of other
-        # lengths would not join back), may be; with a budget, and not preserve_ordering (a
-        # request's later chunks would queue behind others), its requests over the budget are.
+        # lengths would not join back; the config refuses others for padded batching anyway),
+        # may be; with a budget, and not preserve_ordering (a request's later chunks would queue
+        # behind others), its requests over the budget are.
         budget = batching.max_batch_tokens if batching else None
         fixed = all(d >= 0 for t in config.outputs for d in t.dims)
         text = next((t for t in config.inputs if config.tokenize and t.name == config.tokenize.input), None)
@@ -252,12 +253,15 @@ class Admission:
         return [(rows, self._part(admitted, rows, max(1, *(lengths[r] for r in rows)))) for rows in plan]
 
     def _lengths(self, feed: dict[str, np.ndarray]) -> list[int]:
-        """Each row's tokens, padding left out (as `tokens_in` counts them)."""
+        """Each row's tokens up to its padding (on the right): its attention mask's sum. A model
+        without a mask gets the request's width for every row: a real token may share the pad's
+        id ([SEP], for one), so nothing else says where a row's padding begins."""
         spec = self._config.tokenize
         assert spec is not None
         if spec.attention_mask and spec.attention_mask in feed:
             return feed[spec.attention_mask].sum(axis=1).tolist()  # type: ignore[no-any-return]
-        return np.count_nonzero(feed[spec.input_ids] != spec.pad_id, axis=1).tolist()  # type: ignore[no-any-return]
+        ids = feed[spec.input_ids]
+        return [ids.shape[1]] * len(ids)
 
     def _part(self, admitted: Admitted, rows: list[int], length: int) -> Admitted:
         """The rows of an admitted request, its token tensors cut to their own longest (the

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from server.errors import without_tracebacks
+
 
 @dataclass
 class RequestRecord:
@@ -73,14 +75,12 @@ class InferenceRequest:
             self.future.set_result(outputs)
 
     def fail(self, error: BaseException) -> None:
-        """The request's error, its tracebacks dropped (the server logged what it needed of them
-        where it caught it; a client gets the message): they hold the frames that raised and
-        caught it, and frames that hold the error back, in a cycle with the batch's inputs
-        until a rare full collection."""
+        """The request's error, its tracebacks dropped (`without_tracebacks`): the server logged
+        what it needed of them where it caught it, and a client gets the message."""
         self.state = RequestState.DONE
         self.unwatch()
         if not self.future.done():
-            self.future.set_exception(_without_tracebacks(error))
+            self.future.set_exception(without_tracebacks(error))
 
     def unwatch(self) -> None:
         """Take `watch` off the future, and let go of it: it holds this request (no cycle is
@@ -89,12 +89,3 @@ class InferenceRequest:
             self.future.remove_done_callback(self.watch)
             self.watch = None
 
-
-def _without_tracebacks(error: BaseException) -> BaseException:
-    seen: set[int] = set()
-    link: BaseException | None = error
-    while link is not None and id(link) not in seen:
-        seen.add(id(link))
-        link.__traceback__ = None
-        link = link.__cause__ or link.__context__
-    return error

@@ -19,6 +19,8 @@ from server.devices import Device
 from server.engines.base import Engine
 from server.errors import InvalidInput
 from server.model import ModelVersion
+from server.preprocess import TextTokenizer
+from server.scheduler.admission import Admission
 from server.scheduler.request import RequestRecord
 from tests.unit.test_warmup_buckets import WORDS, RecordingEngine, text_model, tokenizer_folder
 from tests.unit.waiting import eventually
@@ -193,3 +195,19 @@ async def test_a_chunked_requests_options_are_refused_once(engines: list[TokenCo
         assert version.stats.failures["invalid"] == 1 and not version._chunked
     finally:
         await version.unload()
+
+
+def test_without_an_attention_mask_a_part_keeps_the_requests_width(tokenizer_folder: Path) -> None:
+    """Nothing else says where a row's padding begins: a real token may share the pad's id (here
+    [SEP]), and a part cut to its rows' count of other ids would lose it."""
+    config = ModelConfig.model_validate(text_model(
+        None, max_batch_size=8, dynamic_batching={"max_batch_tokens": BUDGET},
+        preprocess={"tokenize": {"input": "text", "max_length": 16, "attention_mask": None, "pad_id": 3}}))
+    assert config.tokenize is not None
+    admission = Admission(config, TextTokenizer(config.tokenize, tokenizer_folder))
+    _, array = texts(1, 8, 1, 1, 8, 1)
+    whole = admission.admit_now({"text": np.vectorize(bytes.decode, otypes=[object])(array)}, 6)
+    parts = admission.split(whole)
+    assert parts is not None
+    assert [part.feed["input_ids"].shape for _, part in parts] == [(4, 10), (2, 10)]  # the whole width, 10
+    assert all(part.feed["input_ids"][:, -1].tolist().count(3) >= 1 for _, part in parts)  # [SEP] kept

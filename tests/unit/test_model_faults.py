@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.errors import EngineError, ExecutionTimeout, Unavailable
+from server.errors import EngineError, ExecutionTimeout, Unavailable, without_tracebacks
 from server.metrics import BatchlineCollector, exposition
 from server.repository import ModelRepository
 from tests.unit.cycles import server_objects_left_in_cycles
@@ -140,6 +140,20 @@ async def test_engine_errors_leave_nothing_in_reference_cycles(repository: Model
 
     found = await server_objects_left_in_cycles(failing, 3, 20)
     assert not found, found
+
+
+def test_an_error_handed_on_loses_the_tracebacks_of_its_causes_and_contexts_too() -> None:
+    def raised(error: BaseException) -> BaseException:
+        try:
+            raise error
+        except BaseException as caught:  # noqa: BLE001
+            return caught
+
+    outer, cause, context = raised(EngineError("outer")), raised(KeyError("cause")), raised(ValueError("context"))
+    outer.__cause__, outer.__context__ = cause, context  # as `raise outer from cause` within `except context`
+    assert all(e.__traceback__ is not None for e in (outer, cause, context))
+    assert without_tracebacks(outer) is outer
+    assert all(e.__traceback__ is None for e in (outer, cause, context))
 
 
 async def test_running_out_of_memory_splits_the_batch_and_shows_the_lowered_cap(

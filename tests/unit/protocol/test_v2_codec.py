@@ -671,6 +671,10 @@ def test_json_request_with_nan_keeps_its_other_checks() -> None:
         v2.json_object(b'{"inputs": [NaN 1]}')
     with pytest.raises(InvalidInput, match="must be a JSON object"):
         v2.json_object(b"[NaN]")
+    with pytest.raises(InvalidInput, match="Exceeds the limit"):  # Python's json alone refuses it, with a ValueError
+        v2.json_object(b'{"inputs": [NaN], "id": ' + b"1" * 5000 + b"}")
+    escaped = v2.json_object(b'{"id": "\\\\ud800", "inputs": [NaN]}')  # an escaped backslash, then text
+    assert escaped["id"] == "\\ud800"
     paired = v2.json_object(b'{"id": "\\ud83d\\ude00", "inputs": [Infinity]}')  # a pair is one character
     assert paired == {"id": "\U0001f600", "inputs": [math.inf]}
 
