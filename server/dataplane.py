@@ -21,6 +21,7 @@ from server.errors import InvalidInput, QueueFull, Unavailable
 from server.heap import HeapPolicy
 from server.model import ModelVersion
 from server.paced import PacedRender
+from server.protocol.binary import tensor_bytes
 from server.repository import ModelRepository
 from server.scheduler.admission import check_declared
 from server.scheduler.request import RequestRecord
@@ -226,7 +227,7 @@ class DataPlane:
         arrays were built to them), so they are not checked twice. Refusals raise here; what
         the call meets later comes through its future.
         A reload may have replaced `model` since `admit` chose it (the front end parsed a large
-        body meanwhile, or sent a list's earlier chunks): the call goes to the version of its
+        body meanwhile, or sent a list's earlier texts one a call): the call goes to the version of its
         number that serves now, whose admission checks the inputs against its own config.
         `items_a_part`: a list taken whole, run in parts (ModelVersion.start_request)."""
         if not model.ready:
@@ -249,7 +250,7 @@ class Call(NamedTuple):
         outputs held every other client for seconds, and gRPC's answer took six times its
         size in memory."""
         outputs = [(name, datatype, results[name]) for name, datatype in self.selection]
-        size = sum(array.nbytes if array.dtype != object else _text_bytes(array) for _, _, array in outputs)
+        size = sum(tensor_bytes(array) for _, _, array in outputs)
         if size > self.max_bytes:
             raise InvalidInput(
                 f"the outputs of this request hold {size} bytes, over the server's limit of {self.max_bytes} "
@@ -274,17 +275,6 @@ class Call(NamedTuple):
         """Its caller gave up: drop it if it is still queued; one computing runs to its end and
         its future completes as usual (its inputs may be read until then)."""
         self.model.withdraw(self.future)
-
-
-def _text_bytes(array: np.ndarray) -> int:
-    """What a BYTES output holds, as its binary form sends it: each item's length (a string's
-    characters) and 4 bytes for it. Its pointers alone (8 bytes an item) let a model of long
-    strings past the bound."""
-    flat = array.reshape(-1)
-    try:
-        return 4 * len(flat) + sum(map(len, flat))
-    except TypeError:  # an item without a length (not bytes or str): its pointer, as before
-        return int(array.nbytes)
 
 
 def refuse_when_full(model: ModelVersion) -> None:

@@ -36,6 +36,7 @@ from server.grpc.protos import grpc_service_pb2 as pb
 from server.grpc.protos import grpc_service_pb2_grpc as pb_grpc
 from server.grpc.protos import model_config_pb2
 from server.inflight import InFlight
+from server.protocol.binary import tensor_bytes
 from server.scheduler.request import RequestRecord
 from server.shared_memory import Window, write_outputs
 
@@ -318,7 +319,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             targets = regions.output_targets(declared.to_shared_memory)
             outputs = await self._plane.start_call(model, inputs, parameters, declared.outputs, record, received_ns,
                                                    batch_size).answer()
-            if sum(array.nbytes for _, _, array in outputs) > OFFLOAD_ENCODE_BYTES:
+            if sum(tensor_bytes(array) for _, _, array in outputs) > OFFLOAD_ENCODE_BYTES:
                 return await asyncio.to_thread(_answer, request.model_name, model.version, request.id, outputs,
                                                targets)
             return _answer(request.model_name, model.version, request.id, outputs, targets)

@@ -20,6 +20,7 @@ from server.dataplane import Call, DataPlane, Output
 from server.errors import BatchlineError, QueueFull
 from server.link import LinkCall, LinkClient
 from server.model import ModelVersion
+from server.protocol.binary import tensor_bytes
 from server.protocol.v2 import DecodedRequest, ParsedRequest, build_tensors, encode_response, parse_request
 from server.scheduler.request import RequestRecord
 from server.shared_memory import Window, write_outputs
@@ -252,9 +253,9 @@ def _encodes_inline(tensors: list[tuple[str, str, np.ndarray, bool]], targets: d
     json_bytes = binary_bytes = 0
     for output, _, array, as_binary in tensors:
         if as_binary or output in targets:
-            binary_bytes += array.nbytes
+            binary_bytes += tensor_bytes(array)
         else:
-            json_bytes += array.nbytes
+            json_bytes += tensor_bytes(array)
     return json_bytes <= INLINE_ENCODE_JSON_BYTES and binary_bytes <= OFFLOAD_BYTES
 
 

@@ -63,6 +63,19 @@ def tensor_from_bytes(raw: Buffer, datatype: str, shape: Sequence[int], name: st
     return reshaped(array, shape, name)
 
 
+def tensor_bytes(array: np.ndarray) -> int:
+    """The bytes a tensor takes as the binary form sends it: a BYTES tensor its items' lengths (a
+    str item's characters) and 4 bytes each, any other its buffer. (A BYTES array's `nbytes`
+    counts its 8-byte pointers: a string of a gigabyte counted 8.)"""
+    if not array.dtype.hasobject:
+        return array.nbytes
+    flat = array.reshape(-1)
+    try:
+        return 4 * len(flat) + sum(map(len, flat))
+    except TypeError:  # an item without a length (not bytes or str): its pointer
+        return int(array.nbytes)
+
+
 def tensor_to_bytes(array: np.ndarray, datatype: str) -> bytes:
     """Encode a tensor as binary data: row-major and little-endian, or length-prefixed BYTES."""
     if datatype == BYTES:

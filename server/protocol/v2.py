@@ -178,10 +178,11 @@ def _with_non_finite_numbers(raw: bytes | bytearray) -> Any:
     """A body with NaN, Infinity or -Infinity among its numbers, as Triton reads it (its parser
     takes them, and tritonclient's JSON tensors write them, as Python's json does); orjson
     refuses them, so such a body, and only one orjson refused, is read by Python's json,
-    which takes about twice orjson's time. Whatever else orjson refuses stays refused: text
-    that is not UTF-8, lone surrogate escapes, nesting past the interpreter's depth."""
+    which took 0.9-2.3 times orjson's time on 8 MB bodies (docs/benchmarks.md). Whatever
+    else orjson refuses stays refused: text that is not UTF-8, lone surrogate escapes,
+    nesting past the interpreter's depth, integers past its 4,300 digits."""
     try:
-        text = bytes(raw).decode()  # strict: Python's json would pass encoded surrogates through
+        text = raw.decode()  # strict: Python's json would pass encoded surrogates through
     except UnicodeDecodeError as exc:
         raise InvalidInput(f"the request body is not valid JSON: it is not UTF-8 ({exc.reason} at byte {exc.start})") from exc
     if _LONE_SURROGATE.search(raw):

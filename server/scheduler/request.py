@@ -88,4 +88,3 @@ class InferenceRequest:
         if self.watch is not None:
             self.future.remove_done_callback(self.watch)
             self.watch = None
-

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -285,16 +286,12 @@ def _run(job: _Job) -> None:
         error = exc if isinstance(exc, Exception) else EngineError(f"{type(exc).__name__}: {exc}")
     future, loop = job.future, job.loop
     del job
-    try:
-        if loop is None:  # a caller off the loop waits on a thread-safe future
-            _settle(future, result, error)
-            return
-        try:
+    if loop is None:  # a caller off the loop waits on a thread-safe future
+        _settle(future, result, error)
+    else:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for this run any more
             loop.call_soon_threadsafe(_settle, future, result, error)
-        except RuntimeError:  # the loop is closed: nobody waits for this run any more
-            pass
-    finally:
-        del future, result, error
+    del future, result, error
 
 
 def _settle(

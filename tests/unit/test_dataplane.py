@@ -133,6 +133,14 @@ async def test_large_bodies_and_outputs_are_coded_off_the_event_loop(monkeypatch
     assert np.allclose(orjson.loads(large)["outputs"][0]["data"], [2.0, 4.0])
 
 
+def test_a_long_string_output_is_encoded_off_the_event_loop() -> None:
+    """Told by its pointers (8 bytes), an output of one string of 100 KB was encoded on the loop."""
+    long = np.array([b"x" * 100_000], dtype=object)
+    assert not v2_infer._encodes_inline([("s", "BYTES", long, False)], {})
+    assert not v2_infer._encodes_inline([("s", "BYTES", np.array([b"x" * (2 << 20)], dtype=object), True)], {})
+    assert v2_infer._encodes_inline([("s", "BYTES", np.array([b"short"], dtype=object), False)], {})
+
+
 class ServedModel:
     """A ready model version, as the metadata and config calls read it."""
 
