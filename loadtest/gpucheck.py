@@ -23,6 +23,7 @@ module); `--fetch-wheels DIR` is the step before, on a machine with PyPI (gpuche
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import gc
 import json
@@ -47,6 +48,7 @@ from loadtest.gpucheck_coverage import (
     not_covered,
     server_compiles,
 )
+from loadtest.gpucheck_frontends import Curve
 from loadtest.machine import machine_record
 
 TIME_LIMIT_S = 480.0
@@ -57,6 +59,7 @@ OVER_BUDGET_GRACE_S = 1.0  # a phase may end this long past its budget before it
 JSON_FILE, MARKDOWN_FILE, SERVER_LOG, PROGRESS_LOG = "gpu_check.json", "gpu_check.md", "server.log", "progress.log"
 SCHEMA = "batchline.gpu_check/1"
 ROLES = ("digits", "resnet", "bert")  # build order: the cheap one first
+PHASES = ("engine", "serve", "front_ends")  # after install and build, which always run
 
 
 @dataclass(frozen=True)
@@ -83,10 +86,13 @@ class Profile:
     # one process first (the others read against it), then the far end, so that a curve cut short
     # by time still spans the range
     front_ends: tuple[int, ...] = (1, 8, 2, 4)
+    front_end_curves: tuple[Curve, ...] = (Curve("digits", "fp32"),)
     front_end_concurrency: int = 256
     front_end_clients: int = 6  # client processes of the front-end curve
     front_end_start_s: float = 10.0  # about what one server start takes there: a count given less is skipped
     differences: tuple[str, ...] = ()  # what this kind of run does unlike the GPU run, for the report
+    roles: tuple[str, ...] = ROLES  # the models built
+    phases: tuple[str, ...] = PHASES  # the phases run after the build
 
 
 # On the GPU the compiled variant's buckets are its role's engine buckets, so that its figures read
@@ -156,8 +162,8 @@ class Run:
             "complete": False,
             "partial": [],  # why anything is missing: phases cut short, variants skipped
             "phases": {},
-            "profile": {k: [asdict(e) for e in v] if k == "extras" else v for k, v in vars(profile).items()
-                        if k != "differences"},
+            "profile": {k: [asdict(e) for e in v] if k in ("extras", "front_end_curves") else v
+                        for k, v in vars(profile).items() if k != "differences"},
             "dry_run_differences": list(profile.differences),
             "models": {},
             "summary": [],
@@ -280,10 +286,14 @@ def check(out: Path, profile: Profile, limit_s: float, wheel_folder: Path | None
     with run.phase("build", profile.budgets["build"]) as deadline:
         context = build_phase(run, work / "repository", work / "artifacts", deadline)
     if context.get("models"):
-        with run.phase("engine", profile.budgets["engine"]) as deadline:
-            engine_phase(run, context, deadline)
-        with run.phase("serve", serve_budget(run.left(), profile)) as deadline:
-            serve_phase(run, context, deadline)
+        if "engine" in profile.phases:
+            with run.phase("engine", profile.budgets["engine"]) as deadline:
+                engine_phase(run, context, deadline)
+        if "serve" in profile.phases:
+            budget = serve_budget(run.left(), profile) if "front_ends" in profile.phases else None
+            with run.phase("serve", budget) as deadline:
+                serve_phase(run, context, deadline)
+    if context.get("models") and "front_ends" in profile.phases:
         with run.phase("front_ends", None) as deadline:
             from loadtest.gpucheck_frontends import front_ends_phase
 
@@ -338,7 +348,7 @@ def build_phase(run: Run, repository: Path, artifacts: Path, deadline: float) ->
     repository.mkdir(parents=True, exist_ok=True)
     built: dict[str, Any] = {}
     kind = "GPU" if device.type == "cuda" else "CPU"
-    for role in ROLES:
+    for role in profile.roles:
         if run.clock() > deadline:
             run.partial(f"{role}: not built, the build phase ran out of time")
             continue
@@ -683,6 +693,14 @@ def parser() -> argparse.ArgumentParser:
                    f"{DRY_RUN_TIME_LIMIT_S:g} with --dry-run)")
     p.add_argument("--work", type=Path, help="folder for the model repository and installed wheels (default: a"
                    " temporary one, removed at the end)")
+    p.add_argument("--phases", type=_phases, help=f"comma-separated, of {', '.join(PHASES)} (default: all; install"
+                   " and build always run): with front_ends alone, only the models and precisions of the curves"
+                   " are built")
+    p.add_argument("--curve", action="append", type=_curve, dest="curves", metavar="ROLE:PRECISION[:json|binary]",
+                   help="a model the front-end curve serves (repeatable; default digits:fp32:json), its requests'"
+                   f" inputs as JSON numbers or binary tensors; roles: {', '.join(ROLES)}")
+    p.add_argument("--front-ends", type=_counts, help="comma-separated --http-workers counts of the front-end curves,"
+                   " in the order they run (default 1,8,2,4)")
     p.add_argument("--fetch-wheels", type=Path, metavar="DIR",
                    help="instead of a check: download the wheels the GPU host lacks into DIR (needs PyPI)")
     p.add_argument("--budget-mib", type=float, default=wheels.DEFAULT_BUDGET_MIB,
@@ -690,6 +708,54 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--requirement", action="append", dest="requirements", metavar="REQ",
                    help="--fetch-wheels only these requirements (default: pyproject's, less the host's)")
     return p
+
+
+def _phases(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in PHASES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"phases are of {', '.join(PHASES)}, not {text!r}")
+    return names
+
+
+def _curve(text: str) -> Curve:
+    try:
+        curve = Curve.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if curve.role not in ROLES:
+        raise argparse.ArgumentTypeError(f"roles are {', '.join(ROLES)}, not {curve.role!r}")
+    return curve
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"counts are positive integers, comma-separated, not {text!r}")
+    return counts
+
+
+def chosen(profile: Profile, args: argparse.Namespace) -> Profile:
+    """`profile` with the command line's phases, curves and front-end counts. Without the engine
+    and serve phases, only what the curves serve is built: their roles, in their precisions."""
+    changes: dict[str, Any] = {}
+    if args.phases:
+        changes["phases"] = args.phases
+    if args.curves:
+        changes["front_end_curves"] = tuple(args.curves)
+    if args.front_ends:
+        changes["front_ends"] = args.front_ends
+    profile = dataclasses.replace(profile, **changes)
+    if "engine" not in profile.phases and "serve" not in profile.phases:
+        curves = profile.front_end_curves
+        profile = dataclasses.replace(
+            profile, roles=tuple(r for r in ROLES if any(c.role == r for c in curves)),
+            precisions=tuple(p for p in profile.precisions if any(c.precision == p for c in curves)),
+            extras=())
+    return profile
 
 
 def fetch_command(folder: Path, budget_mib: float, requirements: list[str] | None) -> int:
@@ -717,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
         return fetch_command(args.fetch_wheels, args.budget_mib, args.requirements)
     if args.outdir is None:
         parser().error("OUTDIR is required (or --fetch-wheels DIR)")
-    profile = DRY_RUN if args.dry_run else GPU
+    profile = chosen(DRY_RUN if args.dry_run else GPU, args)
     if args.time_limit is None:
         args.time_limit = DRY_RUN_TIME_LIMIT_S if args.dry_run else TIME_LIMIT_S
     if args.work is not None:

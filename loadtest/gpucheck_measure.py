@@ -261,19 +261,24 @@ def model_stats(url: str, name: str) -> dict[str, Any] | None:
 
 
 def stats_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
-    """What the server itself counted over the load: batches, items per batch, queue and compute time."""
+    """What the server itself counted over the load: batches, items per batch, a request's time
+    queued, and a batch's own time in the engine's three stages (from the per-batch-size
+    statistics: a request's compute figures carry its whole batch's time, once per request)."""
     if before is None or after is None:
         return None
     batches = after["execution_count"] - before["execution_count"]
     items = after["inference_count"] - before["inference_count"]
+    queue_count = after["inference_stats"]["queue"]["count"] - before["inference_stats"]["queue"]["count"]
+    queue_ns = after["inference_stats"]["queue"]["ns"] - before["inference_stats"]["queue"]["ns"]
 
-    def per(stage: str, count_of: str) -> float | None:
-        a, b = after["inference_stats"][stage], before["inference_stats"][stage]
-        count = (a["count"] - b["count"]) if count_of == "stage" else batches
-        return round((a["ns"] - b["ns"]) / count / 1e6, 3) if count else None
+    def per_batch(stage: str) -> float | None:
+        ns = sum(b[stage]["ns"] for b in after.get("batch_stats", [])) - sum(
+            b[stage]["ns"] for b in before.get("batch_stats", []))
+        return round(ns / batches / 1e6, 3) if batches else None
 
     return {"batches": batches, "items": items, "mean_batch": round(items / batches, 2) if batches else None,
-            "queue_ms_per_request": per("queue", "stage"), "compute_infer_ms_per_batch": per("compute_infer", "batch")}
+            "queue_ms_per_request": round(queue_ns / queue_count / 1e6, 3) if queue_count else None,
+            **{f"{stage}_ms_per_batch": per_batch(stage) for stage in ("compute_input", "compute_infer", "compute_output")}}
 
 
 # ---- the engine alone ----------------------------------------------------------------------------

@@ -184,26 +184,31 @@ def compiled_and_instances(record: dict[str, Any]) -> list[str]:
 
 
 def front_ends(record: dict[str, Any]) -> list[str]:
-    """The front-end curve: one model's served rate per count of HTTP front-end processes."""
-    curve = record.get("front_ends")
-    if not curve:
+    """The front-end curves: each model's served rate per count of HTTP front-end processes."""
+    curves = record.get("front_ends")
+    if not curves:
         return []
-    if "skipped" in curve:
-        return ["## HTTP front-end processes", "", f"Not measured: {curve['skipped']}.", ""]
-    rows = []
-    for served in sorted(curve["runs"], key=lambda r: r["http_workers"]):
-        latency = served.get("latency_ms") or {}
-        server = served.get("server") or {}
-        rows.append((served["http_workers"], served.get("req_s"), served.get("items_s"), served.get("against_one"),
-                     latency.get("p50"), latency.get("p99"), server.get("mean_batch"), served.get("error_count"),
-                     served.get("startup_s"), served.get("skipped") or served.get("error")))
-    return ["## HTTP front-end processes", "",
-            (f"{curve['model']} served with `--http-workers N` (1: the server process alone), {curve['concurrency']}"
-             f" clients from {curve['client_processes']} processes, {curve['items_per_request']} items a request,"
-             f" {curve['request']}; against one: req/s over the single process's."),
-            "", markdown_table(
-                ("front ends", "req/s", "items/s", "against one", "p50 ms", "p99 ms", "mean batch", "errors",
-                 "start s", "note"), rows), ""]
+    lines = ["## HTTP front-end processes", ""]
+    for curve in curves:
+        if "skipped" in curve:
+            lines += [f"{curve['curve']}: not measured, {curve['skipped']}.", ""]
+            continue
+        rows = []
+        for served in sorted(curve["runs"], key=lambda r: r["http_workers"]):
+            latency = served.get("latency_ms") or {}
+            server = served.get("server") or {}
+            rows.append((served["http_workers"], served.get("req_s"), served.get("items_s"), served.get("against_one"),
+                         latency.get("p50"), latency.get("p99"), server.get("mean_batch"),
+                         server.get("compute_infer_ms_per_batch"), served.get("error_count"), served.get("startup_s"),
+                         served.get("skipped") or served.get("error")))
+        lines += [(f"{curve['model']} served with `--http-workers N` (1: the server process alone),"
+                   f" {curve['concurrency']} clients from {curve['client_processes']} processes,"
+                   f" {curve['items_per_request']} items a request, {curve['request']}; against one: req/s over the"
+                   " single process's; batch ms: the server's mean compute time of a request's batch."),
+                  "", markdown_table(
+                      ("front ends", "req/s", "items/s", "against one", "p50 ms", "p99 ms", "mean batch", "batch ms",
+                       "errors", "start s", "note"), rows), ""]
+    return lines
 
 
 def _best(engine: dict[str, Any], field: str = "items_s") -> Any:

@@ -214,8 +214,8 @@ def test_the_dry_run_serves_every_variant_and_reads_it_against_the_engine(dry_ru
 def test_the_dry_run_serves_digits_with_one_then_two_front_ends(dry_run) -> None:  # type: ignore[no-untyped-def]
     record, markdown, out = dry_run[0], dry_run[1], dry_run[2]
     profile = gpucheck.DRY_RUN
-    curve = record["front_ends"]
-    assert curve["model"] == record["models"]["digits"]["variants"]["fp32"]["name"]
+    [curve] = record["front_ends"]
+    assert curve["curve"] == "digits:fp32:json" and curve["model"] == record["models"]["digits"]["variants"]["fp32"]["name"]
     assert (curve["concurrency"], curve["client_processes"]) == (profile.front_end_concurrency, profile.front_end_clients)
     assert [r["http_workers"] for r in curve["runs"]] == list(profile.front_ends) == [1, 2]
     one, two = curve["runs"]
@@ -229,10 +229,11 @@ def test_the_dry_run_serves_digits_with_one_then_two_front_ends(dry_run) -> None
     assert "2 HTTP front-end processes share port" in (out / "server-front-ends-2.log").read_text()
     assert "HTTP front-end processes share port" not in (out / "server-front-ends-1.log").read_text()
     assert "## HTTP front-end processes" in markdown
-    line = markdown_table(("front ends", "req/s", "items/s", "against one", "p50 ms", "p99 ms", "mean batch", "errors",
-                           "start s", "note"),
+    line = markdown_table(("front ends", "req/s", "items/s", "against one", "p50 ms", "p99 ms", "mean batch",
+                           "batch ms", "errors", "start s", "note"),
                           [(2, two["req_s"], two["items_s"], two["against_one"], two["latency_ms"]["p50"],
-                            two["latency_ms"]["p99"], two["server"]["mean_batch"], 0, two["startup_s"], None)])
+                            two["latency_ms"]["p99"], two["server"]["mean_batch"],
+                            two["server"]["compute_infer_ms_per_batch"], 0, two["startup_s"], None)])
     assert line.splitlines()[-1] in markdown
 
 
@@ -394,15 +395,135 @@ def test_a_front_end_count_that_cannot_start_is_recorded_and_one_with_no_time_le
     monkeypatch.setattr(gpucheck_measure, "model_stats", lambda url, name: None)
     gpucheck_frontends.front_ends_phase(run, {"models": {"digits": model}, "repository": tmp_path},
                                         deadline=clock.now + 30)
-    one, two, four = run.record["front_ends"]["runs"]
+    [curve] = run.record["front_ends"]
+    one, two, four = curve["runs"]
     assert (one["http_workers"], one["req_s"], one["against_one"], one["startup_s"]) == (1, 100.0, 1.0, 0.0)
     assert two == {"http_workers": 2, "error": "RuntimeError: the server did not answer in time"}
     assert four == {"http_workers": 4, "skipped": "the phase ran out of time"}
     assert [flags[flags.index("--http-workers") + 1] for flags in started] == ["1", "2"]
-    assert run.record["partial"] == ["front ends: 2 not measured: RuntimeError: the server did not answer in time",
-                                     "front ends: 4 not measured, the phase ran out of time"]
+    assert run.record["partial"] == [
+        "front ends: digits-fp32 2 not measured: RuntimeError: the server did not answer in time",
+        "front ends: digits-fp32 4 not measured, the phase ran out of time"]
     markdown = (tmp_path / gpucheck.MARKDOWN_FILE).read_text()
-    assert "| 2 | – | – | – | – | – | – | – | – | RuntimeError: the server did not answer in time |" in markdown
+    assert "| 2 | – | – | – | – | – | – | – | – | – | RuntimeError: the server did not answer in time |" in markdown
+
+
+def test_a_second_curve_serves_its_model_with_binary_tensors_and_one_not_built_is_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Curves run in turn, each count read against its own curve's single process, each count's
+    server log named by its model; a curve whose variant was not built is skipped with the reason."""
+    import contextlib
+    import dataclasses
+    import types
+
+    import numpy as np
+
+    from loadtest import gpucheck_frontends, localserver
+    from loadtest.gpucheck_frontends import Curve
+
+    clock = FakeClock()
+    curves = (Curve("digits", "fp32"), Curve("bert", "fp16", "binary"), Curve("resnet", "fp16", "binary"))
+    profile = dataclasses.replace(gpucheck.DRY_RUN, front_ends=(1, 2), front_end_curves=curves)
+    run = gpucheck.Run(tmp_path, profile, 100.0, ["--dry-run", "out"], clock=clock)
+    run.record["models"]["digits"] = {"name": "digits", "variants": {"fp32": {"name": "digits-fp32", "status": "built"}}}
+    run.record["models"]["bert"] = {"name": "bert", "variants": {"fp16": {"name": "bert-fp16", "status": "built"}}}
+    model = types.SimpleNamespace(inputs=[{"name": "x", "datatype": "FP32"}], output={"name": "y"}, width=4,
+                                  samples=lambda items, offset=0: {"x": np.zeros((items, 8), np.float32)})
+    logs: list[str] = []
+    rates = iter([100.0, 150.0, 50.0, 200.0])
+
+    @contextlib.contextmanager
+    def server(repository: Path, *flags: str, log_path: Path, **options: Any) -> Any:
+        logs.append(log_path.name)
+        yield "http://127.0.0.1:1"
+
+    class FakeClients:
+        def __init__(self, processes: int) -> None:
+            pass
+
+        def __enter__(self) -> Self:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            pass
+
+        def closed_loop(self, url: str, requests: list[Any], *args: Any) -> dict[str, Any]:
+            binary = requests[0].binary
+            assert binary == (requests[0].path == "/v2/models/bert-fp16/infer")
+            clock.now += 5
+            return {"req_s": next(rates), "items_s": 1.0, "latency_ms": {"p50": 1.0, "p99": 2.0}, "error_count": 0}
+
+    monkeypatch.setattr(localserver, "running_server", server)
+    monkeypatch.setattr(gpucheck_measure, "Clients", FakeClients)
+    monkeypatch.setattr(gpucheck_measure, "wait_for_models", lambda url, names, *_: {n: "READY" for n in names})
+    monkeypatch.setattr(gpucheck_measure, "model_stats", lambda url, name: None)
+    gpucheck_frontends.front_ends_phase(run, {"models": {"digits": model, "bert": model}, "repository": tmp_path},
+                                        deadline=clock.now + 90)
+    digits, bert, resnet = run.record["front_ends"]
+    assert [r["against_one"] for r in digits["runs"]] == [1.0, 1.5]
+    assert [r["against_one"] for r in bert["runs"]] == [1.0, 4.0]
+    assert (bert["curve"], bert["request"]) == ("bert:fp16:binary", "binary tensors both ways")
+    assert resnet == {"curve": "resnet:fp16:binary", "skipped": "the resnet fp16 variant was not built"}
+    assert logs == ["server-front-ends-1.log", "server-front-ends-2.log",
+                    "server-bert-fp16-front-ends-1.log", "server-bert-fp16-front-ends-2.log"]
+    markdown = (tmp_path / gpucheck.MARKDOWN_FILE).read_text()
+    assert "bert-fp16 served with `--http-workers N`" in markdown
+    assert "resnet:fp16:binary: not measured, the resnet fp16 variant was not built." in markdown
+
+
+def test_the_command_line_runs_the_curves_alone_building_only_what_they_serve() -> None:
+    from loadtest.gpucheck_frontends import Curve
+
+    args = gpucheck.parser().parse_args(["--phases", "front_ends", "--curve", "bert:fp16:binary",
+                                         "--curve", "resnet:bf16:binary", "--front-ends", "1,2,4", "out"])
+    profile = gpucheck.chosen(gpucheck.GPU, args)
+    assert profile.phases == ("front_ends",) and profile.front_ends == (1, 2, 4)
+    assert profile.front_end_curves == (Curve("bert", "fp16", "binary"), Curve("resnet", "bf16", "binary"))
+    assert (profile.roles, profile.precisions, profile.extras) == (("resnet", "bert"), ("fp16", "bf16"), ())
+    # with the serve phase, everything is built as before; the default curve is digits' JSON one
+    profile = gpucheck.chosen(gpucheck.GPU, gpucheck.parser().parse_args(["--phases", "serve,front_ends", "out"]))
+    assert (profile.roles, profile.precisions, profile.extras) == (gpucheck.ROLES, gpucheck.GPU.precisions,
+                                                                   gpucheck.GPU.extras)
+    assert profile.front_end_curves == (Curve("digits", "fp32", "json"),)
+    for wrong in (["--phases", "serve,warp"], ["--curve", "gpt:fp16"], ["--curve", "bert:fp16:xml"],
+                  ["--front-ends", "1,0"], ["--front-ends", "two"]):
+        with pytest.raises(SystemExit):
+            gpucheck.parser().parse_args([*wrong, "out"])
+
+
+def test_the_servers_batch_times_are_read_per_batch_not_per_request() -> None:
+    """A request's compute figures carry its batch's whole time (Triton's counting), so summed over
+    requests they count a batch once per request: a batch's time comes from the per-size figures."""
+    def stats(batches: int, requests: int, batch_ns: int, queue_ns: int) -> dict[str, Any]:
+        stage = {"count": requests, "ns": batch_ns * requests}
+        return {"execution_count": batches, "inference_count": requests,
+                "inference_stats": {"queue": {"count": requests, "ns": queue_ns}, "compute_input": stage,
+                                    "compute_infer": stage, "compute_output": stage},
+                "batch_stats": [{"batch_size": requests // batches, **{s: {"count": batches, "ns": batch_ns * batches}
+                                 for s in ("compute_input", "compute_infer", "compute_output")}}]}
+
+    before, after = stats(10, 640, 20_000_000, 640 * 3_000_000), stats(30, 1920, 20_000_000, 1920 * 3_000_000)
+    delta = gpucheck_measure.stats_delta(before, after)
+    assert delta == {"batches": 20, "items": 1280, "mean_batch": 64.0, "queue_ms_per_request": 3.0,
+                     "compute_input_ms_per_batch": 20.0, "compute_infer_ms_per_batch": 20.0,
+                     "compute_output_ms_per_batch": 20.0}
+    assert gpucheck_measure.stats_delta(None, after) is None
+
+
+@pytest.mark.integration
+def test_the_dry_run_of_one_binary_curve_alone_builds_and_serves_only_it(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run_command(str(LAUNCHER), "--dry-run", "--phases", "front_ends", "--curve", "digits:fp32:binary",
+                "--front-ends", "1", str(out), timeout=600)
+    record = json.loads((out / "gpu_check.json").read_text())
+    assert record["complete"], record["partial"]
+    assert list(record["phases"]) == ["build", "front_ends"] and list(record["models"]) == ["digits"]
+    assert list(record["models"]["digits"]["variants"]) == ["fp32"]
+    [curve] = record["front_ends"]
+    [one] = curve["runs"]
+    assert (curve["curve"], one["http_workers"], one["error_count"]) == ("digits:fp32:binary", 1, 0)
+    assert one["server"]["compute_infer_ms_per_batch"] > 0 and one["requests"] > 0
 
 
 def test_the_engine_phase_measures_nothing_past_its_deadline(tmp_path: Path) -> None:
