@@ -191,3 +191,82 @@ def test_an_output_without_a_row_for_each_of_the_batch_fails_the_batch_rather_th
     assert alone.outputs[0]["sum"].tolist() == [[3.0]]
     with pytest.raises(EngineError, match=r"model 'toy' returned output 'sum' of shape \[1, 1\] for a batch of 3 items"):
         pipeline.run_batch([{"x": np.ones((2, 3), np.float32)}, {"x": np.ones((1, 3), np.float32)}])
+
+
+class Identity(Engine):
+    """Answers its input as its output, the very array (as a torch program on the CPU may): the
+    answer shares memory with the merged batch. Records the arrays it was given."""
+
+    def __init__(self) -> None:
+        self.given: list[np.ndarray] = []
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.given.append(inputs["x"])
+        return {"y": inputs["x"]}
+
+    def describe(self) -> EngineDescription:
+        return EngineDescription("fake", "cpu", "fp32")
+
+    def signature(self) -> EngineSignature:
+        return EngineSignature(inputs=(), outputs=(TensorSignature("y", "FP32", (None, 1024)),))
+
+
+def image_config(**overrides) -> ModelConfig:  # type: ignore[no-untyped-def]
+    return config(max_batch_size=64, inputs=[{"name": "x", "datatype": "FP32", "dims": [1024]}],
+                  outputs=[{"name": "y", "datatype": "FP32", "dims": [1024]}], **overrides)
+
+
+def requests_of(rows: int, first: float) -> list[dict[str, np.ndarray]]:
+    """`rows` requests of one row of 1,024 floats (4 KiB), the first row all `first`, then first+1..."""
+    return [{"x": np.full((1, 1024), first + i, np.float32)} for i in range(rows)]
+
+
+def test_a_large_merge_reuses_the_instances_buffer_and_answers_stay_each_batchs_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Batches past the reuse size merge into one kept buffer (no new memory from the system for
+    each); an engine that answers with its input does not see the next batch overwrite the
+    answers already cut for the last one."""
+    import server.workers.pipeline as pipeline_module
+
+    monkeypatch.setattr(pipeline_module, "REUSE_MIN_BYTES", 16 << 10)  # 4 rows of 4 KiB
+    cfg = image_config()
+    engine = Identity()
+    pipeline = ModelPipeline(cfg, engine, paddable_inputs(cfg, {}))
+    first = pipeline.run_batch(requests_of(8, 0.0))
+    second = pipeline.run_batch(requests_of(8, 100.0))
+    assert np.shares_memory(engine.given[0], engine.given[1]), "the second batch merged into the first's buffer"
+    assert [float(r["y"][0, 0]) for r in first.outputs] == [float(i) for i in range(8)]
+    assert [float(r["y"][0, 0]) for r in second.outputs] == [100.0 + i for i in range(8)]
+    # a larger batch grows the buffer (at least doubling); a small one (3 rows) stays out of it
+    third = pipeline.run_batch(requests_of(12, 200.0))
+    small = pipeline.run_batch(requests_of(3, 300.0))
+    assert not np.shares_memory(engine.given[2], engine.given[0])
+    assert engine.given[2].base is not None and engine.given[2].base.nbytes >= 2 * 8 * 4096
+    assert not np.shares_memory(engine.given[3], engine.given[2])
+    assert [float(r["y"][0, 0]) for r in third.outputs] == [200.0 + i for i in range(12)]
+    assert [float(r["y"][0, 0]) for r in small.outputs] == [300.0, 301.0, 302.0]
+
+
+def test_a_large_merge_fills_its_bucket_with_copies_of_the_last_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    import server.workers.pipeline as pipeline_module
+
+    monkeypatch.setattr(pipeline_module, "REUSE_MIN_BYTES", 16 << 10)
+    cfg = image_config(batch_buckets=[4, 16, 64])
+    engine = Identity()
+    pipeline = ModelPipeline(cfg, engine, paddable_inputs(cfg, {}))
+    pipeline.run_batch(requests_of(16, 50.0))  # the buffer, full of the first batch's rows
+    result = pipeline.run_batch(requests_of(5, 0.0))
+    merged = engine.given[1]
+    assert merged.shape == (16, 1024) and np.shares_memory(merged, engine.given[0])
+    assert merged[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0] + [4.0] * 12
+    assert [float(r["y"][0, 0]) for r in result.outputs] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_the_shipped_reuse_size_leaves_small_models_merging_as_before() -> None:
+    cfg = image_config()
+    engine = Identity()
+    pipeline = ModelPipeline(cfg, engine, paddable_inputs(cfg, {}))
+    for _ in range(2):
+        pipeline.run_batch(requests_of(64, 0.0))  # 256 KiB: under 32 MiB
+    assert not np.shares_memory(engine.given[0], engine.given[1])
