@@ -65,15 +65,23 @@ def tensor_from_bytes(raw: Buffer, datatype: str, shape: Sequence[int], name: st
 
 def tensor_bytes(array: np.ndarray) -> int:
     """The bytes a tensor takes as the binary form sends it: a BYTES tensor its items' lengths (a
-    str item's characters) and 4 bytes each, any other its buffer. (A BYTES array's `nbytes`
+    str item's in UTF-8) and 4 bytes each, any other its buffer. (A BYTES array's `nbytes`
     counts its 8-byte pointers: a string of a gigabyte counted 8.)"""
     if not array.dtype.hasobject:
         return array.nbytes
     flat = array.reshape(-1)
     try:
-        return 4 * len(flat) + sum(map(len, flat))
+        return 4 * len(flat) + sum(map(_encoded_length, flat))
     except TypeError:  # an item without a length (not bytes or str): its pointer
         return int(array.nbytes)
+
+
+def _encoded_length(item: bytes | str) -> int:
+    """An item's bytes as sent: a str's in UTF-8 (up to 4 a character; an ASCII one's are its
+    characters, which CPython knows without looking)."""
+    if isinstance(item, str) and not item.isascii():
+        return len(item.encode("utf-8", "surrogatepass"))
+    return len(item)
 
 
 def tensor_to_bytes(array: np.ndarray, datatype: str) -> bytes:

@@ -100,6 +100,11 @@ def test_a_bytes_output_counts_its_strings_toward_the_limit() -> None:
     for long in (b"x" * 97, "x" * 97):  # a bytes item, and a str one (as ONNX Runtime returns them)
         with pytest.raises(InvalidInput, match=r"hold 101 bytes, over the server's limit of 100"):
             call.outputs({"s": np.array([long], dtype=object)})
+    # a str item counts its UTF-8 bytes, as it is sent, not its characters: 25 of 4 bytes each
+    (_, _, text), = call.outputs({"s": np.array(["\N{GRINNING FACE}" * 24], dtype=object)})  # 4 + 96
+    assert len(text) == 1
+    with pytest.raises(InvalidInput, match=r"hold 104 bytes, over the server's limit of 100"):
+        call.outputs({"s": np.array(["\N{GRINNING FACE}" * 25], dtype=object)})
 
 
 async def test_a_stopping_server_admits_nothing() -> None:
