@@ -57,7 +57,7 @@ REPORT_RESERVE_S = 10.0  # kept back from the phases for the last report and the
 WATCHDOG_MARGIN_S = 3.0  # the watchdog writes and exits this long before the limit
 OVER_BUDGET_GRACE_S = 1.0  # a phase may end this long past its budget before it is marked over it
 JSON_FILE, MARKDOWN_FILE, SERVER_LOG, PROGRESS_LOG = "gpu_check.json", "gpu_check.md", "server.log", "progress.log"
-SCHEMA = "batchline.gpu_check/1"
+SCHEMA = "batchline.gpu_check/2"  # 2: front_ends is a list of curves (1: one curve)
 ROLES = ("digits", "resnet", "bert")  # build order: the cheap one first
 PHASES = ("engine", "serve", "front_ends")  # after install and build, which always run
 
@@ -93,6 +93,10 @@ class Profile:
     differences: tuple[str, ...] = ()  # what this kind of run does unlike the GPU run, for the report
     roles: tuple[str, ...] = ROLES  # the models built
     phases: tuple[str, ...] = PHASES  # the phases run after the build
+    only: tuple[tuple[str, str], ...] | None = None  # (role, precision) of the variants built; None: all
+
+    def builds(self, role: str, precision: str) -> bool:
+        return self.only is None or (role, precision) in self.only
 
 
 # On the GPU the compiled variant's buckets are its role's engine buckets, so that its figures read
@@ -366,7 +370,7 @@ def build_phase(run: Run, repository: Path, artifacts: Path, deadline: float) ->
             models.save(models.export(model.module, model, device), fp32)
             options: dict[str, Any] = {"kind": kind, "instances": profile.instances, "max_batch": profile.max_batch[role],
                        "threads": profile.threads}
-            for precision in (p for p in profile.precisions if p != "int8"):
+            for precision in (p for p in profile.precisions if p != "int8" and profile.builds(role, p)):
                 name = models.write_variant(repository, model, precision, fp32, **options)
                 method = ("torch.export program (FP32)" if precision == "fp32"
                           else f"the FP32 program, cast to {precision} by the torch engine at load")
@@ -375,7 +379,7 @@ def build_phase(run: Run, repository: Path, artifacts: Path, deadline: float) ->
                     buckets = list(extra.buckets or profile.buckets[role])
                     entry["variants"][extra.key] = extra_variant(extra, model, repository, fp32, device, options,
                                                                  buckets)
-            if "int8" in profile.precisions:
+            if "int8" in profile.precisions and profile.builds(role, "int8"):
                 entry["variants"]["int8"] = int8_variant(run, model, repository, artifacts, device, options, deadline)
         except Exception as exc:  # noqa: BLE001 (one model that cannot be built does not stop the others)
             entry["error"] = f"{type(exc).__name__}: {str(exc)[:1000]}"
@@ -742,7 +746,7 @@ def _counts(text: str) -> tuple[int, ...]:
 
 def chosen(profile: Profile, args: argparse.Namespace) -> Profile:
     """`profile` with the command line's phases, curves and front-end counts. Without the engine
-    and serve phases, only what the curves serve is built: their roles, in their precisions."""
+    and serve phases, only what the curves serve is built: each curve's model in its precision."""
     changes: dict[str, Any] = {}
     if args.phases:
         changes["phases"] = args.phases
@@ -755,8 +759,7 @@ def chosen(profile: Profile, args: argparse.Namespace) -> Profile:
         curves = profile.front_end_curves
         profile = dataclasses.replace(
             profile, roles=tuple(r for r in ROLES if any(c.role == r for c in curves)),
-            precisions=tuple(p for p in profile.precisions if any(c.precision == p for c in curves)),
-            extras=())
+            only=tuple(dict.fromkeys((c.role, c.precision) for c in curves)), extras=())
     return profile
 
 

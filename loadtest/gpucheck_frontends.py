@@ -5,9 +5,9 @@ shows on a real model.
 The check's own curve is the fast model (digits, FP32): its batches take the GPU microseconds, so
 the server's own per-request work is the limit, which is what front ends spread over cores; its
 requests carry their inputs as JSON numbers, the costly part of a request for a front end, and
-ask for the output in binary. `--curve ROLE:PRECISION:binary` adds (or, named alone, replaces it
-with) a curve of another model whose requests carry binary tensors both ways, as the serve phase
-sends them: a BERT or a ResNet, whose batches take the GPU milliseconds, shows whether the
+ask for the output in binary. `--curve ROLE:PRECISION:binary` (repeatable) names the curves
+instead (name `digits:fp32:json` too to keep this one): another model whose requests carry
+binary tensors both ways, as the serve phase sends them: a BERT or a ResNet, whose batches take the GPU milliseconds, shows whether the
 server's single process leaves the device waiting. One server start per count, each read
 against the single process (1).
 

@@ -74,6 +74,10 @@ def markdown(record: dict[str, Any]) -> str:
         lines += ["**What this dry run does unlike the GPU run:**", "",
                   *[f"- {difference}" for difference in record["dry_run_differences"]], ""]
     rows = record.get("summary") or []
+    phases = record.get("phases") or {}
+    if "engine" not in phases and "serve" not in phases:  # the front-end curves alone (--phases)
+        lines += front_ends(record)
+        return "\n".join([*lines, *models_and_phases(record)])
     lines += [
         "## Engine alone and served",
         "",
@@ -102,7 +106,13 @@ def markdown(record: dict[str, Any]) -> str:
     ), ""]
     lines += compiled_and_instances(record)
     lines += front_ends(record)
-    lines += ["## Models", ""]
+    lines += models_and_phases(record)
+    return "\n".join(lines)
+
+
+def models_and_phases(record: dict[str, Any]) -> list[str]:
+    """How each model was made, what the host cannot cover, the phases, the wheels, the server's start."""
+    lines = ["## Models", ""]
     for entry in record.get("models", {}).values():
         about = ", ".join(f"{k} {v}" for k, v in entry.get("about", {}).items())
         methods = "; ".join(f"{p}: {v.get('method') or v.get('reason')}" for p, v in entry.get("variants", {}).items())
@@ -131,7 +141,7 @@ def markdown(record: dict[str, Any]) -> str:
         not_ready = {k: v for k, v in serve["states"].items() if v != "READY"}
         lines += [f"Server: started in {serve.get('startup_s')} s; {len(serve['states']) - len(not_ready)}"
                   f"/{len(serve['states'])} models ready" + (f"; not ready: {not_ready}" if not_ready else "") + ".", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def compiled_and_instances(record: dict[str, Any]) -> list[str]:
@@ -199,15 +209,17 @@ def front_ends(record: dict[str, Any]) -> list[str]:
             server = served.get("server") or {}
             rows.append((served["http_workers"], served.get("req_s"), served.get("items_s"), served.get("against_one"),
                          latency.get("p50"), latency.get("p99"), server.get("mean_batch"),
-                         server.get("compute_infer_ms_per_batch"), served.get("error_count"), served.get("startup_s"),
-                         served.get("skipped") or served.get("error")))
+                         server.get("compute_input_ms_per_batch"), server.get("compute_infer_ms_per_batch"),
+                         served.get("error_count"), served.get("startup_s"), served.get("skipped") or served.get("error")))
         lines += [(f"{curve['model']} served with `--http-workers N` (1: the server process alone),"
                    f" {curve['concurrency']} clients from {curve['client_processes']} processes,"
                    f" {curve['items_per_request']} items a request, {curve['request']}; against one: req/s over the"
-                   " single process's; batch ms: the server's mean compute time of a request's batch."),
+                   " single process's. The server's own mean times a batch, on its instance's thread: merge ms, its"
+                   " requests' inputs merged into the engine's (compute input); run ms, the engine's run (compute"
+                   " infer)."),
                   "", markdown_table(
-                      ("front ends", "req/s", "items/s", "against one", "p50 ms", "p99 ms", "mean batch", "batch ms",
-                       "errors", "start s", "note"), rows), ""]
+                      ("front ends", "req/s", "items/s", "against one", "p50 ms", "p99 ms", "mean batch", "merge ms",
+                       "run ms", "errors", "start s", "note"), rows), ""]
     return lines
 
 

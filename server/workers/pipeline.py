@@ -79,9 +79,11 @@ class MergeBuffers:
 
 
 class ModelPipeline:
-    def __init__(self, config: ModelConfig, engine: Engine, pads: dict[str, float]) -> None:
+    def __init__(self, config: ModelConfig, engine: Engine, pads: dict[str, float],
+                 reuse_min_bytes: int = REUSE_MIN_BYTES) -> None:
         self.engine = engine
         self._merges = MergeBuffers()
+        self._reuse_min_bytes = reuse_min_bytes
         self._io = EngineIO.from_config(config)
         self._batched = config.batched
         self._pads = pads
@@ -123,7 +125,7 @@ class ModelPipeline:
         outputs = {}
         for name, source, dtype in self._outputs:
             array = results[source]
-            if self._merges.held:
+            if self._merges.held and array.dtype == dtype:  # a cast copies anyway
                 array = self._merges.settled(array)
             if rows is not None and (array.ndim == 0 or len(array) != rows):
                 # cut back per request, it would hand one client another's rows, or none
@@ -142,20 +144,23 @@ class ModelPipeline:
             parts = [f[name] for f in feeds]
             if name in self._pads:
                 merged[name] = self._padded(parts, self._pads[name], rows)
-            elif len(parts) == 1:
-                merged[name] = _fill_rows(parts[0], rows)
+            elif len(parts) == 1 and len(parts[0]) == rows:
+                merged[name] = parts[0]
             else:
                 merged[name] = self._concatenated(name, parts, rows)
         return merged
 
     def _concatenated(self, name: str, parts: list[np.ndarray], rows: int) -> np.ndarray:
-        """The parts one after the other, then copies of the last row up to `rows`: into the
-        instance's reused buffer when that is large (see the module's docstring)."""
+        """The parts one after the other (or one part short of its bucket), then copies of the
+        last row up to `rows`: into the instance's reused buffer when that is large (see the
+        module's docstring)."""
         first = parts[0]
         item = first.shape[1:]
-        if first.dtype.itemsize * rows * int(np.prod(item, dtype=np.int64)) < REUSE_MIN_BYTES or any(
-                p.shape[1:] != item or p.dtype != first.dtype for p in parts):
-            return _fill_rows(np.concatenate(parts), rows)
+        small = first.dtype.itemsize * rows * int(np.prod(item, dtype=np.int64)) < self._reuse_min_bytes
+        # BYTES items are pointers (a byte buffer cannot be viewed as them); parts that differ are
+        # numpy's to refuse, or to promote, as before
+        if small or first.dtype.hasobject or any(p.shape[1:] != item or p.dtype != first.dtype for p in parts):
+            return _fill_rows(first if len(parts) == 1 else np.concatenate(parts), rows)
         out = self._merges.array(name, (rows, *item), first.dtype)
         total = sum(len(p) for p in parts)
         np.concatenate(parts, out=out[:total])

@@ -230,10 +230,11 @@ def test_the_dry_run_serves_digits_with_one_then_two_front_ends(dry_run) -> None
     assert "HTTP front-end processes share port" not in (out / "server-front-ends-1.log").read_text()
     assert "## HTTP front-end processes" in markdown
     line = markdown_table(("front ends", "req/s", "items/s", "against one", "p50 ms", "p99 ms", "mean batch",
-                           "batch ms", "errors", "start s", "note"),
+                           "merge ms", "run ms", "errors", "start s", "note"),
                           [(2, two["req_s"], two["items_s"], two["against_one"], two["latency_ms"]["p50"],
                             two["latency_ms"]["p99"], two["server"]["mean_batch"],
-                            two["server"]["compute_infer_ms_per_batch"], 0, two["startup_s"], None)])
+                            two["server"]["compute_input_ms_per_batch"], two["server"]["compute_infer_ms_per_batch"],
+                            0, two["startup_s"], None)])
     assert line.splitlines()[-1] in markdown
 
 
@@ -405,7 +406,7 @@ def test_a_front_end_count_that_cannot_start_is_recorded_and_one_with_no_time_le
         "front ends: digits-fp32 2 not measured: RuntimeError: the server did not answer in time",
         "front ends: digits-fp32 4 not measured, the phase ran out of time"]
     markdown = (tmp_path / gpucheck.MARKDOWN_FILE).read_text()
-    assert "| 2 | – | – | – | – | – | – | – | – | – | RuntimeError: the server did not answer in time |" in markdown
+    assert "| 2 | – | – | – | – | – | – | – | – | – | – | RuntimeError: the server did not answer in time |" in markdown
 
 
 def test_a_second_curve_serves_its_model_with_binary_tensors_and_one_not_built_is_recorded(
@@ -480,11 +481,12 @@ def test_the_command_line_runs_the_curves_alone_building_only_what_they_serve() 
     profile = gpucheck.chosen(gpucheck.GPU, args)
     assert profile.phases == ("front_ends",) and profile.front_ends == (1, 2, 4)
     assert profile.front_end_curves == (Curve("bert", "fp16", "binary"), Curve("resnet", "bf16", "binary"))
-    assert (profile.roles, profile.precisions, profile.extras) == (("resnet", "bert"), ("fp16", "bf16"), ())
+    assert (profile.roles, profile.only, profile.extras) == (("resnet", "bert"), (("bert", "fp16"), ("resnet", "bf16")), ())
+    assert profile.builds("bert", "fp16") and not profile.builds("bert", "bf16") and not profile.builds("resnet", "fp16")
     # with the serve phase, everything is built as before; the default curve is digits' JSON one
     profile = gpucheck.chosen(gpucheck.GPU, gpucheck.parser().parse_args(["--phases", "serve,front_ends", "out"]))
-    assert (profile.roles, profile.precisions, profile.extras) == (gpucheck.ROLES, gpucheck.GPU.precisions,
-                                                                   gpucheck.GPU.extras)
+    assert (profile.roles, profile.only, profile.extras) == (gpucheck.ROLES, None, gpucheck.GPU.extras)
+    assert all(profile.builds(r, p) for r in gpucheck.ROLES for p in profile.precisions)
     assert profile.front_end_curves == (Curve("digits", "fp32", "json"),)
     for wrong in (["--phases", "serve,warp"], ["--curve", "gpt:fp16"], ["--curve", "bert:fp16:xml"],
                   ["--front-ends", "1,0"], ["--front-ends", "two"]):
@@ -495,19 +497,20 @@ def test_the_command_line_runs_the_curves_alone_building_only_what_they_serve() 
 def test_the_servers_batch_times_are_read_per_batch_not_per_request() -> None:
     """A request's compute figures carry its batch's whole time (Triton's counting), so summed over
     requests they count a batch once per request: a batch's time comes from the per-size figures."""
-    def stats(batches: int, requests: int, batch_ns: int, queue_ns: int) -> dict[str, Any]:
-        stage = {"count": requests, "ns": batch_ns * requests}
-        return {"execution_count": batches, "inference_count": requests,
-                "inference_stats": {"queue": {"count": requests, "ns": queue_ns}, "compute_input": stage,
-                                    "compute_infer": stage, "compute_output": stage},
-                "batch_stats": [{"batch_size": requests // batches, **{s: {"count": batches, "ns": batch_ns * batches}
-                                 for s in ("compute_input", "compute_infer", "compute_output")}}]}
+    stage_ms = {"compute_input": 2, "compute_infer": 20, "compute_output": 1}
 
-    before, after = stats(10, 640, 20_000_000, 640 * 3_000_000), stats(30, 1920, 20_000_000, 1920 * 3_000_000)
+    def stats(batches: int, requests: int, queue_ns: int) -> dict[str, Any]:
+        per_request = {s: {"count": requests, "ns": ms * 1_000_000 * requests} for s, ms in stage_ms.items()}
+        return {"execution_count": batches, "inference_count": requests,
+                "inference_stats": {"queue": {"count": requests, "ns": queue_ns}, **per_request},
+                "batch_stats": [{"batch_size": requests // batches,
+                                 **{s: {"count": batches, "ns": ms * 1_000_000 * batches} for s, ms in stage_ms.items()}}]}
+
+    before, after = stats(10, 640, 640 * 3_000_000), stats(30, 1920, 1920 * 3_000_000)
     delta = gpucheck_measure.stats_delta(before, after)
     assert delta == {"batches": 20, "items": 1280, "mean_batch": 64.0, "queue_ms_per_request": 3.0,
-                     "compute_input_ms_per_batch": 20.0, "compute_infer_ms_per_batch": 20.0,
-                     "compute_output_ms_per_batch": 20.0}
+                     "compute_input_ms_per_batch": 2.0, "compute_infer_ms_per_batch": 20.0,
+                     "compute_output_ms_per_batch": 1.0}
     assert gpucheck_measure.stats_delta(None, after) is None
 
 
@@ -524,6 +527,9 @@ def test_the_dry_run_of_one_binary_curve_alone_builds_and_serves_only_it(tmp_pat
     [one] = curve["runs"]
     assert (curve["curve"], one["http_workers"], one["error_count"]) == ("digits:fp32:binary", 1, 0)
     assert one["server"]["compute_infer_ms_per_batch"] > 0 and one["requests"] > 0
+    markdown = (out / "gpu_check.md").read_text()
+    assert "## HTTP front-end processes" in markdown and "## Engine alone and served" not in markdown
+    assert "| build |" in markdown and "| front_ends |" in markdown
 
 
 def test_the_engine_phase_measures_nothing_past_its_deadline(tmp_path: Path) -> None:

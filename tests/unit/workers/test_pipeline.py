@@ -221,18 +221,13 @@ def requests_of(rows: int, first: float) -> list[dict[str, np.ndarray]]:
     return [{"x": np.full((1, 1024), first + i, np.float32)} for i in range(rows)]
 
 
-def test_a_large_merge_reuses_the_instances_buffer_and_answers_stay_each_batchs_own(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_large_merge_reuses_the_instances_buffer_and_answers_stay_each_batchs_own() -> None:
     """Batches past the reuse size merge into one kept buffer (no new memory from the system for
     each); an engine that answers with its input does not see the next batch overwrite the
     answers already cut for the last one."""
-    import server.workers.pipeline as pipeline_module
-
-    monkeypatch.setattr(pipeline_module, "REUSE_MIN_BYTES", 16 << 10)  # 4 rows of 4 KiB
     cfg = image_config()
     engine = Identity()
-    pipeline = ModelPipeline(cfg, engine, paddable_inputs(cfg, {}))
+    pipeline = ModelPipeline(cfg, engine, paddable_inputs(cfg, {}), reuse_min_bytes=16 << 10)  # 4 rows of 4 KiB
     first = pipeline.run_batch(requests_of(8, 0.0))
     second = pipeline.run_batch(requests_of(8, 100.0))
     assert np.shares_memory(engine.given[0], engine.given[1]), "the second batch merged into the first's buffer"
@@ -248,19 +243,57 @@ def test_a_large_merge_reuses_the_instances_buffer_and_answers_stay_each_batchs_
     assert [float(r["y"][0, 0]) for r in small.outputs] == [300.0, 301.0, 302.0]
 
 
-def test_a_large_merge_fills_its_bucket_with_copies_of_the_last_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    import server.workers.pipeline as pipeline_module
-
-    monkeypatch.setattr(pipeline_module, "REUSE_MIN_BYTES", 16 << 10)
+def test_a_large_merge_fills_its_bucket_with_copies_of_the_last_row() -> None:
     cfg = image_config(batch_buckets=[4, 16, 64])
     engine = Identity()
-    pipeline = ModelPipeline(cfg, engine, paddable_inputs(cfg, {}))
+    pipeline = ModelPipeline(cfg, engine, paddable_inputs(cfg, {}), reuse_min_bytes=16 << 10)
     pipeline.run_batch(requests_of(16, 50.0))  # the buffer, full of the first batch's rows
     result = pipeline.run_batch(requests_of(5, 0.0))
     merged = engine.given[1]
     assert merged.shape == (16, 1024) and np.shares_memory(merged, engine.given[0])
     assert merged[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0] + [4.0] * 12
     assert [float(r["y"][0, 0]) for r in result.outputs] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    # one request of 5 rows short of its bucket goes through the buffer too; one of a whole bucket
+    # is passed as it is
+    request = {"x": np.arange(5 * 1024, dtype=np.float32).reshape(5, 1024)}
+    pipeline.run_batch([request])
+    assert np.shares_memory(engine.given[2], engine.given[0]) and engine.given[2].shape == (16, 1024)
+    assert (engine.given[2][5:] == request["x"][4]).all()
+    whole = {"x": np.ones((16, 1024), np.float32)}
+    pipeline.run_batch([whole])
+    assert engine.given[3] is whole["x"]
+
+
+def test_each_large_input_has_a_buffer_of_its_own() -> None:
+    cfg = config(max_batch_size=64, inputs=[{"name": "x", "datatype": "FP32", "dims": [1024]},
+                                            {"name": "z", "datatype": "FP32", "dims": [1024]}],
+                 outputs=[{"name": "sum", "datatype": "FP32", "dims": [1], "engine_name": "engine_sum"}])
+    engine = RowSums()
+    pipeline = ModelPipeline(cfg, engine, paddable_inputs(cfg, {}), reuse_min_bytes=16 << 10)
+    feeds = [{"x": np.full((1, 1024), i, np.float32), "z": np.full((1, 1024), 10 * i, np.float32)} for i in range(8)]
+    result = pipeline.run_batch(feeds)
+    assert [float(r["sum"][0, 0]) for r in result.outputs] == [1024.0 * 11 * i for i in range(8)]
+
+
+def test_bytes_and_mixed_datatypes_merge_as_before_past_the_reuse_size() -> None:
+    """A byte buffer cannot be viewed as object pointers: BYTES inputs are concatenated as
+    before, as are parts whose datatypes differ (numpy promotes them)."""
+    cfg = config(max_batch_size=64, inputs=[{"name": "x", "datatype": "BYTES", "dims": [2]}],
+                 outputs=[{"name": "y", "datatype": "BYTES", "dims": [2]}])
+    seen: list[np.ndarray] = []
+
+    class Echo(Identity):
+        def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            seen.append(inputs["x"])
+            return {"y": inputs["x"]}
+
+    pipeline = ModelPipeline(cfg, Echo(), paddable_inputs(cfg, {}), reuse_min_bytes=8)
+    feeds = [{"x": np.array([[b"a%d" % i, b"b"]], dtype=object)} for i in range(4)]
+    result = pipeline.run_batch(feeds)
+    assert [r["y"][0, 0] for r in result.outputs] == [b"a0", b"a1", b"a2", b"a3"]
+    mixed = ModelPipeline(image_config(), Identity(), {}, reuse_min_bytes=8)
+    parts = [{"x": np.ones((1, 1024), np.float32)}, {"x": np.ones((1, 1024), np.float64)}]
+    assert [r["y"].dtype for r in mixed.run_batch(parts).outputs] == [np.float32, np.float32]
 
 
 def test_the_shipped_reuse_size_leaves_small_models_merging_as_before() -> None:
