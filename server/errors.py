@@ -54,6 +54,12 @@ class DeadlineExceeded(BatchlineError):
     """The request's deadline passed before it could run."""
 
 
+class TooLongForDeadline(DeadlineExceeded):
+    """A request run in parts (a long list of texts) whose deadline passed after some of its own
+    parts were computed: it is too long to finish within the model's timeout, and would be again,
+    so a client should send less rather than retry."""
+
+
 class Cancelled(BatchlineError):
     """The client went away; the request was dropped before compute."""
 

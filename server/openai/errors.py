@@ -2,7 +2,7 @@
 
 OpenAI's clients read the status (the official client raises BadRequestError for 400,
 AuthenticationError for 401, NotFoundError for 404, RateLimitError for 429, and retries 429
-and 5xx) and show `error.message`; `type`, `param` and `code` are what OpenAI itself sends for
+and 5xx unless the answer says `x-should-retry: false`) and show `error.message`; `type`, `param` and `code` are what OpenAI itself sends for
 the same failure.
 """
 
@@ -27,6 +27,7 @@ from server.errors import (
     QueueFull,
     RequestTimeout,
     ServerBusy,
+    TooLongForDeadline,
     Unavailable,
     Unsupported,
     most_specific,
@@ -82,6 +83,8 @@ def error_parts(error: BaseException) -> tuple[int, bytes, dict[str, str]]:
     headers = {"Retry-After": error.retry_after} if isinstance(error, QueueFull) else {}
     if isinstance(error, RequestTimeout):  # the rest of its body may still come: not a request to read
         headers["Connection"] = "close"
+    if isinstance(error, TooLongForDeadline):  # OpenAI's clients retry a 5xx unless told not to
+        headers["x-should-retry"] = "false"
     return status, error_body(error.message, type_, getattr(error, "param", None), code), headers
 
 

@@ -19,6 +19,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
+from server.errors import DeadlineExceeded, TooLongForDeadline
 from server.scheduler.request import RequestRecord
 
 T = TypeVar("T")
@@ -55,7 +56,8 @@ async def gathered(
     """Each chunk's answer, in the plan's order, `start(index, rows, record)` begun for at most
     `window` chunks at a time; `record` gets the tokens of all and the longest queue and compute
     times. The first failure is raised, and the chunks still waiting are cancelled (dropped
-    before compute)."""
+    before compute); a deadline that passes after some chunks were computed is raised as
+    TooLongForDeadline (the request is too long for it: a retry would meet it again)."""
     slots = asyncio.Semaphore(window)
     records = [RequestRecord() for _ in plan]
 
@@ -71,10 +73,18 @@ async def gathered(
     failures = [task.exception() for task in tasks if task.done() and not task.cancelled()]  # each read
     failure = next((f for f in failures if f is not None), None)
     if failure is not None:
+        computed = [rows for rows, task in zip(plan, tasks, strict=True)
+                    if task.done() and not task.cancelled() and task.exception() is None]
         # Raised from here, the error's traceback holds this frame: nothing in it may hold the
         # error back (the tasks do), or the request's inputs, megabytes of them, live in a
         # reference cycle until a rare full collection.
         del tasks, failures
+        if type(failure) is DeadlineExceeded and computed:
+            failure = TooLongForDeadline(
+                f"the request's deadline passed after {len(computed)} of its {len(plan)} parts"
+                f" ({sum(map(len, computed))} of {sum(map(len, plan))} items) were computed, so it is too long"
+                f" to finish within the model's timeout ({failure.message}): send fewer items a request, or raise"
+                " the model's default_timeout_microseconds")
         try:
             raise failure
         finally:

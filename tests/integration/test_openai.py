@@ -284,3 +284,40 @@ def test_a_client_that_leaves_has_its_texts_dropped_before_compute(guarded: tupl
     assert cancelled() == 1, "the server did not drop the texts of the client that left"
     after = stats(url)
     assert after["inference_count"] - before["inference_count"] == 64  # the held batch alone ran
+
+
+@pytest.fixture(scope="module")
+def short_timeout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """minilm on one instance with a 5 s timeout, batches of 16 at most (no profiling) and a JSON
+    access log: a list of 1,024 long texts takes it many times that."""
+    folder = tmp_path_factory.mktemp("openai-short-timeout")
+    root = folder / "models"
+    (root / "minilm").mkdir(parents=True)
+    config = yaml.safe_load((MODELS / "minilm" / "config.yaml").read_text())
+    config["dynamic_batching"]["default_queue_policy"]["default_timeout_microseconds"] = 5_000_000
+    config |= {"max_batch_size": 16, "warmup": {"batch_sizes": [1]}, "instance_group": [{"count": 1, "kind": "CPU"}]}
+    (root / "minilm" / "config.yaml").write_text(yaml.safe_dump(config))
+    (root / "minilm" / "1").symlink_to(MODELS / "minilm" / "1", target_is_directory=True)
+    log = folder / "server.log"
+    with running_server(root, *NO_GRPC_CLASH, "--access-log", "json", log_path=log) as url:
+        yield url, log
+
+
+def test_a_list_too_long_for_the_models_timeout_is_not_retried_by_the_client(
+    short_timeout: tuple[str, Path],
+) -> None:
+    """Its first parts are computed, then its deadline passes: 504, and the official client, which
+    retries a 5xx twice by default, sends it once (x-should-retry: false), told in words why."""
+    url, log = short_timeout
+    texts = [f"text {i}: a long sentence about batching, queues and the cost of padding " * 8 for i in range(1024)]
+    retrying = OpenAI(base_url=f"{url}/v1", api_key="any", max_retries=2, timeout=120)
+    with pytest.raises(openai.InternalServerError) as caught:
+        retrying.embeddings.create(model="minilm", input=texts)
+    assert caught.value.status_code == 504 and caught.value.response.headers["x-should-retry"] == "false"
+    error = openai_error(caught.value)
+    assert (error["type"], error["code"]) == ("server_error", "timeout")
+    assert "too long to finish within the model's timeout" in error["message"], error["message"]
+    assert "send fewer items a request" in error["message"]
+    time.sleep(0.5)  # the access log line is written after the answer
+    calls = [line for line in access_log_lines(log) if line.get("path") == "/v1/embeddings"]
+    assert len(calls) == 1, calls

@@ -16,6 +16,7 @@ from server.errors import (
     PayloadTooLarge,
     QueueFull,
     ServerBusy,
+    TooLongForDeadline,
     Unavailable,
     Unsupported,
 )
@@ -36,6 +37,7 @@ from server.openai.schemas import ErrorBody
         (OutOfMemory("oom"), 500, "server_error", None),
         (Unavailable("later"), 503, "server_error", None),
         (DeadlineExceeded("late"), 504, "server_error", "timeout"),
+        (TooLongForDeadline("too long"), 504, "server_error", "timeout"),
         (ExecutionTimeout("stuck"), 504, "server_error", "timeout"),  # an EngineError, but a timeout
     ],
 )
@@ -51,6 +53,14 @@ def test_a_full_queue_says_when_to_retry() -> None:
     assert error_parts(QueueFull("full", retry_after_s=2.6))[2] == {"Retry-After": "3"}
     assert error_parts(QueueFull("full", retry_after_s=0.1))[2] == {"Retry-After": "1"}
     assert error_parts(InvalidInput("bad"))[2] == {}
+
+
+def test_a_list_too_long_for_its_deadline_tells_the_client_not_to_retry() -> None:
+    """OpenAI's clients retry a 5xx twice: a list too long for the model's timeout was computed
+    three times, 30 s each, and failed each time. One whose deadline passed before any of it ran
+    (a queue backed up by others) may pass when retried."""
+    assert error_parts(TooLongForDeadline("too long"))[2] == {"x-should-retry": "false"}
+    assert error_parts(DeadlineExceeded("late"))[2] == {}
 
 
 def test_an_invalid_request_names_its_field() -> None:
