@@ -6,10 +6,10 @@ The check's own curve is the fast model (digits, FP32): its batches take the GPU
 the server's own per-request work is the limit, which is what front ends spread over cores; its
 requests carry their inputs as JSON numbers, the costly part of a request for a front end, and
 ask for the output in binary. `--curve ROLE:PRECISION:binary` (repeatable) names the curves
-instead (name `digits:fp32:json` too to keep this one): another model whose requests carry
-binary tensors both ways, as the serve phase sends them: a BERT or a ResNet, whose batches take the GPU milliseconds, shows whether the
-server's single process leaves the device waiting. One server start per count, each read
-against the single process (1).
+instead (name `digits:fp32:json` too to keep this one): a model whose requests carry binary
+tensors both ways, as the serve phase sends them. A BERT or a ResNet, whose batches take the GPU
+milliseconds, shows whether the server's single process leaves the device waiting. One server
+start per count, each read against the single process (1).
 
 A count that cannot start, or whose model does not load, is recorded with the reason and the
 next count runs; a count the phase has no time left for is skipped, recorded so.
@@ -74,13 +74,14 @@ def front_ends_phase(run: Run, context: dict[str, Any], deadline: float) -> None
     run.record["front_ends"] = curves
     todo = len(profile.front_end_curves) * len(profile.front_ends)
     for index, curve in enumerate(profile.front_end_curves):
-        record = _curve(run, context, curve, deadline, todo - index * len(profile.front_ends), first=index == 0)
-        curves.append(record)
+        _curve(run, context, curve, deadline, todo - index * len(profile.front_ends), curves)
         run.write()
 
 
 def _curve(run: Run, context: dict[str, Any], curve: Curve, deadline: float, counts_left: int,
-           first: bool) -> dict[str, Any]:
+           curves: list[dict[str, Any]]) -> None:
+    """One curve, its record in `curves` from its start: a report written while it runs (after
+    each count, or by the watchdog) holds the counts measured so far."""
     from loadtest.gpucheck_measure import REQUEST_BODIES, Clients, binary_request, json_request
 
     profile = run.profile
@@ -88,7 +89,8 @@ def _curve(run: Run, context: dict[str, Any], curve: Curve, deadline: float, cou
     model = context["models"].get(curve.role)
     if model is None or variant.get("status") != "built":
         run.partial(f"front ends: {curve.label} not measured, the {curve.role} {curve.precision} variant was not built")
-        return {"curve": curve.label, "skipped": f"the {curve.role} {curve.precision} variant was not built"}
+        curves.append({"curve": curve.label, "skipped": f"the {curve.role} {curve.precision} variant was not built"})
+        return
     items = profile.items_per_request[curve.role]
     datatypes = {t["name"]: t["datatype"] for t in model.inputs}
     make = json_request if curve.request == "json" else binary_request
@@ -99,7 +101,8 @@ def _curve(run: Run, context: dict[str, Any], curve: Curve, deadline: float, cou
         "concurrency": profile.front_end_concurrency, "client_processes": profile.front_end_clients,
         "request": REQUESTS[curve.request], "runs": [],
     }
-    log_name = SERVER_LOG if first else f"server-{variant['name']}-front-ends-{{workers}}.log"
+    log_name = SERVER_LOG if not curves else f"server-{variant['name']}-front-ends-{{workers}}.log"
+    curves.append(record)
     with Clients(profile.front_end_clients) as clients:
         for position, workers in enumerate(profile.front_ends):
             share = (deadline - run.clock()) / (counts_left - position)
@@ -116,7 +119,6 @@ def _curve(run: Run, context: dict[str, Any], curve: Curve, deadline: float, cou
                 outcome["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
                 run.partial(f"front ends: {variant['name']} {workers} not measured: {outcome['error']}")
             run.write()
-    return record
 
 
 def _measure(run: Run, context: dict[str, Any], clients: Any, requests: list[Any], model: Any, name: str,

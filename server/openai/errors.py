@@ -2,8 +2,8 @@
 
 OpenAI's clients read the status (the official client raises BadRequestError for 400,
 AuthenticationError for 401, NotFoundError for 404, RateLimitError for 429, and retries 429
-and 5xx unless the answer says `x-should-retry: false`) and show `error.message`; `type`, `param` and `code` are what OpenAI itself sends for
-the same failure.
+and 5xx unless the answer says `x-should-retry: false`) and show `error.message`; `type`,
+`param` and `code` are what OpenAI itself sends for the same failure.
 """
 
 from __future__ import annotations

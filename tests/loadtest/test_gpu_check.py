@@ -452,6 +452,8 @@ def test_a_second_curve_serves_its_model_with_binary_tensors_and_one_not_built_i
         def closed_loop(self, url: str, requests: list[Any], *args: Any) -> dict[str, Any]:
             binary = requests[0].binary
             assert binary == (requests[0].path == "/v2/models/bert-fp16/infer")
+            # the curve under way is in the record already: a report written now holds its counts
+            assert run.record["front_ends"][-1]["model"] == requests[0].path.split("/")[3]
             clock.now += 5
             return {"req_s": next(rates), "items_s": 1.0, "latency_ms": {"p50": 1.0, "p99": 2.0}, "error_count": 0}
 
