@@ -57,7 +57,7 @@ REPORT_RESERVE_S = 10.0  # kept back from the phases for the last report and the
 WATCHDOG_MARGIN_S = 3.0  # the watchdog writes and exits this long before the limit
 OVER_BUDGET_GRACE_S = 1.0  # a phase may end this long past its budget before it is marked over it
 JSON_FILE, MARKDOWN_FILE, SERVER_LOG, PROGRESS_LOG = "gpu_check.json", "gpu_check.md", "server.log", "progress.log"
-SCHEMA = "batchline.gpu_check/2"  # 2: front_ends is a list of curves (1: one curve)
+SCHEMA = "batchline.gpu_check/2"  # 2: front_ends is a list of curves (1: one curve, or a list from a tree before 2)
 ROLES = ("digits", "resnet", "bert")  # build order: the cheap one first
 PHASES = ("engine", "serve", "front_ends")  # after install and build, which always run
 

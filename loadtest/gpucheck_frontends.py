@@ -74,12 +74,12 @@ def front_ends_phase(run: Run, context: dict[str, Any], deadline: float) -> None
     run.record["front_ends"] = curves
     todo = len(profile.front_end_curves) * len(profile.front_ends)
     for index, curve in enumerate(profile.front_end_curves):
-        _curve(run, context, curve, deadline, todo - index * len(profile.front_ends), curves)
+        _curve(run, context, curve, deadline, todo - index * len(profile.front_ends), curves, first=index == 0)
         run.write()
 
 
 def _curve(run: Run, context: dict[str, Any], curve: Curve, deadline: float, counts_left: int,
-           curves: list[dict[str, Any]]) -> None:
+           curves: list[dict[str, Any]], first: bool) -> None:
     """One curve, its record in `curves` from its start: a report written while it runs (after
     each count, or by the watchdog) holds the counts measured so far."""
     from loadtest.gpucheck_measure import REQUEST_BODIES, Clients, binary_request, json_request
@@ -101,7 +101,7 @@ def _curve(run: Run, context: dict[str, Any], curve: Curve, deadline: float, cou
         "concurrency": profile.front_end_concurrency, "client_processes": profile.front_end_clients,
         "request": REQUESTS[curve.request], "runs": [],
     }
-    log_name = SERVER_LOG if not curves else f"server-{variant['name']}-front-ends-{{workers}}.log"
+    log_name = SERVER_LOG if first else f"server-{variant['name']}-front-ends-{{workers}}.log"
     curves.append(record)
     with Clients(profile.front_end_clients) as clients:
         for position, workers in enumerate(profile.front_ends):

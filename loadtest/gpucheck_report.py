@@ -74,8 +74,8 @@ def markdown(record: dict[str, Any]) -> str:
         lines += ["**What this dry run does unlike the GPU run:**", "",
                   *[f"- {difference}" for difference in record["dry_run_differences"]], ""]
     rows = record.get("summary") or []
-    phases = record.get("phases") or {}
-    if "engine" not in phases and "serve" not in phases:  # the front-end curves alone (--phases)
+    phases = (record.get("profile") or {}).get("phases") or ()
+    if phases and "engine" not in phases and "serve" not in phases:  # the front-end curves alone (--phases)
         lines += front_ends(record)
         return "\n".join([*lines, *models_and_phases(record)])
     lines += [

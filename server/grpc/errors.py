@@ -26,6 +26,7 @@ from server.errors import (
     QueueFull,
     RequestTimeout,
     ServerBusy,
+    TooLongForDeadline,
     Unavailable,
     Unsupported,
     most_specific,
@@ -48,6 +49,7 @@ CODE_BY_ERROR: dict[type[BatchlineError], grpc.StatusCode] = {
     OutOfMemory: grpc.StatusCode.INTERNAL,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    TooLongForDeadline: grpc.StatusCode.DEADLINE_EXCEEDED,
     ExecutionTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,  # as HTTP's 504: not UNAVAILABLE, which clients retry
 }
 

@@ -26,6 +26,7 @@ from server.errors import (
     QueueFull,
     RequestTimeout,
     ServerBusy,
+    TooLongForDeadline,
     Unavailable,
     Unsupported,
     most_specific,
@@ -49,6 +50,7 @@ STATUS_BY_ERROR: dict[type[BatchlineError], int] = {
     OutOfMemory: 500,  # a single item too large for the device, after its batch was split
     Unavailable: 503,
     DeadlineExceeded: 504,
+    TooLongForDeadline: 504,
     ExecutionTimeout: 504,  # not 503: clients retry that, and an input that hangs the engine would take the next instance
 }
 

@@ -53,6 +53,7 @@ KIND_BY_ERROR: dict[type[BatchlineError], tuple[int, str, str | None]] = {
     EngineError: (500, SERVER, None),  # OutOfMemory too: one item too large for the device
     Unavailable: (503, SERVER, None),
     DeadlineExceeded: (504, SERVER, "timeout"),
+    TooLongForDeadline: (504, SERVER, "timeout"),
     ExecutionTimeout: (504, SERVER, "timeout"),  # its batch ran past the watchdog (an EngineError)
 }
 _KIND_BY_STATUS = {401: (INVALID, "invalid_api_key"), 403: (INVALID, None), 415: (INVALID, None)}

@@ -16,6 +16,7 @@ four or five bytes, so a request of 64 sentences of ~130 bytes went as 8 chunks 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
@@ -56,8 +57,9 @@ async def gathered(
     """Each chunk's answer, in the plan's order, `start(index, rows, record)` begun for at most
     `window` chunks at a time; `record` gets the tokens of all and the longest queue and compute
     times. The first failure is raised, and the chunks still waiting are cancelled (dropped
-    before compute); a deadline that passes after some chunks were computed is raised as
-    TooLongForDeadline (the request is too long for it: a retry would meet it again)."""
+    before compute); a deadline that passes where the chunks computed say the whole request
+    needs more compute than the time it had is raised as TooLongForDeadline (`too_long`)."""
+    began = time.monotonic_ns()
     slots = asyncio.Semaphore(window)
     records = [RequestRecord() for _ in plan]
 
@@ -73,18 +75,15 @@ async def gathered(
     failures = [task.exception() for task in tasks if task.done() and not task.cancelled()]  # each read
     failure = next((f for f in failures if f is not None), None)
     if failure is not None:
-        computed = [rows for rows, task in zip(plan, tasks, strict=True)
+        computed = [index for index, task in enumerate(tasks)
                     if task.done() and not task.cancelled() and task.exception() is None]
         # Raised from here, the error's traceback holds this frame: nothing in it may hold the
         # error back (the tasks do), or the request's inputs, megabytes of them, live in a
         # reference cycle until a rare full collection.
         del tasks, failures
-        if type(failure) is DeadlineExceeded and computed:
-            failure = TooLongForDeadline(
-                f"the request's deadline passed after {len(computed)} of its {len(plan)} parts"
-                f" ({sum(map(len, computed))} of {sum(map(len, plan))} items) were computed, so it is too long"
-                f" to finish within the model's timeout ({failure.message}): send fewer items a request, or raise"
-                " the model's default_timeout_microseconds")
+        if type(failure) is DeadlineExceeded:
+            failure = too_long(plan, [(len(plan[i]), records[i].compute_ns) for i in computed],
+                               time.monotonic_ns() - began, window) or failure
         try:
             raise failure
         finally:
@@ -94,6 +93,27 @@ async def gathered(
         record.queue_ns = max(r.queue_ns for r in records)
         record.compute_ns = max(r.compute_ns for r in records)
     return [task.result() for task in tasks]
+
+
+def too_long(plan: list[list[int]], computed: list[tuple[int, int]], waited_ns: int,
+             window: int) -> TooLongForDeadline | None:
+    """The error for a request whose deadline passed when it is too long for the time it had:
+    at the pace of its parts computed ((items, compute ns) each), its whole plan needs at least
+    the time it waited, with its parts on every instance at once (`window`, two an instance).
+    Then a retry would fail the same way, where one whose time went to other callers' queue may
+    pass; None for that, or when no part was computed."""
+    items = sum(n for n, _ in computed)
+    if not items:
+        return None
+    total = sum(map(len, plan))
+    needed_ns = sum(ns for _, ns in computed) / items * total / max(1, window // 2)
+    if needed_ns < waited_ns:
+        return None
+    return TooLongForDeadline(
+        f"the request's deadline passed after {len(computed)} of its {len(plan)} parts ({items} of {total} items)"
+        f" were computed; at their pace the whole request needs about {needed_ns / 1e9:.1f} s of compute, more than"
+        " its timeout allows: send fewer items a request, or give it a longer timeout (its own, or the model's"
+        " default_timeout_microseconds)")
 
 
 def _cancel(tasks: Iterable[asyncio.Future[Any]]) -> None:

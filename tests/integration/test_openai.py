@@ -288,8 +288,9 @@ def test_a_client_that_leaves_has_its_texts_dropped_before_compute(guarded: tupl
 
 @pytest.fixture(scope="module")
 def short_timeout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """minilm on one instance with a 5 s timeout, batches of 16 at most (no profiling) and a JSON
-    access log: a list of 1,024 long texts takes it many times that."""
+    """minilm on one instance of one thread with a 5 s timeout, batches of 16 at most (no
+    profiling) and a JSON access log: a list of 1,024 long texts takes it many times that (about
+    0.4 s a batch of 16), on a machine of any number of cores."""
     folder = tmp_path_factory.mktemp("openai-short-timeout")
     root = folder / "models"
     (root / "minilm").mkdir(parents=True)
@@ -299,7 +300,7 @@ def short_timeout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
     (root / "minilm" / "config.yaml").write_text(yaml.safe_dump(config))
     (root / "minilm" / "1").symlink_to(MODELS / "minilm" / "1", target_is_directory=True)
     log = folder / "server.log"
-    with running_server(root, *NO_GRPC_CLASH, "--access-log", "json", log_path=log) as url:
+    with running_server(root, *NO_GRPC_CLASH, "--engine-threads", "1", "--access-log", "json", log_path=log) as url:
         yield url, log
 
 
@@ -313,11 +314,9 @@ def test_a_list_too_long_for_the_models_timeout_is_not_retried_by_the_client(
     retrying = OpenAI(base_url=f"{url}/v1", api_key="any", max_retries=2, timeout=120)
     with pytest.raises(openai.InternalServerError) as caught:
         retrying.embeddings.create(model="minilm", input=texts)
-    assert caught.value.status_code == 504 and caught.value.response.headers["x-should-retry"] == "false"
     error = openai_error(caught.value)
+    assert (caught.value.status_code, caught.value.response.headers.get("x-should-retry")) == (504, "false"), error
     assert (error["type"], error["code"]) == ("server_error", "timeout")
-    assert "too long to finish within the model's timeout" in error["message"], error["message"]
-    assert "send fewer items a request" in error["message"]
-    time.sleep(0.5)  # the access log line is written after the answer
+    assert "more than its timeout allows: send fewer items a request" in error["message"], error["message"]
     calls = [line for line in access_log_lines(log) if line.get("path") == "/v1/embeddings"]
     assert len(calls) == 1, calls

@@ -244,6 +244,7 @@ EXPECTED_STATUS = {
     errors.EngineError: 500,
     errors.Unavailable: 503,
     errors.DeadlineExceeded: 504,
+    errors.TooLongForDeadline: 504,
     errors.ExecutionTimeout: 504,
     errors.OutOfMemory: 500,
     errors.BatchlineError: 500,
