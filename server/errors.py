@@ -55,9 +55,9 @@ class DeadlineExceeded(BatchlineError):
 
 
 class TooLongForDeadline(DeadlineExceeded):
-    """A request run in parts (a long list of texts) whose deadline passed after some of its own
-    parts were computed: it is too long to finish within the model's timeout, and would be again,
-    so a client should send less rather than retry."""
+    """A request run in parts (a long list of texts) whose deadline passed where the parts it
+    computed say the whole needs more compute than the time it had: it would fail the same way
+    again, so a client should send less rather than retry (server/scheduler/chunking.py)."""
 
 
 class Cancelled(BatchlineError):

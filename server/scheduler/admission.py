@@ -97,14 +97,10 @@ def check_declared(
             batch_size = shape[0]
     if not batched:
         return 1
-    if most_rows is not None:
-        if not 1 <= batch_size <= most_rows:
-            raise InvalidInput(f"batch size {batch_size} is outside 1..{most_rows}")
-    elif not 1 <= batch_size <= config.max_batch_size:
-        raise InvalidInput(
-            f"batch size {batch_size} is outside 1..{config.max_batch_size} (max_batch_size of '{config.name}');"
-            " split the request"
-        )
+    most = config.max_batch_size if most_rows is None else most_rows
+    if not 1 <= batch_size <= most:
+        why = f" (max_batch_size of '{config.name}'); split the request" if most_rows is None else ""
+        raise InvalidInput(f"batch size {batch_size} is outside 1..{most}{why}")
     return batch_size
 
 

@@ -5,8 +5,9 @@ budget) held its only instance, and every other caller, for about 3.5 s on one c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,16 @@ async def loaded(folder: Path, **batching: Any) -> ModelVersion:
     return version
 
 
+@contextlib.asynccontextmanager
+async def serving(folder: Path, **batching: Any) -> AsyncIterator[ModelVersion]:
+    """`loaded`, and unloaded at the end, the test's outcome whatever it is."""
+    version = await loaded(folder, **batching)
+    try:
+        yield version
+    finally:
+        await version.unload()
+
+
 def texts(*word_counts: int) -> tuple[str, np.ndarray]:
     array = np.empty((len(word_counts), 1), dtype=object)
     array[:, 0] = [" ".join(WORDS[:n]).encode() for n in word_counts]
@@ -81,8 +92,7 @@ def texts(*word_counts: int) -> tuple[str, np.ndarray]:
 async def test_a_request_over_the_budget_runs_in_chunks_answered_in_its_order(
     engines: list[TokenCounting], tokenizer_folder: Path,
 ) -> None:
-    version = await loaded(tokenizer_folder)
-    try:
+    async with serving(tokenizer_folder) as version:
         warmed = len(engines[0].runs)
         counts = (8, 1, 5, 8, 2, 7, 3, 6)  # words: each text's tokens are 2 more
         record = RequestRecord()
@@ -92,8 +102,6 @@ async def test_a_request_over_the_budget_runs_in_chunks_answered_in_its_order(
         assert len(batches) > 1
         assert all(run["input_ids"][0] * run["input_ids"][1] <= BUDGET for run in batches), batches
         assert record.tokens == sum(n + 2 for n in counts)
-    finally:
-        await version.unload()
 
 
 async def test_chunks_are_cut_by_the_texts_tokens_not_their_bytes(
@@ -102,8 +110,7 @@ async def test_chunks_are_cut_by_the_texts_tokens_not_their_bytes(
     """Eight texts of 10 tokens and about 50 bytes: planned from their bytes (a token a byte, at
     most max_length 16) they went 2 a chunk, 4 chunks; by their tokens, 4 a chunk. Ordinary
     text has a token per four or five bytes, so chunks by bytes ran 4-5x smaller batches."""
-    version = await loaded(tokenizer_folder)
-    try:
+    async with serving(tokenizer_folder) as version:
         warmed = len(engines[0].runs)
         outputs = await version.start_request({"text": texts(*[8] * 8)}, {})
         assert outputs["embedding"][:, 0].tolist() == [10] * 8
@@ -111,16 +118,13 @@ async def test_chunks_are_cut_by_the_texts_tokens_not_their_bytes(
         fits = version.start_request({"text": texts(3, 3, 3)}, {})  # 3 x 16 by their bytes; 3 x 5 tokens
         assert not isinstance(fits, asyncio.Task) and not version._chunked  # one request, no task
         assert (await fits)["embedding"][:, 0].tolist() == [5, 5, 5]
-    finally:
-        await version.unload()
 
 
 async def test_a_request_tokenized_off_the_loop_is_cut_and_answered_in_its_order(
     engines: list[TokenCounting], tokenizer_folder: Path,
 ) -> None:
     """Texts of more than 4 KiB in all are tokenized on a worker thread, then cut."""
-    version = await loaded(tokenizer_folder)
-    try:
+    async with serving(tokenizer_folder) as version:
         warmed = len(engines[0].runs)
         _, array = texts(*[3] * 8)
         array[::2, 0] = [b"batchline " * 80] * 4  # 800 bytes each: 16 tokens at most
@@ -128,19 +132,14 @@ async def test_a_request_tokenized_off_the_loop_is_cut_and_answered_in_its_order
         assert outputs["embedding"][:, 0].tolist() == [16, 5] * 4
         batches = [run["input_ids"] for run in engines[0].runs[warmed:]]
         assert sorted(batches) == [(2, 16), (2, 16), (4, 5)]
-    finally:
-        await version.unload()
 
 
 async def test_a_request_within_the_budget_runs_whole(engines: list[TokenCounting], tokenizer_folder: Path) -> None:
-    version = await loaded(tokenizer_folder)
-    try:
+    async with serving(tokenizer_folder) as version:
         warmed = len(engines[0].runs)
         outputs = await version.start_request({"text": texts(1, 1)}, {})  # 2 texts of 16 tokens at most: 32
         assert outputs["embedding"][:, 0].tolist() == [3, 3]
         assert len(engines[0].runs) == warmed + 1 and not version._chunked
-    finally:
-        await version.unload()
 
 
 async def held(version: ModelVersion, engines: list[TokenCounting]) -> asyncio.Future[dict[str, np.ndarray]]:
@@ -156,8 +155,7 @@ async def held(version: ModelVersion, engines: list[TokenCounting]) -> asyncio.F
 async def test_a_chunked_request_withdrawn_drops_its_chunks_still_queued(
     engines: list[TokenCounting], tokenizer_folder: Path,
 ) -> None:
-    version = await loaded(tokenizer_folder)
-    try:
+    async with serving(tokenizer_folder) as version:
         warmed = len(engines[0].runs)
         future = await held(version, engines)
         assert version.withdraw(future)
@@ -167,8 +165,6 @@ async def test_a_chunked_request_withdrawn_drops_its_chunks_still_queued(
         await eventually(lambda: not version._chunked and version.queue_depth == 0, "the chunks are gone")
         await asyncio.sleep(0.05)
         assert len(engines[0].runs) == warmed + 1  # the one computing ran out; no other chunk ran
-    finally:
-        await version.unload()
 
 
 async def test_a_chunked_request_is_answered_whole_through_an_unload(
@@ -188,13 +184,10 @@ async def test_a_chunked_request_is_answered_whole_through_an_unload(
 
 
 async def test_a_chunked_requests_options_are_refused_once(engines: list[TokenCounting], tokenizer_folder: Path) -> None:
-    version = await loaded(tokenizer_folder)
-    try:
+    async with serving(tokenizer_folder) as version:
         with pytest.raises(InvalidInput, match="priority"):
             version.start_request({"text": texts(*[8] * 8)}, {"priority": 9})
         assert version.stats.failures["invalid"] == 1 and not version._chunked
-    finally:
-        await version.unload()
 
 
 def test_without_an_attention_mask_a_part_keeps_the_requests_width(tokenizer_folder: Path) -> None:
